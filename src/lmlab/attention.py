@@ -1,0 +1,111 @@
+"""Causal multi-head self-attention with grouped-query / multi-query options and a KV cache.
+
+Two implementations compute the same thing:
+  - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (fused, the fast path),
+    used whenever the position scheme is at most an additive bias;
+  - ``explicit``: softmax(q k^T / sqrt(d) + bias) v + value term, written out. It is the
+    reference, and the only path for Shaw-style relative positions (they add a value term).
+Tests check both give the same result wherever both apply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .positions import AttentionTerm, Context
+
+
+class KVCache:
+    """Preallocated keys and values for incremental decoding: (L, B, KV, max_len, hd) each.
+
+    Keys are stored after rotation, so rotary angles are never recomputed; relative and ALiBi
+    terms are recomputed from positions for all cached keys. ``length`` is the number of
+    positions already processed; the model advances it after each forward.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
+        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, KV, S, hd)
+
+    def check_room(self, T: int) -> None:
+        if self.length + T > self.max_len:
+            raise ValueError(
+                f"KV cache holds max_len={self.max_len} positions; {self.length} are used and {T} more were "
+                "given. Create the cache with a larger max_len"
+            )
+
+
+def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, KV, S, hd) -> (B, H, S, hd): query head h reads key/value head h // (H / KV)."""
+    B, KV, S, hd = x.shape
+    if KV == n_heads:
+        return x
+    return x[:, :, None].expand(B, KV, n_heads // KV, S, hd).reshape(B, n_heads, S, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.dropout = cfg.dropout
+        qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, qkv_dim, bias=cfg.bias)  # [q; k; v], one matmul
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.term = term  # the position scheme's part in attention
+        self.set_impl("sdpa" if term.sdpa_ok else "explicit")
+
+    def set_impl(self, impl: str) -> None:
+        if impl == "sdpa" and not self.term.sdpa_ok:
+            raise ValueError(f"{type(self.term).__name__} needs the explicit attention path, not 'sdpa'")
+        self.attend = {"sdpa": self.attend_sdpa, "explicit": self.attend_explicit}[impl]
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * hd, KV * hd, KV * hd], dim=-1)
+        q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        v = v.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        q, k = self.term.rotate(q, k, ctx)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, KV, S, hd)
+        y = self.attend(q, expand_kv(k, H), expand_kv(v, H), ctx)  # (B, H, T, hd)
+        return self.out(y.transpose(1, 2).reshape(B, T, H * hd))
+
+    def attend_sdpa(self, q, k, v, ctx: Context) -> torch.Tensor:
+        bias = self.term.score_bias(q, ctx)
+        mask = ctx.mask
+        if bias is not None:  # float mask: bias on visible keys, -inf elsewhere
+            visible = mask if mask is not None else torch.ones(ctx.T, ctx.S, dtype=torch.bool, device=q.device).tril()
+            mask = bias.to(q.dtype).masked_fill(~visible, float("-inf"))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
+        )
+
+    def attend_explicit(self, q, k, v, ctx: Context) -> torch.Tensor:
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, S)
+        bias = self.term.score_bias(q, ctx)
+        if bias is not None:
+            scores = scores + bias
+        visible = ctx.mask if ctx.mask is not None else torch.ones(ctx.T, ctx.S, dtype=torch.bool, device=q.device).tril()
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        probs = F.dropout(probs, self.dropout, self.training)
+        y = probs @ v  # (B, H, T, hd)
+        extra = self.term.value_term(probs, ctx)
+        return y if extra is None else y + extra

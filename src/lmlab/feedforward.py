@@ -1,0 +1,58 @@
+"""Position-wise feed-forward networks: the two-layer MLP (Vaswani et al. 2017; GPT) and the
+gated linear unit (Shazeer 2020, https://arxiv.org/abs/2002.05202; SwiGLU = glu + silu)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    """down(act(up(x)))"""
+
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
+        super().__init__()
+        d_ff = d_ff or cfg.d_ff
+        self.up = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
+        self.down = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class GLU(nn.Module):
+    """down(act(gate(x)) * up(x)); gate and up are one fused matmul, stored as [gate; up]."""
+
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
+        super().__init__()
+        self.d_ff = d_ff or cfg.d_ff
+        self.gate_up = nn.Linear(cfg.d_model, 2 * self.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(self.d_ff, cfg.d_model, bias=cfg.bias)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+FFNS = {"mlp": MLP, "glu": GLU}
+
+
+def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward sublayer of block ``layer``: dense, or mixture-of-experts where configured."""
+    if cfg.is_moe_layer(layer):
+        from .moe import MoE
+
+        return MoE(cfg)
+    return FFNS[cfg.ffn](cfg)

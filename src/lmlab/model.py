@@ -1,0 +1,255 @@
+"""The decoder-only Transformer: blocks, the stack, heads, initialization and accounting.
+
+    tokens ─ embed ─(+ absolute positions)─ [block] × L ─ final norm (pre only) ─ head ─ logits
+
+Every choice is made here at construction from the config, through the registries of
+``norm.py``, ``positions.py``, ``feedforward.py`` and this file's ``BLOCKS``; forward passes
+contain no config branching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, KVCache
+from .config import ModelConfig
+from .feedforward import build_ffn
+from .norm import build_norm
+from .positions import Context, build_positions
+
+IGNORE_INDEX = -100  # targets equal to this are left out of the loss
+
+
+# ============================================================== blocks
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, positions):
+        super().__init__()
+        self.attn = Attention(cfg, layer, positions.attention_term())
+        self.ffn = build_ffn(cfg, layer)
+        self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+
+class PreNormBlock(Block):
+    """x ─┬─ norm ─ attn ─(+)─┬─ norm ─ ffn ─(+)─▶      residual stream never normalized
+          └──────────────────┘└──────────────────┘"""
+
+    def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), ctx, cache))
+        x = x + self.drop(self.ffn(self.norm2(x)))
+        return x
+
+
+class PostNormBlock(Block):
+    """x ─┬─ attn ─(+)─ norm ─┬─ ffn ─(+)─ norm ─▶      the sum is normalized (Vaswani et al. 2017)
+          └─────(·α)─┘         └────(·α)─┘
+
+    α = 1, or DeepNorm's (2L)^(1/4) for decoder-only models (Wang et al. 2022, Table 1)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, positions):
+        super().__init__(cfg, layer, positions)
+        self.alpha = deepnorm_alpha(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else 1.0
+
+    def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
+        x = self.norm1(self.alpha * x + self.drop(self.attn(x, ctx, cache)))
+        x = self.norm2(self.alpha * x + self.drop(self.ffn(x)))
+        return x
+
+
+BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock}
+
+
+def deepnorm_alpha(n_layers: int) -> float:
+    return (2 * n_layers) ** 0.25
+
+
+def deepnorm_beta(n_layers: int) -> float:
+    return (8 * n_layers) ** -0.25
+
+
+# ============================================================== outputs
+@dataclasses.dataclass
+class LMOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loss: torch.Tensor | None  # ce_loss + aux_loss; None without targets
+    ce_loss: torch.Tensor | None  # mean next-token cross-entropy over non-ignored targets
+    aux_loss: torch.Tensor  # sum of every MoE layer's weighted auxiliary losses (0 for dense)
+    aux_losses: dict[str, torch.Tensor]  # each auxiliary loss summed over layers, weighted
+
+
+# ============================================================== the model
+class Transformer(nn.Module):
+    """A decoder-only language model built from a :class:`ModelConfig`.
+
+    ``forward(idx, targets=None, cache=None) -> LMOutput``. Weights are initialized from
+    ``config.init_seed``, so the same config always gives the same model.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale == "sqrt_d" else 1.0
+        self.positions = build_positions(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(BLOCKS[cfg.norm_position](cfg, i, self.positions) for i in range(cfg.n_layers))
+        # post-norm already ends every block with a norm; pre-norm needs one before the head
+        self.final_norm = build_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
+        init_weights(self, cfg)
+
+    # ---- forward
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final hidden states (B, T, C) for token ids (B, T); advances ``cache`` if given."""
+        B, T = idx.shape
+        offset = 0
+        if cache is not None:
+            cache.check_room(T)
+            offset = cache.length
+        ctx = self.positions.context(offset, T, idx.device)
+        x = self.embed(idx) * self.embed_scale  # (B, T, C)
+        x = self.drop(self.positions.embed(x, ctx))
+        for block in self.blocks:
+            x = block(x, ctx, cache)
+        if cache is not None:
+            cache.length += T
+        return self.final_norm(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> LMOutput:
+        logits = self.head(self.hidden(idx, cache))  # (B, T, V)
+        aux_losses: dict[str, torch.Tensor] = {}
+        for moe in self.moe_layers:
+            for name, value in moe.aux_losses.items():
+                aux_losses[name] = aux_losses.get(name, 0.0) + value
+        aux_loss = sum(aux_losses.values(), torch.zeros((), device=logits.device))
+        ce = loss = None
+        if targets is not None:
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            loss = ce + aux_loss
+        return LMOutput(logits, loss, ce, aux_loss, aux_losses)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        p = self.head.weight
+        return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=p.dtype)
+
+    def moe_stats(self) -> list[dict[str, float]]:
+        """Load statistics of each MoE layer from the last forward (empty for dense models)."""
+        return [moe.stats for moe in self.moe_layers]
+
+    def set_attention_impl(self, impl: str) -> None:
+        """Switch every layer between the fused ``sdpa`` path and the ``explicit`` reference."""
+        for block in self.blocks:
+            block.attn.set_impl(impl)
+
+    # ---- accounting
+    def num_params(self) -> dict[str, int]:
+        """total: every distinct parameter. non_embedding: total less the token and position
+        embeddings and an untied output head (Kaplan et al. 2020). active: total less the routed
+        experts a token does not use."""
+        total = sum(p.numel() for p in self.parameters())
+        embedding = self.embed.weight.numel()
+        if not self.config.tie_embeddings:
+            embedding += self.head.weight.numel()
+        embedding += sum(p.numel() for p in self.positions.parameters())
+        inactive = sum(moe.inactive_params() for moe in self.moe_layers)
+        return {"total": total, "non_embedding": total - embedding, "active": total - inactive}
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6 N + 12 L H d_head T (PaLM, Chowdhery et al. 2022, app. B),
+        where N counts active matmul weights, including the output head but not embedding lookups."""
+        cfg, T = self.config, seq_len or self.config.max_seq_len
+        counts = self.num_params()
+        n = counts["active"] - self.embed.weight.numel() - sum(p.numel() for p in self.positions.parameters())
+        n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
+        return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
+
+
+class SequenceClassifier(nn.Module):
+    """The Transformer body with a linear head on the hidden state of each row's last non-pad token."""
+
+    def __init__(self, config: ModelConfig, n_classes: int, pad_token_id: int):
+        super().__init__()
+        if n_classes < 2:
+            raise ValueError(f"n_classes={n_classes} is not valid; a classifier needs at least 2 classes")
+        self.body = Transformer(config)
+        self.pad_token_id = pad_token_id
+        self.score = nn.Linear(config.d_model, n_classes, bias=False)
+        nn.init.normal_(self.score.weight, std=config.init_std, generator=torch.Generator().manual_seed(config.init_seed + 1))
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.body.hidden(idx)  # (B, T, C)
+        not_pad = (idx != self.pad_token_id).long()
+        last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index
+        logits = self.score(h[torch.arange(idx.shape[0], device=idx.device), last])  # (B, n_classes)
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return logits, loss
+
+
+# ============================================================== initialization
+RESIDUAL_OUTPUTS = ("attn.out.weight", "ffn.down.weight")  # projections that write into the residual stream
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """All initialization, in one place, as a pure function of ``cfg.init_seed``.
+
+    - linear and embedding weights ~ N(0, init_std); biases 0; norm gains 1, shifts 0;
+    - ``gpt2``: residual output projections ~ N(0, init_std / sqrt(2L)) (Radford et al. 2019, sec. 2.3);
+    - ``deepnorm``: Xavier-normal weights, with gain β = (8L)^(-1/4) for the value, output and
+      feed-forward projections (Wang et al. 2022, Table 1 and Algorithm 1).
+    Modules with their own parameters (relative tables, experts) implement ``init_params``.
+    """
+    g = torch.Generator().manual_seed(cfg.init_seed)
+    std, L = cfg.init_std, cfg.n_layers
+    out_std = std / math.sqrt(2 * L) if cfg.residual_scaling == "gpt2" else std
+
+    def normal_(p: torch.Tensor, s: float) -> None:
+        p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    for name, module in model.named_modules():
+        if hasattr(module, "init_params"):
+            module.init_params(g, std=std, out_std=out_std)
+        elif isinstance(module, nn.Linear):
+            normal_(module.weight, out_std if name.endswith(("attn.out", "ffn.down")) else std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            normal_(module.weight, std)
+        elif isinstance(module, (nn.LayerNorm,)) or type(module).__name__ == "RMSNorm":
+            module.weight.fill_(1.0)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+    for name, p in model.named_parameters():
+        if name.endswith(("rel_k", "rel_v")):
+            normal_(p, std)
+    if cfg.residual_scaling == "deepnorm":
+        _deepnorm_init(model, cfg, g)
+
+
+def _deepnorm_init(model: nn.Module, cfg: ModelConfig, g: torch.Generator) -> None:
+    beta = deepnorm_beta(cfg.n_layers)
+
+    def xavier_(w: torch.Tensor, gain: float) -> None:
+        fan_out, fan_in = w.shape
+        w.copy_(torch.randn(w.shape, generator=g) * gain * math.sqrt(2.0 / (fan_in + fan_out)))
+
+    for block in model.blocks:
+        attn, H, KV, hd = block.attn, block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim
+        q, k, v = attn.qkv.weight.split([H * hd, KV * hd, KV * hd], dim=0)
+        xavier_(q, 1.0)
+        xavier_(k, 1.0)
+        xavier_(v, beta)
+        xavier_(attn.out.weight, beta)
+        for name, p in block.ffn.named_parameters():
+            if p.ndim == 2:
+                xavier_(p, beta)

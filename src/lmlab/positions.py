@@ -1,0 +1,323 @@
+"""Position schemes behind one interface.
+
+The model asks its scheme for a :class:`Context` once per forward and hands the same object to
+every block. Absolute schemes (sinusoidal, learned) add to the token embedding in ``embed``;
+rotary, relative and ALiBi act inside attention through a per-layer :class:`AttentionTerm` that
+the scheme builds at construction. The block's signature never changes between schemes.
+
+=============  ======================================  ======================  ===========
+scheme         where it acts                           paper                   attention
+=============  ======================================  ======================  ===========
+none           nowhere (causal mask only)              Haviv et al. 2022       SDPA
+sinusoidal     added to embeddings, fixed              Vaswani et al. 2017     SDPA
+learned        added to embeddings, a table            Radford et al. 2018     SDPA
+relative       key and value terms, clipped at k       Shaw et al. 2018        explicit
+alibi          additive score bias -m·(i-j)            Press et al. 2022       SDPA + bias
+rope           rotates queries and keys                Su et al. 2021          SDPA
+=============  ======================================  ======================  ===========
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, RopeConfig
+
+
+@dataclasses.dataclass
+class Context:
+    """Everything attention needs to know about positions, computed once per forward.
+
+    Queries sit at positions offset .. offset+T-1; keys (cached plus new) at 0 .. offset+T-1.
+    """
+
+    offset: int
+    T: int
+    mask: torch.Tensor | None  # (T, S) bool, True = may attend; None = plain causal with S == T
+    state: Any = None  # scheme-specific: rotary (cos, sin), relative index, ALiBi bias
+
+    @property
+    def S(self) -> int:
+        return self.offset + self.T
+
+
+def causal_mask(offset: int, T: int, device: torch.device) -> torch.Tensor:
+    q = torch.arange(offset, offset + T, device=device)
+    k = torch.arange(offset + T, device=device)
+    return k[None, :] <= q[:, None]  # (T, S)
+
+
+# ============================================================== per-layer attention terms
+class AttentionTerm(nn.Module):
+    """How a position scheme enters attention. Default: it does not."""
+
+    sdpa_ok = True  # can the fused kernel compute this scheme's attention?
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def score_bias(self, q: torch.Tensor, ctx: Context) -> torch.Tensor | None:
+        """Additive term for the (B|1, H, T, S) pre-softmax scores, already in score units."""
+        return None
+
+    def value_term(self, probs: torch.Tensor, ctx: Context) -> torch.Tensor | None:
+        """Extra (B, H, T, hd) output from the attention probabilities (Shaw et al.'s a^V)."""
+        return None
+
+
+class RotaryTerm(AttentionTerm):
+    def __init__(self, layout: str):
+        super().__init__()
+        self.rotate_one = rotate_half if layout == "half" else rotate_interleaved
+
+    def rotate(self, q, k, ctx):
+        cos, sin = ctx.state  # (T, hd) each
+        return self.rotate_one(q, cos, sin), self.rotate_one(k, cos, sin)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (j, j + d/2), the Hugging Face / GPT-NeoX layout. cos, sin: (T, d) as [f, f]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (2j, 2j + 1), the paper's layout. cos, sin: (T, d) as [f, f] (first half used)."""
+    d = x.shape[-1]
+    c, s = cos[..., : d // 2], sin[..., : d // 2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+class AlibiTerm(AttentionTerm):
+    def score_bias(self, q, ctx):
+        return ctx.state  # (1, H, T, S), shared by every layer
+
+
+class RelativeTerm(AttentionTerm):
+    """Shaw et al. 2018 (https://arxiv.org/abs/1803.02155), causal: a learned key vector a^K_r and
+    value vector a^V_r per clipped offset r = min(i - j, k), shared across heads, one pair of
+    tables per layer. e_ij = q_i·(k_j + a^K_r) / sqrt(d); z_i = sum_j α_ij (v_j + a^V_r)."""
+
+    sdpa_ok = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.scale = cfg.head_dim**-0.5
+        self.rel_k = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
+        self.rel_v = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
+
+    def score_bias(self, q, ctx):
+        index = ctx.state  # (T, S) long in [0, k]
+        qa = q @ self.rel_k.T  # (B, H, T, k+1)
+        B, H, T, _ = qa.shape
+        return qa.gather(-1, index.expand(B, H, T, -1)) * self.scale  # (B, H, T, S)
+
+    def value_term(self, probs, ctx):
+        index = ctx.state
+        B, H, T, S = probs.shape
+        buckets = probs.new_zeros(B, H, T, self.rel_v.shape[0])
+        buckets.scatter_add_(-1, index.expand(B, H, T, S), probs)  # total weight per offset
+        return buckets @ self.rel_v  # (B, H, T, hd)
+
+
+# ============================================================== schemes
+class PositionScheme(nn.Module):
+    """Base: no positional information at all (causal masking alone)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def context(self, offset: int, T: int, device: torch.device) -> Context:
+        mask = None if offset == 0 else causal_mask(offset, T, device)
+        return Context(offset, T, mask, self.state(offset, T, device))
+
+    def state(self, offset: int, T: int, device: torch.device) -> Any:
+        return None
+
+    def embed(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return x
+
+    def attention_term(self) -> AttentionTerm:
+        return AttentionTerm()
+
+
+class NoPositions(PositionScheme):
+    pass
+
+
+def sinusoid_table(positions: torch.Tensor, d: int) -> torch.Tensor:
+    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d)). Returns (T, d)."""
+    inv = torch.exp(torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) * (-math.log(10000.0) / d))
+    angle = positions.float()[:, None] * inv[None, :]  # (T, d/2)
+    pe = torch.zeros(len(positions), d, device=positions.device)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle[:, : d // 2])
+    return pe
+
+
+class Sinusoidal(PositionScheme):
+    def embed(self, x, ctx):
+        pos = torch.arange(ctx.offset, ctx.S, device=x.device)
+        return x + sinusoid_table(pos, x.shape[-1]).to(x.dtype)
+
+
+class Learned(PositionScheme):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+
+    def embed(self, x, ctx):
+        if ctx.S > self.cfg.max_seq_len:
+            raise ValueError(
+                f"positions='learned' has a table of max_seq_len={self.cfg.max_seq_len} positions and cannot "
+                f"encode position {ctx.S - 1}; use a sequence of at most {self.cfg.max_seq_len} tokens or a "
+                "scheme that extrapolates (sinusoidal, relative, alibi, rope)"
+            )
+        return x + self.table.weight[ctx.offset : ctx.S]
+
+
+class Relative(PositionScheme):
+    def state(self, offset, T, device):
+        q = torch.arange(offset, offset + T, device=device)
+        k = torch.arange(offset + T, device=device)
+        return (q[:, None] - k[None, :]).clamp(0, self.cfg.relative_clip)  # (T, S)
+
+    def attention_term(self):
+        return RelativeTerm(self.cfg)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Geometric slopes 2^(-8i/n); for n not a power of two, Press et al.'s interleaving."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(power_of_2(n_heads))
+    closest = 2 ** math.floor(math.log2(n_heads))
+    extra = alibi_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.cat([torch.tensor(power_of_2(closest)), extra])
+
+
+class Alibi(PositionScheme):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+
+    def state(self, offset, T, device):
+        q = torch.arange(offset, offset + T, device=device)
+        k = torch.arange(offset + T, device=device)
+        distance = (k[None, :] - q[:, None]).clamp(max=0).float()  # (T, S), <= 0 for visible keys
+        return (self.slopes.to(device)[:, None, None] * distance)[None]  # (1, H, T, S)
+
+    def attention_term(self):
+        return AlibiTerm()
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int, max_seq_len: int, seq_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies theta_i (d/2,) and the attention temperature factor for ``rope``.
+
+    ``seq_len`` (the current total length) only matters for ``dynamic``."""
+    d, base, factor = head_dim, rope.base, rope.factor
+    original = rope.original_max_seq_len or max_seq_len
+    exponent = torch.arange(0, d, 2, dtype=torch.float32) / d  # 2i/d
+
+    if rope.scaling == "ntk":
+        base = base * factor ** (d / (d - 2))
+    elif rope.scaling == "dynamic" and seq_len > original:
+        base = base * ((factor * seq_len / original) - (factor - 1)) ** (d / (d - 2))
+    inv_freq = 1.0 / base**exponent
+    attention_factor = 1.0
+
+    if rope.scaling == "linear":
+        inv_freq = inv_freq / factor
+    elif rope.scaling == "yarn":
+        inv_freq, attention_factor = _yarn(rope, inv_freq, d, original)
+    elif rope.scaling == "llama3":
+        inv_freq = _llama3(rope, inv_freq, original)
+    return inv_freq, attention_factor
+
+
+def _yarn(rope: RopeConfig, inv_freq: torch.Tensor, d: int, original: int) -> tuple[torch.Tensor, float]:
+    """YaRN "NTK-by-parts" (Peng et al. 2023, sec. 3.2-3.4): dimensions whose wavelength fits many
+    times in the original context keep their frequency, those that fit less than once are
+    interpolated by ``factor``, with a linear ramp between; attention logits get temperature
+    (0.1 ln s + 1)^2, applied here as a factor on cos and sin."""
+
+    def correction_dim(n_rotations: float) -> float:
+        return (d * math.log(original / (n_rotations * 2 * math.pi))) / (2 * math.log(rope.base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = extrapolate (keep the frequency), 0 = interpolate
+    inv = inv_freq / rope.factor * (1 - keep) + inv_freq * keep
+    attention_factor = rope.attention_factor if rope.attention_factor is not None else 0.1 * math.log(rope.factor) + 1.0
+    return inv, attention_factor
+
+
+def _llama3(rope: RopeConfig, inv_freq: torch.Tensor, original: int) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are interpolated by ``factor``, short ones kept, a smooth blend between."""
+    low_wavelen = original / rope.low_freq_factor
+    high_wavelen = original / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class Rotary(PositionScheme):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        inv_freq, factor = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_seq_len, cfg.max_seq_len)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_factor = factor
+
+    def frequencies(self, seq_len: int) -> torch.Tensor:
+        return self.inv_freq
+
+    def state(self, offset, T, device):
+        inv_freq = self.frequencies(offset + T).to(device)
+        pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
+        angle = pos[:, None] * inv_freq[None, :]  # (T, d/2): p * theta_i
+        angle = torch.cat((angle, angle), dim=-1)  # (T, d)
+        return angle.cos() * self.attention_factor, angle.sin() * self.attention_factor
+
+    def attention_term(self):
+        return RotaryTerm(self.cfg.rope.layout)
+
+
+class DynamicRotary(Rotary):
+    """Dynamic NTK: the base grows with the current length. Keys already in a KV cache keep the
+    angles they were rotated with, exactly as in Hugging Face's implementation."""
+
+    def frequencies(self, seq_len: int) -> torch.Tensor:
+        return rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, seq_len)[0]
+
+
+SCHEMES: dict[str, type[PositionScheme]] = {
+    "none": NoPositions,
+    "sinusoidal": Sinusoidal,
+    "learned": Learned,
+    "relative": Relative,
+    "alibi": Alibi,
+    "rope": Rotary,
+}
+
+
+def build_positions(cfg: ModelConfig) -> PositionScheme:
+    if cfg.positions == "rope" and cfg.rope.scaling == "dynamic":
+        return DynamicRotary(cfg)
+    return SCHEMES[cfg.positions](cfg)

@@ -1,0 +1,228 @@
+"""Typed, self-validating, serializable configs.
+
+Every config in lmlab is a keyword-only dataclass that inherits :class:`Config`. It validates
+itself in ``__post_init__`` (raising ``ValueError`` that names the field, the value and what
+would be valid), round-trips through dicts, JSON and YAML, and rejects unknown keys with a
+"did you mean" suggestion. Nested configs are plain dataclass fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Mapping, TypeVar
+
+C = TypeVar("C", bound="Config")
+
+
+# ---------------------------------------------------------------- validation helpers
+def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        need = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r} is not valid; it must be {need}")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = list(choices)
+    if value not in choices:
+        hint = suggest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
+        raise ValueError(f"{name}={value!r} is not a valid choice; choose one of {choices}{hint}")
+
+
+def check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r} is out of range; it must be in [{lo}, {hi}]")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def suggest(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---------------------------------------------------------------- type coercion
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Turn a JSON/YAML/command-line value into the field's declared type, or raise ValueError."""
+    inner, optional = _unwrap_optional(tp)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ValueError(f"{name}=None is not valid; a value of type {getattr(inner, '__name__', inner)} is required")
+    if isinstance(inner, type) and issubclass(inner, Config):
+        if isinstance(value, inner):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{name} must be a mapping of {inner.__name__} fields, got {value!r}")
+        return inner.from_dict(value, prefix=f"{name}.")
+    if typing.get_origin(inner) is typing.Literal:
+        choices = typing.get_args(inner)
+        if isinstance(value, str) and value not in choices:
+            # allow numeric literals written as strings on the command line
+            for c in choices:
+                if str(c) == value:
+                    value = c
+        check_choice(name, value, choices)
+        return value
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"{name}={value!r} is not a boolean; use true or false")
+    if inner is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{name}={value!r} is not an integer")
+    if inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{name}={value!r} is not a number")
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{name}={value!r} is not a string")
+    origin = typing.get_origin(inner)
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        (elem,) = typing.get_args(inner)[:1] or (Any,)
+        items = [_coerce(f"{name}[{i}]", elem, v) if elem is not Any else v for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    return value
+
+
+# ---------------------------------------------------------------- base class
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Config:
+    """Base for lmlab configs: frozen keyword-only dataclasses that validate on construction."""
+
+    def __post_init__(self) -> None:  # subclasses extend with their own checks
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            coerced = _coerce(f.name, hints[f.name], value)
+            if coerced is not value:
+                object.__setattr__(self, f.name, coerced)
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; raise ValueError naming the field."""
+
+    # ---- dict round trip
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, Config) else (list(v) if isinstance(v, tuple) else v)
+        return out
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls: type[C], data: Mapping[str, Any], *, prefix: str = "") -> C:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__} expects a mapping of fields, got {type(data).__name__}")
+        names = cls.field_names()
+        for key in data:
+            if key not in names:
+                raise ValueError(
+                    f"unknown {cls.__name__} key {prefix}{key!r}{suggest(str(key), names)}; "
+                    f"valid keys: {', '.join(names)}"
+                )
+        return cls(**dict(data))
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with some fields changed (validated again)."""
+        return self.override(changes)
+
+    def override(self: C, changes: Mapping[str, Any]) -> C:
+        """A copy with dotted-path overrides applied, e.g. ``{"rope.base": 5e5, "n_layers": 6}``."""
+        data = self.to_dict()
+        for path, value in changes.items():
+            node, parts = data, path.split(".")
+            owner: type[Config] = type(self)
+            for i, part in enumerate(parts):
+                names = owner.field_names()
+                if part not in names:
+                    where = ".".join(parts[:i]) or owner.__name__
+                    raise ValueError(f"unknown key {path!r}: {where} has no field {part!r}{suggest(part, names)}")
+                if i == len(parts) - 1:
+                    node[part] = value.to_dict() if isinstance(value, Config) else value
+                else:
+                    sub = _unwrap_optional(typing.get_type_hints(owner)[part])[0]
+                    if not (isinstance(sub, type) and issubclass(sub, Config)):
+                        raise ValueError(f"unknown key {path!r}: {part!r} is not a nested config")
+                    if node.get(part) is None:
+                        node[part] = sub().to_dict()  # enable an optional sub-config with its defaults
+                    node, owner = node[part], sub
+        return type(self).from_dict(data)
+
+    # ---- files
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls: type[C], path_or_text: str | Path) -> C:
+        return cls.from_dict(_load_text(path_or_text, json.loads))
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls: type[C], path_or_text: str | Path) -> C:
+        import yaml
+
+        return cls.from_dict(_load_text(path_or_text, yaml.safe_load) or {})
+
+
+def _load_text(path_or_text: str | Path, parse: Any) -> Any:
+    if isinstance(path_or_text, Path) or ("\n" not in str(path_or_text) and not str(path_or_text).lstrip().startswith(("{", "["))):
+        p = Path(path_or_text)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        text = p.read_text()
+        if not text.strip():
+            raise ValueError(f"config file {str(p)!r} is empty")
+        return parse(text)
+    return parse(str(path_or_text))
