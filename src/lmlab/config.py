@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from .moe import MoEConfig
+from .moe import MOE_PRESETS, MoEConfig
 from .schema import Config, check_choice, check_positive, check_range, divisors, suggest
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -204,3 +204,5 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_heads=8, n_kv_heads=2, bias=False, tie_embeddings=False,
     ),
 }
+# Mixture-of-experts presets live beside the MoE layer (moe.py); they are model presets too.
+PRESETS.update(MOE_PRESETS)

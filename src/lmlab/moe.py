@@ -23,3 +23,7 @@ class MoEConfig(Config):
 
     def applies_to(self, layer: int) -> bool:
         return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
+
+
+# Model presets with a mixture-of-experts feed-forward: name -> ModelConfig fields (``moe`` as a dict).
+MOE_PRESETS: dict[str, dict] = {}
