@@ -146,6 +146,13 @@ class Transformer(nn.Module):
         """Load statistics of each MoE layer from the last forward (empty for dense models)."""
         return [moe.stats for moe in self.moe_layers]
 
+    @torch.no_grad()
+    def update_router_biases(self) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): nudge each MoE layer's selection bias by the
+        sign of its load error since the last call. The trainer calls this after every optimizer step."""
+        for moe in self.moe_layers:
+            moe.update_bias()
+
     def set_attention_impl(self, impl: str) -> None:
         """Switch every layer between the fused ``sdpa`` path and the ``explicit`` reference."""
         for block in self.blocks:
