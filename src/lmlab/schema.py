@@ -159,7 +159,7 @@ class Config:
         for key in data:
             if key not in names:
                 raise ValueError(
-                    f"unknown {cls.__name__} key {prefix}{key!r}{suggest(str(key), names)}; "
+                    f"unknown {cls.__name__} key {prefix + str(key)!r}{suggest(str(key), names)}; "
                     f"valid keys: {', '.join(names)}"
                 )
         return cls(**dict(data))
