@@ -112,14 +112,29 @@ class ModelConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         # resolve derived sizes so the saved config is explicit
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        if self.d_ff is None:
-            d_ff = 4 * self.d_model if self.ffn == "mlp" else 64 * math.ceil(8 * self.d_model / 3 / 64)
-            object.__setattr__(self, "d_ff", d_ff)
+        for name, value in self._derived_sizes().items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         self._validate_resolved()
+
+    def _derived_sizes(self) -> dict[str, int]:
+        """What n_kv_heads, head_dim and d_ff resolve to when left as None."""
+        sizes = {
+            "n_kv_heads": self.n_heads,
+            "d_ff": 4 * self.d_model if self.ffn == "mlp" else 64 * math.ceil(8 * self.d_model / 3 / 64),
+        }
+        if self.d_model % self.n_heads == 0:
+            sizes["head_dim"] = self.d_model // self.n_heads
+        return sizes
+
+    def _editable_dict(self) -> dict[str, Any]:
+        # A size equal to its derived value keeps following d_model / n_heads / ffn, so that
+        # override({"d_model": 512}) rescales head_dim and d_ff instead of keeping stale ones.
+        data = self.to_dict()
+        for name, value in self._derived_sizes().items():
+            if data[name] == value:
+                data[name] = None
+        return data
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "relative_clip"):

@@ -170,7 +170,7 @@ class Config:
 
     def override(self: C, changes: Mapping[str, Any]) -> C:
         """A copy with dotted-path overrides applied, e.g. ``{"rope.base": 5e5, "n_layers": 6}``."""
-        data = self.to_dict()
+        data = self._editable_dict()
         for path, value in changes.items():
             node, parts = data, path.split(".")
             owner: type[Config] = type(self)
@@ -189,6 +189,11 @@ class Config:
                         node[part] = sub().to_dict()  # enable an optional sub-config with its defaults
                     node, owner = node[part], sub
         return type(self).from_dict(data)
+
+    def _editable_dict(self) -> dict[str, Any]:
+        """The fields ``override`` starts from. A config whose derived fields follow others (sizes
+        resolved from ``None``) returns those as ``None`` so they are derived again after a change."""
+        return self.to_dict()
 
     # ---- files
     def to_json(self, path: str | Path | None = None) -> str:
