@@ -44,7 +44,9 @@ class RopeConfig(Config):
         Hugging Face's ``dynamic`` type; identity up to ``original_max_seq_len``;
       - ``yarn``: NTK-by-parts interpolation plus attention temperature
         sqrt(1/t) = 0.1 ln(factor) + 1 (Peng et al. 2023, arXiv:2309.00071, eq. 17-22);
+        DeepSeek's ``mscale``/``mscale_all_dim`` variant divides two such temperatures;
       - ``llama3``: Llama 3.1's frequency-band interpolation.
+    Each type's math follows ``transformers.modeling_rope_utils`` exactly; tests check it.
     """
 
     base: float = 10000.0
@@ -55,6 +57,9 @@ class RopeConfig(Config):
     beta_fast: float = 32.0  # YaRN: wavelengths with more rotations than this are not interpolated
     beta_slow: float = 1.0  # YaRN: ... fewer than this are fully interpolated
     attention_factor: float | None = None  # YaRN temperature override; None: 0.1 ln(factor) + 1
+    mscale: float | None = None  # YaRN (DeepSeek): with mscale_all_dim, temperature = m(mscale) / m(mscale_all_dim)
+    mscale_all_dim: float | None = None  # ... where m(a) = 0.1 a ln(factor) + 1
+    truncate: bool = True  # YaRN: round the ramp's ends to whole dimensions (the paper's code; gpt-oss: false)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
 
@@ -67,10 +72,20 @@ class RopeConfig(Config):
             check_positive("rope.original_max_seq_len", self.original_max_seq_len)
         if self.beta_fast <= self.beta_slow:
             raise ValueError(f"rope.beta_fast={self.beta_fast} must be greater than rope.beta_slow={self.beta_slow}")
+        check_positive("rope.low_freq_factor", self.low_freq_factor)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"rope.high_freq_factor={self.high_freq_factor} must be greater than rope.low_freq_factor={self.low_freq_factor}"
             )
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None:
+                check_positive(f"rope.{name}", value, allow_zero=name != "attention_factor")
+                if self.scaling != "yarn":
+                    raise ValueError(
+                        f"rope.{name}={value} only applies to rope.scaling='yarn', not {self.scaling!r}; "
+                        f"leave rope.{name} unset or use scaling='yarn'"
+                    )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

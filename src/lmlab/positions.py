@@ -233,36 +233,53 @@ def rope_frequencies(rope: RopeConfig, head_dim: int, max_seq_len: int, seq_len:
     if rope.scaling == "ntk":
         base = base * factor ** (d / (d - 2))
     elif rope.scaling == "dynamic" and seq_len > original:
-        base = base * ((factor * seq_len / original) - (factor - 1)) ** (d / (d - 2))
+        # in float32, as transformers computes it during forward, so the angles agree bit for bit
+        stretch = torch.tensor(factor * seq_len, dtype=torch.float32) / original - (factor - 1)
+        base = base * stretch ** (d / (d - 2))
     inv_freq = 1.0 / base**exponent
     attention_factor = 1.0
 
     if rope.scaling == "linear":
         inv_freq = inv_freq / factor
     elif rope.scaling == "yarn":
-        inv_freq, attention_factor = _yarn(rope, inv_freq, d, original)
+        inv_freq, attention_factor = _yarn(rope, d, original)
     elif rope.scaling == "llama3":
         inv_freq = _llama3(rope, inv_freq, original)
     return inv_freq, attention_factor
 
 
-def _yarn(rope: RopeConfig, inv_freq: torch.Tensor, d: int, original: int) -> tuple[torch.Tensor, float]:
-    """YaRN "NTK-by-parts" (Peng et al. 2023, sec. 3.2-3.4): dimensions whose wavelength fits many
-    times in the original context keep their frequency, those that fit less than once are
-    interpolated by ``factor``, with a linear ramp between; attention logits get temperature
-    (0.1 ln s + 1)^2, applied here as a factor on cos and sin."""
+def _yarn(rope: RopeConfig, d: int, original: int) -> tuple[torch.Tensor, float]:
+    """YaRN "NTK-by-parts" (Peng et al. 2023, arXiv:2309.00071, sec. 3.2-3.4): dimensions whose
+    wavelength fits more than ``beta_fast`` times in the original context keep their frequency,
+    those that fit fewer than ``beta_slow`` times are interpolated by ``factor``, with a linear
+    ramp between (eq. 18-20). Attention logits get temperature sqrt(1/t) = 0.1 ln(s) + 1 (eq. 22),
+    applied as a factor on cos and sin; DeepSeek-V2 (arXiv:2405.04434, app. B) divides two such
+    terms, m(mscale) / m(mscale_all_dim) with m(a) = 0.1 a ln(s) + 1. Written as in
+    ``transformers.modeling_rope_utils._compute_yarn_parameters`` so the results agree bit for bit."""
 
-    def correction_dim(n_rotations: float) -> float:
+    def correction_dim(n_rotations: float) -> float:  # the dimension that turns n_rotations times in `original`
         return (d * math.log(original / (n_rotations * 2 * math.pi))) / (2 * math.log(rope.base))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), d - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
-        high += 0.001
+        high += 0.001  # avoid dividing by zero
     ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1 = extrapolate (keep the frequency), 0 = interpolate
-    inv = inv_freq / rope.factor * (1 - keep) + inv_freq * keep
-    attention_factor = rope.attention_factor if rope.attention_factor is not None else 0.1 * math.log(rope.factor) + 1.0
+    pos_freqs = rope.base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # 1 / theta_i
+    inv = 1.0 / (rope.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+    def m(a: float) -> float:
+        return 0.1 * a * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = m(rope.mscale) / m(rope.mscale_all_dim)
+    else:
+        attention_factor = m(1.0)
     return inv, attention_factor
 
 
@@ -301,7 +318,11 @@ class Rotary(PositionScheme):
 
 class DynamicRotary(Rotary):
     """Dynamic NTK: the base grows with the current length. Keys already in a KV cache keep the
-    angles they were rotated with, exactly as in Hugging Face's implementation."""
+    angles they were rotated with, exactly as in Hugging Face's implementation.
+
+    One difference: Hugging Face keeps the frequencies of the longest sequence seen so far and
+    reuses them for a later, shorter sequence that is still longer than ``max_seq_len``; here
+    the frequencies depend only on the current length, so a forward never depends on history."""
 
     def frequencies(self, seq_len: int) -> torch.Tensor:
         return rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, seq_len)[0]
