@@ -82,6 +82,7 @@ class Attention(nn.Module):
         k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         q, k = self.term.rotate(q, k, ctx)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # rotary tables are fp32; a bf16 model must stay bf16 for SDPA
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, S, hd)
         y = self.attend(q, expand_kv(k, H), expand_kv(v, H), ctx)  # (B, H, T, hd)
