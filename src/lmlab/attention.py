@@ -69,9 +69,15 @@ class Attention(nn.Module):
         self.set_impl("sdpa" if term.sdpa_ok else "explicit")
 
     def set_impl(self, impl: str) -> None:
+        paths = {"sdpa": self.attend_sdpa, "explicit": self.attend_explicit}
+        if impl not in paths:
+            raise ValueError(f"attention impl={impl!r} is not a valid choice; choose one of {list(paths)}")
         if impl == "sdpa" and not self.term.sdpa_ok:
-            raise ValueError(f"{type(self.term).__name__} needs the explicit attention path, not 'sdpa'")
-        self.attend = {"sdpa": self.attend_sdpa, "explicit": self.attend_explicit}[impl]
+            raise ValueError(
+                f"attention impl='sdpa' cannot compute {type(self.term).__name__} (it adds a term to the "
+                "attention output, which the fused kernel has no input for); use impl='explicit'"
+            )
+        self.attend = paths[impl]
         self.impl = impl
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
