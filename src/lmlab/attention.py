@@ -39,7 +39,12 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, KV, S, hd)
 
-    def check_room(self, T: int) -> None:
+    def check_room(self, T: int, batch_size: int | None = None) -> None:
+        if batch_size is not None and batch_size != self.k.shape[1]:
+            raise ValueError(
+                f"KV cache was made for batch_size={self.k.shape[1]} but the input has batch_size={batch_size}; "
+                "create the cache with new_cache(batch_size, ...) matching the input"
+            )
         if self.length + T > self.max_len:
             raise ValueError(
                 f"KV cache holds max_len={self.max_len} positions; {self.length} are used and {T} more were "

@@ -112,7 +112,7 @@ class Transformer(nn.Module):
         B, T = idx.shape
         offset = 0
         if cache is not None:
-            cache.check_room(T)
+            cache.check_room(T, B)
             offset = cache.length
         ctx = self.positions.context(offset, T, idx.device)
         x = self.embed(idx) * self.embed_scale  # (B, T, C)
