@@ -191,7 +191,9 @@ class SequenceClassifier(nn.Module):
         self.body = Transformer(config)
         self.pad_token_id = pad_token_id
         self.score = nn.Linear(config.d_model, n_classes, bias=False)
-        nn.init.normal_(self.score.weight, std=config.init_std, generator=torch.Generator().manual_seed(config.init_seed + 1))
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(config.init_seed + 1)
+            self.score.weight.copy_(_randn(self.score.weight.shape, g) * config.init_std)
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.body.hidden(idx)  # (B, T, C)
@@ -204,6 +206,12 @@ class SequenceClassifier(nn.Module):
 
 # ============================================================== initialization
 RESIDUAL_OUTPUTS = ("attn.out.weight", "ffn.down.weight")  # projections that write into the residual stream
+
+
+def _randn(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    """Draws on the CPU in fp32 whatever the default device and dtype, so the same seed gives the
+    same weights everywhere (and a CPU generator works inside ``with torch.device("cuda")``)."""
+    return torch.randn(shape, generator=g, device="cpu", dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -221,7 +229,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     out_std = std / math.sqrt(2 * L) if cfg.residual_scaling == "gpt2" else std
 
     def normal_(p: torch.Tensor, s: float) -> None:
-        p.copy_(torch.randn(p.shape, generator=g) * s)
+        p.copy_(_randn(p.shape, g) * s)
 
     for name, module in model.named_modules():
         if hasattr(module, "init_params"):
@@ -248,7 +256,7 @@ def _deepnorm_init(model: nn.Module, cfg: ModelConfig, g: torch.Generator) -> No
 
     def xavier_(w: torch.Tensor, gain: float) -> None:
         fan_out, fan_in = w.shape
-        w.copy_(torch.randn(w.shape, generator=g) * gain * math.sqrt(2.0 / (fan_in + fan_out)))
+        w.copy_(_randn(w.shape, g) * gain * math.sqrt(2.0 / (fan_in + fan_out)))
 
     for block in model.blocks:
         attn, H, KV, hd = block.attn, block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim
