@@ -267,4 +267,5 @@ def _deepnorm_init(model: nn.Module, cfg: ModelConfig, g: torch.Generator) -> No
         xavier_(attn.out.weight, beta)
         for name, p in block.ffn.named_parameters():
             if p.ndim == 2:
-                xavier_(p, beta)
+                for w in p.chunk(2 if name == "gate_up.weight" else 1, dim=0):  # fused [gate; up]: two matrices
+                    xavier_(w, beta)
