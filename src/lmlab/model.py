@@ -138,9 +138,11 @@ class Transformer(nn.Module):
             loss = ce + aux_loss
         return LMOutput(logits, loss, ce, aux_loss, aux_losses)
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KV cache on the model's device, in the weights' dtype unless ``dtype`` is given
+        (under bf16 autocast the weights stay fp32; pass ``dtype=torch.bfloat16`` to halve its memory)."""
         p = self.head.weight
-        return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=p.dtype)
+        return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=dtype or p.dtype)
 
     def moe_stats(self) -> list[dict[str, float]]:
         """Load statistics of each MoE layer from the last forward (empty for dense models)."""
