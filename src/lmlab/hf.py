@@ -134,22 +134,19 @@ def state_dict_from_hf(
     t = HFTensors(hf_tensors, family.ignore)
     sd = family.weights(cfg, t)
     if t.missing or t.unexpected:
-        parts = []
-        if t.missing:
-            parts.append(f"missing tensors {_names(t.missing)}")
-        if t.unexpected:
-            parts.append(f"unexpected tensors {_names(t.unexpected)}")
         raise ValueError(
-            f"{source} does not match its config (model_type {model_type!r}): {'; '.join(parts)}. "
+            f"{source} does not match its config (model_type {model_type!r}): {_problems(t)}. "
             "Check that config.json belongs to these weights"
         )
     return {k: v for k, v in sd.items() if v is not None}
 
 
 def detect_model_type(cfg: ModelConfig, hf_tensors: Tensors) -> str:
-    """The registered model_type whose weight mapping uses exactly these tensor names."""
+    """The registered model_type whose weight mapping uses exactly these tensor names (run on
+    meta tensors, so nothing is computed)."""
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in hf_tensors.items()}
-    found: dict[int, str] = {}
+    found: dict[tuple, str] = {}  # one entry per distinct weight mapping (llama and mistral share one)
+    closest: tuple[int, str, HFTensors] | None = None
     for name, family in FAMILIES.items():
         t = HFTensors(meta, family.ignore)
         try:
@@ -157,13 +154,24 @@ def detect_model_type(cfg: ModelConfig, hf_tensors: Tensors) -> str:
         except (ValueError, RuntimeError):
             continue
         if not t.missing and not t.unexpected:
-            found.setdefault(id(family), name)
-    if len(found) != 1:
-        why = "no registered family uses exactly these tensor names" if not found else (
-            f"several families match ({', '.join(found.values())})"
-        )
-        raise ValueError(f"cannot tell the model_type from the tensor names: {why}; pass model_type=")
-    return next(iter(found.values()))
+            found.setdefault((family.weights, family.ignore), name)
+        n_problems = len(t.missing) + len(t.unexpected)
+        if closest is None or n_problems < closest[0]:
+            closest = (n_problems, name, t)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if found:
+        why = f"several families match ({', '.join(found.values())})"
+    else:
+        why = "no registered family uses exactly these tensor names"
+        why += f"; the closest, {closest[1]!r}, finds {_problems(closest[2])}" if closest else ""
+    raise ValueError(f"cannot tell the model_type from the tensor names: {why}. Pass model_type= one of {sorted(FAMILIES)}")
+
+
+def _problems(t: HFTensors) -> str:
+    parts = [f"missing tensors {_names(t.missing)}"] if t.missing else []
+    parts += [f"unexpected tensors {_names(t.unexpected)}"] if t.unexpected else []
+    return "; ".join(parts)
 
 
 def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Transformer:
@@ -245,11 +253,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype is None:
         return torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"dtype={dtype!r} is not valid; use None (float32), 'auto', or a floating torch dtype such as 'bfloat16'")
-    return dtype
+    return resolved
 
 
 def _check_shapes(model: Transformer, sd: Tensors, path: Path) -> None:
