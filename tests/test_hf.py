@@ -308,6 +308,11 @@ def _lost_shard(path: Path) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}}))
 
 
+def _shard_outside(path: Path) -> None:
+    (path / "model.safetensors").rename(path.parent / "elsewhere.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
+
+
 def _head_differs_from_tied_embedding(path: Path) -> None:
     edit_config(path, _bad_config(tie_word_embeddings=True))  # the untied checkpoint keeps its own lm_head
 
@@ -321,6 +326,7 @@ CHECKPOINT_ERRORS = {
     "only_pickle": (_only_pickle, "holds pytorch_model.bin, a pickle; lmlab never loads pickles"),
     "no_weights": (lambda p: (p / "model.safetensors").unlink(), "has no model.safetensors or model.safetensors.index.json"),
     "missing_shard": (_lost_shard, "shard 'model-00002-of-00002.safetensors' listed in"),
+    "shard_outside": (_shard_outside, "shard '../elsewhere.safetensors' listed in"),
     "missing_tensor": (_drop_tensor, "missing tensors [model.layers.1.mlp.up_proj.weight]"),
     "unexpected_tensor": (_extra_tensor, "unexpected tensors [model.layers.0.self_attn.q_norm.weight]"),
     "shape_mismatch": (lambda p: edit_config(p, _bad_config(intermediate_size=128)), "blocks.0.ffn.gate_up.weight: (192, 64) in the checkpoint, (256, 64) from config.json"),

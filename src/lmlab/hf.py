@@ -241,6 +241,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         file = path / shard
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(f"shard {shard!r} listed in {str(index)!r} is not a file name inside the checkpoint directory")
         if not file.is_file():
             raise ValueError(f"shard {shard!r} listed in {str(index)!r} does not exist in {str(path)!r}")
         tensors.update(load_file(file))
