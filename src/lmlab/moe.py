@@ -1,29 +1,634 @@
-"""Mixture-of-experts feed-forward (work in progress: the layer itself lands with issue 3)."""
+"""Mixture-of-experts feed-forward: router, stacked experts, balancing and load statistics.
+
+    x ─┬─ router: fp32 logits ─ scores ─ top-K experts and gate weights ─┐
+       │                                                                 ▼
+       ├─ sort assignments by expert ─ grouped FFN ─ × gate ─ scatter-add ─(+)─▶
+       └─ shared experts, always applied ────────────────────────────────────┘
+
+Papers: sparsely-gated MoE (Shazeer et al. 2017, arXiv:1701.06538); GShard (Lepikhin et al.
+2021, arXiv:2006.16668); Switch (Fedus et al. 2022, arXiv:2101.03961); ST-MoE z-loss (Zoph et
+al. 2022, arXiv:2202.08906); DeepSeekMoE (Dai et al. 2024, arXiv:2401.06066); DeepSeek-V2
+(arXiv:2405.04434) and V3 (arXiv:2412.19437); loss-free balancing (Wang et al. 2024,
+arXiv:2408.15664).
+
+Shape suffixes (torchtitan style) used for every tensor below:
+    B batch, S sequence, D d_model
+    T tokens, flattened B*S
+    E routed experts, K experts chosen per token, G expert groups (devices)
+    F expert hidden width; I rows of an expert's input projection (2F for GLU, F for MLP)
+    A token-expert assignments actually computed (T*K when dropless)
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+import math
+from typing import TYPE_CHECKING, Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .schema import Config, check_choice, check_positive, divisors
 
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
+Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2"]
+SecondExpert = Literal["always", "random"]
+SharedGate = Literal["none", "sigmoid"]
+
+
+# ============================================================== configuration
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class MoEConfig(Config):
-    n_experts: int = 8  # routed experts before fine-grained segmentation
-    top_k: int = 2  # active routed experts per token before segmentation
-    granularity: int = 1  # DeepSeekMoE m: m*n_experts experts of width d_expert/m, m*top_k active
-    n_shared: int = 0  # shared experts every token goes through (DeepSeekMoE)
+    """A mixture-of-experts feed-forward; ``ModelConfig.moe``. Every balancing term is off (0) by default.
+
+    Fine-grained segmentation (DeepSeekMoE sec. 3.1) is one switch: ``granularity=m`` turns N experts
+    of width d into m*N experts of width d/m with m*K active, at the same compute and parameters.
+    """
+
+    # ---- experts
+    n_experts: int = 8  # routed experts, before segmentation
+    top_k: int = 2  # routed experts per token, before segmentation
+    granularity: int = 1  # m: m*n_experts experts of width d_expert/m, m*top_k of them active
+    n_shared: int = 0  # shared experts (width d_expert/m each), fused into one FFN every token goes through
     d_expert: int | None = None  # expert hidden size before segmentation; None = the dense d_ff
+    shared_gate: SharedGate = "none"  # sigmoid: shared output scaled by sigmoid(x·g), as in Qwen2-MoE
+    # ---- which layers
     every: int = 1  # layer l is MoE if l >= first_dense and (l - first_dense) % every == 0
-    first_dense: int = 0  # the first k layers stay dense (DeepSeek-V3)
+    first_dense: int = 0  # the first k layers stay dense (DeepSeekMoE 16B, DeepSeek-V3)
+    # ---- router
+    scoring: Scoring = "softmax"  # sigmoid: independent affinities (DeepSeek-V3 sec. 2.1.2)
+    normalize_top_k: bool = False  # rescale the K chosen weights to sum to 1 (GShard, Mixtral, V3)
+    routed_scale: float = 1.0  # multiply the routed output (DeepSeek-V3's routed_scaling_factor, 2.5)
+    n_groups: int = 1  # contiguous expert groups: devices of group-limited routing and the device loss
+    topk_groups: int | None = None  # route within the best topk_groups groups (DeepSeek-V2 sec. 2.2.2); None = all
+    group_score: GroupScore = "max"  # a group's score: its best expert (V2) or its best two summed (V3)
+    second_expert: SecondExpert = "always"  # random: send the 2nd expert with prob. min(1, 2 g2) (GShard)
+    capacity_factor: float | None = None  # None = dropless; else each expert takes ceil(cf*T*K/E) assignments
+    # ---- balancing, each with its own coefficient (0 = off)
+    load_balance_coef: float = 0.0  # Switch eq. 4 / GShard: E * sum_e f_e P_e over first choices
+    z_loss_coef: float = 0.0  # ST-MoE eq. 5: mean logsumexp(logits)^2
+    expert_balance_coef: float = 0.0  # DeepSeekMoE eq. 12-14: over all K choices
+    device_balance_coef: float = 0.0  # DeepSeekMoE eq. 15-17, with n_groups devices
+    bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
+
+    # ---- derived sizes
+    @property
+    def routed_experts(self) -> int:
+        return self.n_experts * self.granularity
+
+    @property
+    def active_experts(self) -> int:
+        return self.top_k * self.granularity
+
+    def expert_width(self, d_ff: int) -> int:
+        return (self.d_expert or d_ff) // self.granularity
+
+    @property
+    def group_limited(self) -> bool:
+        return self.topk_groups is not None and self.topk_groups < self.n_groups
+
+    # ---- validation
+    def validate(self) -> None:
+        for name in ("n_experts", "top_k", "granularity", "every", "n_groups"):
+            check_positive(f"moe.{name}", getattr(self, name))
+        for name in ("n_shared", "first_dense"):
+            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
+        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate"):
+            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
+        check_positive("moe.routed_scale", self.routed_scale)
+        if self.d_expert is not None:
+            check_positive("moe.d_expert", self.d_expert)
+        if self.capacity_factor is not None:
+            check_positive("moe.capacity_factor", self.capacity_factor)
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; choose top_k in [1, {self.n_experts}]"
+            )
+        E, K, G = self.routed_experts, self.active_experts, self.n_groups
+        if E % G:
+            raise ValueError(
+                f"moe.n_groups={G} does not divide the {E} routed experts (n_experts*granularity); "
+                f"choose n_groups in {divisors(E)}"
+            )
+        if self.topk_groups is not None:
+            check_positive("moe.topk_groups", self.topk_groups)
+            if self.topk_groups > G:
+                raise ValueError(
+                    f"moe.topk_groups={self.topk_groups} exceeds moe.n_groups={G}; choose topk_groups in [1, {G}]"
+                )
+            if self.topk_groups * (E // G) < K:
+                need = math.ceil(K / (E // G))
+                raise ValueError(
+                    f"moe.topk_groups={self.topk_groups} leaves {self.topk_groups * (E // G)} experts to choose "
+                    f"{K} (top_k*granularity) from; choose topk_groups >= {need}"
+                )
+            if self.group_limited and self.group_score == "top2" and E // G < 2:
+                raise ValueError(
+                    f"moe.group_score='top2' needs at least 2 experts per group, but n_groups={G} leaves {E // G}; "
+                    "use group_score='max' or fewer groups"
+                )
+        if self.second_expert == "random" and K != 2:
+            raise ValueError(
+                f"moe.second_expert='random' is GShard's top-2 rule and needs top_k*granularity=2, got {K}; "
+                "set top_k=2 or second_expert='always'"
+            )
+        if self.device_balance_coef > 0 and G == 1:
+            raise ValueError(
+                f"moe.device_balance_coef={self.device_balance_coef} needs n_groups > 1 (the devices); "
+                f"choose n_groups in {divisors(E)[1:]}"
+            )
+        if self.shared_gate != "none" and self.n_shared == 0:
+            raise ValueError(f"moe.shared_gate={self.shared_gate!r} needs shared experts; set moe.n_shared >= 1")
 
     def check_against(self, *, n_layers: int, d_ff: int) -> None:
-        pass
+        """Checks that need the model's sizes; ``ModelConfig`` calls this after resolving d_ff."""
+        if self.first_dense >= n_layers:
+            raise ValueError(
+                f"moe.first_dense={self.first_dense} leaves no MoE layer among n_layers={n_layers}; "
+                f"choose first_dense < {n_layers}"
+            )
+        width = self.d_expert or d_ff
+        if width % self.granularity:
+            name = "moe.d_expert" if self.d_expert else "d_ff (the expert width while moe.d_expert is unset)"
+            raise ValueError(
+                f"{name}={width} is not divisible by moe.granularity={self.granularity}; "
+                f"choose granularity in {divisors(width)} or set moe.d_expert"
+            )
 
     def applies_to(self, layer: int) -> bool:
         return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
 
 
 # Model presets with a mixture-of-experts feed-forward: name -> ModelConfig fields (``moe`` as a dict).
-MOE_PRESETS: dict[str, dict] = {}
+# Laptop-small bodies (d_model 256, 4 layers, llama-style) so the MoE choices are the only difference.
+_BODY = dict(d_model=256, n_layers=4, n_heads=8, norm="rmsnorm", norm_position="pre", positions="rope", bias=False)
+MOE_PRESETS: dict[str, dict] = {
+    # Switch Transformer (Fedus et al. 2022): top-1, ReLU experts in every other layer, capacity
+    # factor 1.25 and load-balancing loss alpha = 0.01 (sec. 2.2).
+    "switch": dict(
+        _BODY, ffn="mlp", activation="relu",
+        moe=dict(n_experts=8, top_k=1, every=2, capacity_factor=1.25, load_balance_coef=0.01),
+    ),
+    # GShard (Lepikhin et al. 2021, Algorithm 1): top-2 with normalized gates, the second expert sent
+    # with probability min(1, 2 g2), capacity 2T/E (factor 1 of T*K/E), every other layer.
+    "gshard": dict(
+        _BODY, ffn="mlp", activation="relu",
+        moe=dict(
+            n_experts=8, top_k=2, every=2, normalize_top_k=True, second_expert="random",
+            capacity_factor=1.0, load_balance_coef=0.01,
+        ),
+    ),
+    # Mixtral (Jiang et al. 2024): 8 SwiGLU experts, top-2, softmax then renormalized over the two,
+    # dropless. Mistral did not publish its balance coefficient; 0.01 is Switch's.
+    "mixtral": dict(
+        _BODY, n_kv_heads=2, ffn="glu", activation="silu",
+        moe=dict(n_experts=8, top_k=2, normalize_top_k=True, expert_balance_coef=0.01),
+    ),
+    # DeepSeekMoE's validation setup (Dai et al. 2024, sec. 4.1): 1 shared + 63 routed experts, 7 routed
+    # active, each a quarter of the dense FFN (d_expert = 704/4 for d_model 256), alpha1 = 0.01.
+    "deepseekmoe": dict(
+        _BODY, ffn="glu", activation="silu",
+        moe=dict(n_experts=63, top_k=7, n_shared=1, d_expert=176, expert_balance_coef=0.01),
+    ),
+    # DeepSeek-V3 (sec. 2.1.2) scaled down: sigmoid affinities normalized over the chosen experts and
+    # scaled by 2.5, 8 groups of which 4 are searched (group score = best two), loss-free balancing
+    # with gamma = 1e-3 plus a tiny balance loss (V3 uses alpha = 1e-4 per sequence; here per batch),
+    # one shared expert, the first layer dense.
+    "deepseek-v3": dict(
+        _BODY, ffn="glu", activation="silu",
+        moe=dict(
+            n_experts=32, top_k=4, n_shared=1, d_expert=128, first_dense=1,
+            scoring="sigmoid", normalize_top_k=True, routed_scale=2.5,
+            n_groups=8, topk_groups=4, group_score="top2",
+            bias_update_rate=1e-3, expert_balance_coef=1e-4,
+        ),
+    ),
+}
+
+
+# ============================================================== router
+@dataclasses.dataclass
+class Routing:
+    """The router's decision for T tokens."""
+
+    logits_TE: torch.Tensor  # fp32 x·centroids
+    probs_TE: torch.Tensor  # affinities as a distribution over experts (softmax, or sigmoid / sum)
+    expert_TK: torch.Tensor  # chosen experts, best first
+    weight_TK: torch.Tensor  # gate weights of the chosen experts
+    send_TK: torch.Tensor  # bool: dispatched (False only for GShard's randomly skipped second expert)
+    chosen_E: torch.Tensor  # how many tokens chose each expert (all K choices)
+
+
+def softmax_scores(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    probs_TE = logits_TE.softmax(dim=-1)
+    return probs_TE, probs_TE
+
+
+def sigmoid_scores(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores_TE = logits_TE.sigmoid()
+    return scores_TE, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+
+SCORINGS = {"softmax": softmax_scores, "sigmoid": sigmoid_scores}
+
+GROUP_SCORES = {
+    "max": lambda s_TGe: s_TGe.amax(dim=-1),  # DeepSeek-V2
+    "top2": lambda s_TGe: s_TGe.topk(2, dim=-1).values.sum(dim=-1),  # DeepSeek-V3
+}
+
+
+class Router(nn.Module):
+    """Scores every expert by x·centroid in fp32 and picks K of them per token.
+
+    The selection bias (DeepSeek-V3's e_score_correction_bias) shifts which experts are chosen,
+    never the gate weights; it is zero unless loss-free balancing updates it or a checkpoint sets it.
+    """
+
+    def __init__(self, moe: MoEConfig, d_model: int):
+        super().__init__()
+        E = moe.routed_experts
+        self.n_experts, self.top_k = E, moe.active_experts
+        self.weight = nn.Parameter(torch.empty(E, d_model))  # one centroid per expert
+        self.register_buffer("score_bias", torch.zeros(E))
+        self.score = SCORINGS[moe.scoring]
+        self.routed_scale = moe.routed_scale
+        self.select = self.select_in_groups if moe.group_limited else self.select_top_k
+        self.n_groups, self.topk_groups = moe.n_groups, moe.topk_groups
+        self.group_score = GROUP_SCORES[moe.group_score]
+        self.normalize = normalize_weights if moe.normalize_top_k else (lambda w_TK: w_TK)
+        self.send = self.send_second_at_random if moe.second_expert == "random" else self.send_all
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())  # fp32 even under autocast
+        scores_TE, probs_TE = self.score(logits_TE)
+        expert_TK = self.select(scores_TE.detach() + self.score_bias)  # the bias picks, it does not weigh
+        weight_TK = self.normalize(scores_TE.gather(1, expert_TK)) * self.routed_scale
+        chosen_E = torch.bincount(expert_TK.flatten(), minlength=self.n_experts)
+        return Routing(logits_TE, probs_TE, expert_TK, weight_TK, self.send(weight_TK), chosen_E)
+
+    def select_top_k(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        return choice_TE.topk(self.top_k, dim=-1).indices  # (T, K), best first
+
+    def select_in_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: only experts in the topk_groups best groups compete."""
+        T, E = choice_TE.shape
+        G = self.n_groups
+        group_TG = self.group_score(choice_TE.view(T, G, E // G))
+        best_TJ = group_TG.topk(self.topk_groups, dim=-1).indices
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TJ, True)
+        keep_TE = keep_TG.repeat_interleave(E // G, dim=1)
+        return self.select_top_k(choice_TE.masked_fill(~keep_TE, float("-inf")))
+
+    def send_all(self, weight_TK: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(weight_TK, dtype=torch.bool)
+
+    def send_second_at_random(self, weight_TK: torch.Tensor) -> torch.Tensor:
+        """GShard Algorithm 1: the second expert gets the token with probability min(1, 2 g2),
+        g2 its share of the two gates. Only while training; evaluation sends both."""
+        send_TK = self.send_all(weight_TK)
+        if self.training:
+            share_T = weight_TK[:, 1] / weight_TK.sum(dim=-1)
+            send_TK[:, 1] = torch.rand_like(share_T) < 2 * share_T
+        return send_TK
+
+
+def normalize_weights(weight_TK: torch.Tensor) -> torch.Tensor:
+    return weight_TK / (weight_TK.sum(dim=-1, keepdim=True) + 1e-20)  # DeepSeek-V3's epsilon
+
+
+# ============================================================== balancing losses
+# Each takes the routing and returns an unweighted scalar; with uniform router probabilities every
+# balance loss equals 1 whatever the assignment, and the z-loss equals ln(E)^2.
+def load_balance_loss(r: Routing) -> torch.Tensor:
+    """Switch eq. 4, GShard: E * sum_e f_e P_e, f_e = share of tokens whose first choice is e."""
+    T, E = r.probs_TE.shape
+    first_E = torch.bincount(r.expert_TK[:, 0], minlength=E).float() / T
+    return E * (first_E * r.probs_TE.mean(dim=0)).sum()
+
+
+def z_loss(r: Routing) -> torch.Tensor:
+    """ST-MoE eq. 5: keeps router logits small."""
+    return torch.logsumexp(r.logits_TE, dim=-1).square().mean()
+
+
+def _expert_fractions(r: Routing) -> torch.Tensor:
+    T, E = r.probs_TE.shape
+    K = r.expert_TK.shape[1]
+    return r.chosen_E.float() * E / (K * T)  # f_e = E/(K T) * count_e, 1 when balanced
+
+
+def expert_balance_loss(r: Routing) -> torch.Tensor:
+    """DeepSeekMoE eq. 12-14: sum_e f_e P_e over all K choices."""
+    return (_expert_fractions(r) * r.probs_TE.mean(dim=0)).sum()
+
+
+def device_balance_loss(r: Routing, n_groups: int) -> torch.Tensor:
+    """DeepSeekMoE eq. 15-17: sum_d f'_d P'_d, f'_d the mean f_e and P'_d the summed P_e of device d."""
+    f_G = _expert_fractions(r).view(n_groups, -1).mean(dim=1)
+    p_G = r.probs_TE.mean(dim=0).view(n_groups, -1).sum(dim=1)
+    return (f_G * p_G).sum()
+
+
+# ============================================================== experts
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from .feedforward import ACTIVATIONS  # feedforward imports config, which imports this module
+
+    return ACTIVATIONS[name]
+
+
+class Experts(nn.Module):
+    """n FFNs stored as stacked tensors, in nn.Linear's (out, in) layout per expert:
+    ``gate_up`` (n, 2F, D) = [gate; up] rows for GLU, or ``up`` (n, F, D) for MLP; ``down`` (n, D, F)."""
+
+    def __init__(self, n: int, d_model: int, width: int, ffn: str, activation: str, bias: bool):
+        super().__init__()
+        self.n, self.width = n, width
+        self.in_name = "gate_up" if ffn == "glu" else "up"
+        rows = 2 * width if ffn == "glu" else width
+        self.register_parameter(self.in_name, nn.Parameter(torch.empty(n, rows, d_model)))
+        self.down = nn.Parameter(torch.empty(n, d_model, width))
+        self.in_bias = nn.Parameter(torch.zeros(n, rows)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
+        self.act = _activation(activation)
+        self.hidden = self.glu_hidden if ffn == "glu" else self.act
+
+    @property
+    def w_in_EID(self) -> torch.Tensor:
+        return getattr(self, self.in_name)
+
+    def glu_hidden(self, z_NI: torch.Tensor) -> torch.Tensor:
+        gate_NF, up_NF = z_NI.chunk(2, dim=-1)
+        return self.act(gate_NF) * up_NF
+
+    def params_per_expert(self) -> int:
+        return sum(p[0].numel() for p in self.parameters())
+
+    def one(self, x_ND: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e applied to some rows: the plain definition, used by the reference path."""
+        b_in = None if self.in_bias is None else self.in_bias[e]
+        b_down = None if self.down_bias is None else self.down_bias[e]
+        h_NF = self.hidden(F.linear(x_ND, self.w_in_EID[e], b_in))
+        return F.linear(h_NF, self.down[e], b_down)
+
+    # ---- the two implementations: same arguments, same result
+    def loop(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
+        """Reference: for each expert, gather its tokens, apply it, add the gated result back."""
+        for e in range(self.n):
+            mine_A = expert_A == e
+            token_N = token_A[mine_A]
+            y_ND = self.one(x_TD[token_N], e) * weight_A[mine_A, None]
+            out_TD = out_TD.index_add(0, token_N, y_ND.to(out_TD.dtype))
+        return out_TD
+
+    def grouped(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
+        """Fast path: sort assignments by expert, then two grouped matmuls over contiguous groups."""
+        expert_A, order_A = torch.sort(expert_A, stable=True)
+        token_A, weight_A = token_A[order_A], weight_A[order_A]
+        offs_E = torch.bincount(expert_A, minlength=self.n).cumsum(0).to(torch.int32)  # group ends
+        x_AD = x_TD[token_A]
+        z_AI = grouped_mm(x_AD, self.w_in_EID, offs_E)
+        if self.in_bias is not None:
+            z_AI = z_AI + self.in_bias[expert_A]
+        y_AD = grouped_mm(self.hidden(z_AI), self.down, offs_E)
+        if self.down_bias is not None:
+            y_AD = y_AD + self.down_bias[expert_A]
+        y_AD = y_AD * weight_A[:, None]
+        return out_TD.index_add_(0, token_A, y_AD.to(out_TD.dtype))
+
+
+IMPLS = {"reference": Experts.loop, "fast": Experts.grouped}
+
+
+# ---- grouped matmul: torch's kernel where it runs, else one matmul per group
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x times w[e]^T (nn.Linear layout), for every group e -> (A, O)."""
+    dtype = _compute_dtype(x_AI)
+    x_AI, w_EOI = x_AI.to(dtype), w_EOI.to(dtype)
+    if _grouped_mm_kernel_ok(x_AI, w_EOI):
+        return _GROUPED_MM(x_AI, w_EOI.transpose(-2, -1), offs=offs_E)
+    return grouped_mm_split(x_AI, w_EOI, offs_E)
+
+
+def grouped_mm_split(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """The fallback: split the sorted rows into groups (one host sync) and run a matmul per group.
+    Splitting, not slicing, keeps the backward to one concatenation."""
+    sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
+    return torch.cat([x_NI @ w_EOI[e].T for e, x_NI in enumerate(torch.split(x_AI, sizes))])
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would use for a matmul (grouped_mm is not autocast-aware)."""
+    device = x.device.type
+    try:
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    except (TypeError, AttributeError):  # torch < 2.4 spells these per device
+        if device == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return x.dtype
+
+
+def _grouped_mm_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # The kernels want 16-byte aligned data and strides (so D and F multiples of 4 in fp32); which
+    # devices and dtypes have one varies (CPU from torch 2.9, CUDA sm80+), so probe once.
+    return _aligned16(x) and _aligned16(w) and _probe_grouped_mm(str(x.device), x.dtype)
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
+    """Does torch's grouped matmul run, forward and backward, and agree with plain matmuls here?"""
+    if _GROUPED_MM is None:
+        return False
+    try:
+        with torch.enable_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(24, 16, generator=g).to(device, dtype).requires_grad_()
+            w = torch.randn(3, 32, 16, generator=g).to(device, dtype).requires_grad_()
+            offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)  # includes an empty group
+            y = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
+            y.backward(torch.ones_like(y))
+            ref = grouped_mm_split(x.detach().float(), w.detach().float(), offs)
+            return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)) and x.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+# ============================================================== shared experts
+class SharedExperts(Experts):
+    """n_shared experts fused into one FFN of width n_shared*F, applied to every token."""
+
+    def __init__(self, n_shared: int, d_model: int, width: int, ffn: str, activation: str, bias: bool):
+        super().__init__(1, d_model, n_shared * width, ffn, activation, bias)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.one(x_TD, 0)
+
+
+class GatedSharedExperts(SharedExperts):
+    """Qwen2-MoE: the shared output is scaled per token by sigmoid(x·g)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.output_gate = nn.Parameter(torch.empty(1, args[1]))  # (1, D)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x_TD, self.output_gate)) * super().forward(x_TD)
+
+
+class NoSharedExperts(nn.Module):
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x_TD)
+
+
+# ============================================================== the layer
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward sublayer: ``forward(x (B, S, D)) -> (B, S, D)``.
+
+    After each forward: ``aux_losses`` (each enabled balancing loss times its coefficient),
+    ``aux_loss`` (their sum) and ``stats`` (load statistics, ready to log). The model adds the
+    auxiliary losses to its training loss. ``set_impl`` switches between the grouped-matmul fast
+    path and the reference loop over experts.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.n_experts, self.top_k = moe.routed_experts, moe.active_experts
+        width = moe.expert_width(cfg.d_ff)
+        self.router = Router(moe, cfg.d_model)
+        self.experts = Experts(self.n_experts, cfg.d_model, width, cfg.ffn, cfg.activation, cfg.bias)
+        if moe.n_shared == 0:
+            self.shared = NoSharedExperts()
+        else:
+            shared = GatedSharedExperts if moe.shared_gate == "sigmoid" else SharedExperts
+            self.shared = shared(moe.n_shared, cfg.d_model, width, cfg.ffn, cfg.activation, cfg.bias)
+        self.capacity_factor = moe.capacity_factor
+        limited = moe.capacity_factor is not None or moe.second_expert == "random"
+        self.assign = self.assign_limited if limited else self.assign_all
+        terms = {
+            "load_balance": (moe.load_balance_coef, load_balance_loss),
+            "z_loss": (moe.z_loss_coef, z_loss),
+            "expert_balance": (moe.expert_balance_coef, expert_balance_loss),
+            "device_balance": (moe.device_balance_coef, functools.partial(device_balance_loss, n_groups=moe.n_groups)),
+        }
+        self.loss_terms = {name: (coef, fn) for name, (coef, fn) in terms.items() if coef > 0}
+        self.bias_update_rate = moe.bias_update_rate
+        self.register_buffer("load", torch.zeros(self.n_experts), persistent=False)  # sent since update_bias
+        self.aux_losses: dict[str, torch.Tensor] = {}
+        self._last: tuple[torch.Tensor, ...] | None = None
+        self.set_impl("fast")
+
+    def set_impl(self, impl: str) -> None:
+        check_choice("impl", impl, IMPLS)
+        self.impl = impl
+        self.combine = functools.partial(IMPLS[impl], self.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        x_TD = x.reshape(B * S, D)
+        r = self.router(x_TD)
+        token_A, expert_A, weight_A, sent_E, kept = self.assign(r)
+        shared_TD = self.shared(x_TD).to(x.dtype)  # the sum is kept in x's dtype (fp32 under autocast)
+        out_TD = self.combine(x_TD, token_A, expert_A, weight_A, shared_TD)  # shared + routed
+        self.aux_losses = {name: coef * fn(r) for name, (coef, fn) in self.loss_terms.items()}
+        if self.training:
+            self.load += sent_E
+        with torch.no_grad():
+            p_TE = r.probs_TE
+            entropy = -(p_TE * p_TE.clamp_min(1e-20).log()).sum(dim=-1).mean()
+            self._last = (sent_E.detach(), kept, entropy)
+        return out_TD.view(B, S, D)
+
+    # ---- which token goes to which expert, in routing order
+    def assign_all(self, r: Routing):
+        """Dropless: every choice is computed. Assignments are token-major (t0k0, t0k1, ...)."""
+        T, K = r.expert_TK.shape
+        token_A = torch.arange(T, device=r.expert_TK.device).repeat_interleave(K)
+        return token_A, r.expert_TK.reshape(-1), r.weight_TK.reshape(-1), r.chosen_E, T * K
+
+    def assign_limited(self, r: Routing):
+        """Capacity (and GShard's random second expert): each expert takes at most C =
+        ceil(capacity_factor * T * K / E) assignments, in routing order: every token's first choice,
+        then every second choice, each in token order (GShard Algorithm 1; Switch sec. 2.1). An
+        overflowing assignment contributes nothing; the residual carries the token on unchanged."""
+        T, K = r.expert_TK.shape
+        E = self.n_experts
+        expert_A = r.expert_TK.t().reshape(-1)  # (K*T,) choice-major: the routing order
+        send_A = r.send_TK.t().reshape(-1)
+        queue_A = torch.where(send_A, expert_A, E)  # unsent ones queue at a phantom expert E
+        sent_E = torch.bincount(queue_A, minlength=E + 1)[:E]
+        capacity = math.ceil(self.capacity_factor * T * K / E) if self.capacity_factor else T * K
+        keep_A = send_A & (queue_position(queue_A, E + 1) < capacity)
+        a = keep_A.nonzero().squeeze(1)  # one host sync: the number of kept assignments
+        return a % T, expert_A[a], r.weight_TK.t().reshape(-1)[a], sent_E, a.numel()
+
+    # ---- outputs read by the model
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return sum(self.aux_losses.values(), torch.zeros((), device=self.router.weight.device))
+
+    @property
+    def stats(self) -> dict:
+        """Load statistics of the last forward (python numbers; converting syncs with the device once)."""
+        if self._last is None:
+            return {}
+        sent_E, kept, entropy = self._last
+        load_E = sent_E.float()
+        mean = load_E.mean().clamp_min(1e-9)
+        total = float(load_E.sum())
+        return {
+            "tokens_per_expert": sent_E.tolist(),  # assignments sent to each expert, before capacity
+            "dropped": 1.0 - float(kept) / total if total else 0.0,  # share of sent assignments over capacity
+            "router_entropy": float(entropy),  # nats, mean over tokens; ln(E) is uniform
+            "max_load": float(load_E.max() / mean),  # 1 is perfectly balanced
+            "cv_load": float(load_E.std(unbiased=False) / mean),  # coefficient of variation
+        }
+
+    # ---- hooks used by the model
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """DeepSeek-V3 loss-free balancing: bias_e += gamma * sign(mean load - load_e), from the
+        load accumulated since the previous call. Called after each optimizer step."""
+        if self.bias_update_rate > 0:
+            self.router.score_bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+    def inactive_params(self) -> int:
+        """Routed-expert parameters a token does not use."""
+        return (self.n_experts - self.top_k) * self.experts.params_per_expert()
+
+    @torch.no_grad()
+    def init_params(self, g: torch.Generator, *, std: float, out_std: float) -> None:
+        """Centroids and expert input projections ~ N(0, std); down projections (which write to
+        the residual stream) ~ N(0, out_std); biases 0; selection bias and load 0."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (out_std if name.endswith("down") else std))
+        self.router.score_bias.zero_()
+        self.load.zero_()
+
+
+def queue_position(queue_A: torch.Tensor, n_queues: int) -> torch.Tensor:
+    """For each assignment, how many earlier assignments joined the same queue."""
+    order_A = torch.argsort(queue_A, stable=True)
+    count_Q = torch.bincount(queue_A, minlength=n_queues)
+    start_Q = count_Q.cumsum(0) - count_Q
+    position_A = torch.empty_like(queue_A)
+    position_A[order_A] = torch.arange(queue_A.numel(), device=queue_A.device) - start_Q[queue_A[order_A]]
+    return position_A

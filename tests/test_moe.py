@@ -1,0 +1,473 @@
+"""Mixture of experts: parity with Hugging Face blocks, fast path == reference, balancing, capacity,
+statistics, configuration errors, and the whole model with every MoE preset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lmlab
+from lmlab import ModelConfig, MoEConfig, Transformer
+from lmlab.feedforward import GLU, MLP
+from lmlab.moe import (
+    MOE_PRESETS, MoE, Routing, device_balance_loss, expert_balance_loss, grouped_mm, grouped_mm_split,
+    _grouped_mm_kernel_ok, load_balance_loss, z_loss,
+)
+
+D = 32  # d_model of the block-level tests
+
+
+def make_moe(moe: dict, *, ffn="glu", activation="silu", bias=False, d_ff=48, seed=0) -> MoE:
+    cfg = ModelConfig(d_model=D, n_heads=4, d_ff=d_ff, ffn=ffn, activation=activation, bias=bias, moe=MoEConfig(**moe))
+    layer = MoE(cfg)
+    layer.init_params(torch.Generator().manual_seed(seed), std=0.3, out_std=0.3)
+    if bias:  # non-zero biases so that they are tested
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(hash(name) % 1000))
+    return layer
+
+
+def tokens(B=2, S=12, seed=1) -> torch.Tensor:
+    return torch.randn(B, S, D, generator=torch.Generator().manual_seed(seed))
+
+
+# ============================================================== configuration
+@pytest.mark.parametrize(
+    "moe, field",
+    [
+        (dict(n_experts=4, top_k=5), "moe.top_k"),
+        (dict(n_experts=6, top_k=2, n_groups=4), "moe.n_groups"),
+        (dict(n_experts=8, top_k=2, n_groups=4, topk_groups=5), "moe.topk_groups"),
+        (dict(n_experts=8, top_k=4, n_groups=4, topk_groups=1), "moe.topk_groups"),
+        (dict(n_experts=4, top_k=1, n_groups=4, topk_groups=2, group_score="top2"), "moe.group_score"),
+        (dict(n_experts=8, top_k=1, second_expert="random"), "moe.second_expert"),
+        (dict(n_experts=8, top_k=2, device_balance_coef=0.01), "moe.device_balance_coef"),
+        (dict(n_experts=8, top_k=2, shared_gate="sigmoid"), "moe.shared_gate"),
+        (dict(n_experts=8, top_k=2, z_loss_coef=-1.0), "moe.z_loss_coef"),
+        (dict(n_experts=8, top_k=2, capacity_factor=0.0), "moe.capacity_factor"),
+        (dict(n_experts=0), "moe.n_experts"),
+        (dict(scoring="sigmod"), "scoring"),
+    ],
+)
+def test_bad_config_names_the_field(moe, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        MoEConfig(**moe)
+
+
+@pytest.mark.parametrize(
+    "moe, field",
+    [
+        (dict(d_expert=30, granularity=4), "moe.d_expert"),
+        (dict(granularity=5), "d_ff"),  # d_ff = 4 * 64 = 256 for mlp
+        (dict(first_dense=2), "moe.first_dense"),
+    ],
+)
+def test_bad_config_against_the_model(moe, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        ModelConfig(d_model=64, n_layers=2, ffn="mlp", moe=moe)
+
+
+def test_config_round_trip_override_and_suggestion():
+    cfg = ModelConfig.from_preset("mixtral", n_layers=2)
+    assert cfg.moe == MoEConfig(n_experts=8, top_k=2, normalize_top_k=True, expert_balance_coef=0.01)
+    cfg2 = cfg.override({"moe.top_k": 4, "moe.granularity": 2})
+    assert (cfg2.moe.top_k, cfg2.moe.routed_experts, cfg2.moe.active_experts) == (4, 16, 8)
+    assert ModelConfig.from_json(cfg2.to_json()) == cfg2
+    assert ModelConfig.from_dict(cfg2.to_dict()).moe == cfg2.moe
+    with pytest.raises(ValueError, match="did you mean 'top_k'"):
+        cfg.override({"moe.topk": 4})
+    assert ModelConfig().override({"moe.n_experts": 4}).moe.n_experts == 4  # enables MoE with defaults
+    assert [cfg.is_moe_layer(i) for i in range(2)] == [True, True]
+    v3 = ModelConfig.from_preset("deepseek-v3")
+    assert [v3.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    sw = ModelConfig.from_preset("switch")
+    assert [sw.is_moe_layer(i) for i in range(4)] == [True, False, True, False]
+
+
+# ============================================================== parity with Hugging Face blocks
+def copy_experts(layer: MoE, hf_experts, router_weight) -> None:
+    with torch.no_grad():
+        layer.router.weight.copy_(router_weight)
+        layer.experts.gate_up.copy_(hf_experts.gate_up_proj)
+        layer.experts.down.copy_(hf_experts.down_proj)
+
+
+def copy_shared(layer: MoE, hf_mlp) -> None:
+    with torch.no_grad():
+        layer.shared.gate_up[0].copy_(torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
+        layer.shared.down[0].copy_(hf_mlp.down_proj.weight)
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def check_parity(layer: MoE, hf_block, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        want = hf_block(x.clone())
+        for impl in ("reference", "fast"):
+            layer.set_impl(impl)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_parity_mixtral_block():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    hf_cfg = MixtralConfig(
+        hidden_size=D, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2, experts_implementation="eager"
+    )
+    hf = MixtralSparseMoeBlock(hf_cfg).eval()
+    randomize(hf)
+    layer = make_moe(dict(n_experts=6, top_k=2, normalize_top_k=True)).eval()
+    copy_experts(layer, hf.experts, hf.gate.weight)
+    check_parity(layer, hf, tokens())
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_parity_qwen2_moe_block(norm_topk_prob):
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    hf_cfg = Qwen2MoeConfig(
+        hidden_size=D, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=norm_topk_prob, experts_implementation="eager",
+    )
+    hf = Qwen2MoeSparseMoeBlock(hf_cfg).eval()
+    randomize(hf, seed=1)
+    layer = make_moe(
+        dict(n_experts=8, top_k=3, d_expert=16, n_shared=2, shared_gate="sigmoid", normalize_top_k=norm_topk_prob)
+    ).eval()
+    copy_experts(layer, hf.experts, hf.gate.weight)
+    copy_shared(layer, hf.shared_expert)
+    with torch.no_grad():
+        layer.shared.output_gate.copy_(hf.shared_expert_gate.weight)
+    check_parity(layer, hf, tokens())
+
+
+def test_parity_deepseek_v3_block():
+    """Sigmoid scoring, correction bias, group-limited top-k (top-2 group score), normalization,
+    routed scaling and shared experts."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    hf_cfg = DeepseekV3Config(
+        hidden_size=D, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        experts_implementation="eager",
+    )
+    hf = DeepseekV3MoE(hf_cfg).eval()
+    randomize(hf, seed=2)
+    with torch.no_grad():  # a bias large enough to change choices
+        hf.gate.e_score_correction_bias.copy_(torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.3)
+    layer = make_moe(
+        dict(
+            n_experts=16, top_k=4, d_expert=16, n_shared=2, scoring="sigmoid", normalize_top_k=True, routed_scale=2.5,
+            n_groups=4, topk_groups=2, group_score="top2",
+        )
+    ).eval()
+    copy_experts(layer, hf.experts, hf.gate.weight)
+    copy_shared(layer, hf.shared_experts)
+    with torch.no_grad():
+        layer.router.score_bias.copy_(hf.gate.e_score_correction_bias)
+    x = tokens(S=20)
+    check_parity(layer, hf, x)
+    # the bias and the group limit both matter here: without them the choices differ
+    with torch.no_grad():
+        chosen = layer.router(x.view(-1, D)).expert_TK
+        layer.router.score_bias.zero_()
+        assert not torch.equal(chosen.sort(1).values, layer.router(x.view(-1, D)).expert_TK.sort(1).values)
+
+
+# ============================================================== equivalences
+@pytest.mark.parametrize("ffn, activation", [("glu", "silu"), ("mlp", "gelu")])
+@pytest.mark.parametrize("routing", [dict(), dict(scoring="sigmoid", normalize_top_k=True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_identical_experts_with_all_chosen_equal_the_dense_ffn(ffn, activation, routing, bias):
+    layer = make_moe(dict(n_experts=4, top_k=4, **routing), ffn=ffn, activation=activation, bias=bias)
+    cfg = ModelConfig(d_model=D, n_heads=4, d_ff=48, ffn=ffn, activation=activation, bias=bias)
+    dense = {"glu": GLU, "mlp": MLP}[ffn](cfg)
+    ex = layer.experts
+    with torch.no_grad():
+        for e in range(4):
+            ex.w_in_EID[e].copy_(ex.w_in_EID[0])
+            ex.down[e].copy_(ex.down[0])
+            if bias:
+                ex.in_bias[e].copy_(ex.in_bias[0])
+                ex.down_bias[e].copy_(ex.down_bias[0])
+        (dense.gate_up if ffn == "glu" else dense.up).weight.copy_(ex.w_in_EID[0])
+        dense.down.weight.copy_(ex.down[0])
+        if bias:
+            (dense.gate_up if ffn == "glu" else dense.up).bias.copy_(ex.in_bias[0])
+            dense.down.bias.copy_(ex.down_bias[0])
+        x = tokens()
+        for impl in ("reference", "fast"):
+            layer.set_impl(impl)
+            torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_granularity_keeps_total_and_active_parameters():
+    base = ModelConfig(d_model=64, n_layers=2, n_heads=4, moe=dict(n_experts=4, top_k=1))
+    fine = base.override({"moe.granularity": 4})
+    pb, pf = Transformer(base).num_params(), Transformer(fine).num_params()
+    router_extra = 2 * (16 - 4) * 64  # more centroids are the only difference
+    assert pf["total"] - pb["total"] == router_extra
+    assert pf["active"] - pb["active"] == router_extra
+    assert Transformer(fine).blocks[0].ffn.experts.down.shape == (16, 64, base.d_ff // 4)
+
+
+FAST_VS_REFERENCE = {
+    "dropless": dict(n_experts=6, top_k=2),
+    "mlp_bias": dict(n_experts=5, top_k=2),
+    "empty_experts": dict(n_experts=16, top_k=1),  # 6 tokens cannot fill 16 experts
+    "capacity": dict(n_experts=4, top_k=2, capacity_factor=0.5),
+    "gshard_random": dict(n_experts=4, top_k=2, second_expert="random", normalize_top_k=True, capacity_factor=1.0),
+    "grouped_shared": dict(
+        n_experts=8, top_k=2, granularity=2, d_expert=32, n_shared=1, shared_gate="sigmoid", scoring="sigmoid",
+        normalize_top_k=True, routed_scale=2.0, n_groups=4, topk_groups=2, group_score="top2",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", FAST_VS_REFERENCE)
+def test_fast_path_equals_reference_in_outputs_and_gradients(name):
+    kw = dict(ffn="mlp", activation="gelu", bias=True) if name == "mlp_bias" else {}
+    layer = make_moe(FAST_VS_REFERENCE[name], **kw).train()
+    x = tokens(B=1, S=6) if name == "empty_experts" else tokens()
+    results = {}
+    for impl in ("reference", "fast"):
+        layer.set_impl(impl)
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(0)  # the same random second-expert draws for both
+        y = layer(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        results[impl] = (y.detach(), xi.grad, grads, layer.stats)
+    (y_r, gx_r, g_r, s_r), (y_f, gx_f, g_f, s_f) = results["reference"], results["fast"]
+    torch.testing.assert_close(y_f, y_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-5)
+    assert g_f.keys() == g_r.keys() and "router.weight" in g_r
+    for n in g_r:
+        torch.testing.assert_close(g_f[n], g_r[n], rtol=1e-5, atol=1e-5, msg=n)
+    assert s_f == s_r
+    if name == "empty_experts":
+        assert s_r["tokens_per_expert"].count(0) >= 10
+        idle = [e for e, n in enumerate(s_r["tokens_per_expert"]) if n == 0]
+        assert g_f["experts.down"][idle].abs().max() == 0
+    if name in ("capacity", "gshard_random"):
+        assert s_r["dropped"] > 0
+
+
+def test_grouped_mm_kernel_and_fallback_agree():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 8, generator=g, requires_grad=True)
+    w = torch.randn(4, 12, 8, generator=g, requires_grad=True)
+    offs = torch.tensor([3, 3, 3, 10], dtype=torch.int32)  # two empty groups
+    want = torch.cat([x[:3] @ w[0].T, x[3:] @ w[3].T])
+    gx_want, gw_want = torch.autograd.grad((want * want).sum(), (x, w))
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9):
+        assert _grouped_mm_kernel_ok(x, w)  # torch's CPU kernel exists from 2.9: the fast path uses it
+    for fn in (grouped_mm, grouped_mm_split):
+        y = fn(x, w, offs)
+        torch.testing.assert_close(y, want)
+        gx, gw = torch.autograd.grad((y * y).sum(), (x, w))
+        torch.testing.assert_close(gx, gx_want)
+        torch.testing.assert_close(gw, gw_want)
+    assert not _grouped_mm_kernel_ok(x[:, :6].contiguous(), w[:, :, :6].contiguous())  # 24-byte strides: the kernel refuses
+
+
+# ============================================================== balancing
+def test_balance_losses_under_uniform_routing():
+    E = 8
+    coefs = dict(load_balance_coef=0.1, z_loss_coef=0.01, expert_balance_coef=0.2, device_balance_coef=0.3)
+    layer = make_moe(dict(n_experts=E, top_k=2, n_groups=4, **coefs))
+    with torch.no_grad():
+        layer.router.weight.zero_()  # every token: probabilities 1/E
+        layer(tokens())
+    losses = {k: float(v) for k, v in layer.aux_losses.items()}
+    assert losses == pytest.approx(
+        {"load_balance": 0.1, "z_loss": 0.01 * math.log(E) ** 2, "expert_balance": 0.2, "device_balance": 0.3}
+    )
+    assert float(layer.aux_loss) == pytest.approx(sum(losses.values()))
+    stats = layer.stats
+    assert stats["router_entropy"] == pytest.approx(math.log(E))
+
+
+def test_balance_losses_closed_form_on_a_skewed_routing():
+    # 4 tokens, 4 experts in 2 devices; probs and choices written out by hand
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4)
+    expert = torch.tensor([[0, 1], [0, 1], [0, 2], [1, 3]])
+    chosen = torch.bincount(expert.flatten(), minlength=4)  # [3, 3, 1, 1]
+    r = Routing(probs.log(), probs, expert, torch.ones(4, 2), torch.ones(4, 2, dtype=torch.bool), chosen)
+    # Switch: first choices f = [3/4, 1/4, 0, 0]; E * sum f P = 4 * (0.3 + 0.075)
+    assert float(load_balance_loss(r)) == pytest.approx(4 * (0.75 * 0.4 + 0.25 * 0.3))
+    # DeepSeekMoE expert level: f = E/(K T) count = [1.5, 1.5, .5, .5]
+    assert float(expert_balance_loss(r)) == pytest.approx(1.5 * 0.4 + 1.5 * 0.3 + 0.5 * 0.2 + 0.5 * 0.1)
+    # device level: f' = [1.5, .5], P' = [.7, .3]
+    assert float(device_balance_loss(r, n_groups=2)) == pytest.approx(1.5 * 0.7 + 0.5 * 0.3)
+    assert float(z_loss(r)) == pytest.approx(0.0, abs=1e-6)  # log-probabilities: logsumexp = 0
+
+
+def test_bias_updates_lower_the_load_imbalance():
+    layer = make_moe(dict(n_experts=8, top_k=2, scoring="sigmoid", normalize_top_k=True, bias_update_rate=0.01)).train()
+    v = torch.randn(D, generator=torch.Generator().manual_seed(5))
+    x = tokens(B=4, S=32) + v  # every token shares a direction v ...
+    with torch.no_grad():
+        layer.router.weight[0] += v / v.norm()  # ... that experts 0 and 1 are drawn to
+        layer.router.weight[1] += 0.5 * v / v.norm()
+        layer(x)
+        before = layer.stats
+        for _ in range(60):
+            layer(x)
+            layer.update_bias()
+        layer(x)
+    after = layer.stats
+    assert before["max_load"] > 3.5 and after["max_load"] < 1.3
+    assert after["cv_load"] < 0.5 * before["cv_load"]
+    bias = layer.router.score_bias
+    assert bias[0] < bias[1] < 0 < bias[2]  # the busiest expert is pushed down the most
+    assert float(layer.load.sum()) == 2 * 128  # the last forward was accumulated; update_bias clears it
+    layer.update_bias()
+    assert float(layer.load.sum()) == 0
+
+
+def test_bias_update_is_a_no_op_when_disabled():
+    layer = make_moe(dict(n_experts=4, top_k=1)).train()
+    with torch.no_grad():
+        layer(tokens())
+    layer.update_bias()
+    assert layer.router.score_bias.abs().max() == 0
+
+
+def test_transformer_updates_router_biases():
+    cfg = ModelConfig.from_preset("deepseek-v3", d_model=64, n_heads=4, n_layers=2, vocab_size=64)
+    model = Transformer(cfg).train()
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(idx)
+    model.update_router_biases()
+    bias = model.blocks[1].ffn.router.score_bias
+    assert bias.abs().max() == pytest.approx(1e-3)
+
+
+# ============================================================== capacity and statistics
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_capacity_drops_exactly_the_overflow_tokens(impl):
+    E, T = 4, 8
+    layer = make_moe(dict(n_experts=E, top_k=1, capacity_factor=1.0)).eval()  # C = ceil(8 * 1 / 4) = 2
+    layer.set_impl(impl)
+    with torch.no_grad():
+        layer.router.score_bias[0] = 100.0  # everybody chooses expert 0
+        x = tokens(B=1, S=T)
+        y = layer(x)[0]
+        w = layer.router(x[0]).weight_TK[:, 0]
+        expert0 = layer.experts.one(x[0], 0) * w[:, None]
+    torch.testing.assert_close(y[:2], expert0[:2])  # the first two in token order fit
+    assert y[2:].abs().max() == 0  # the rest overflow: nothing added, the residual carries them
+    s = layer.stats
+    assert s["tokens_per_expert"] == [8, 0, 0, 0] and s["dropped"] == pytest.approx(6 / 8)
+    assert s["max_load"] == pytest.approx(4.0) and s["cv_load"] == pytest.approx(math.sqrt(3))
+
+
+def test_capacity_serves_first_choices_before_second_choices():
+    E, T = 4, 4
+    layer = make_moe(dict(n_experts=E, top_k=2, capacity_factor=1.0)).eval()  # C = ceil(4*2/4) = 2
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        # tokens 0-1 pick (1, 0); tokens 2-3 pick (0, 2): expert 0 gets two first choices (tokens 2, 3)
+        # and two second choices (tokens 0, 1) -> the second choices overflow
+        layer.router.score_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -9.0]))
+        x = tokens(B=1, S=T)
+        r = layer.router(x[0])
+        r.expert_TK = torch.tensor([[1, 0], [1, 0], [0, 2], [0, 2]])
+        token_A, expert_A, _, sent_E, kept = layer.assign_limited(r)
+    pairs = sorted(zip(token_A.tolist(), expert_A.tolist()))
+    assert pairs == [(0, 1), (1, 1), (2, 0), (2, 2), (3, 0), (3, 2)]
+    assert sent_E.tolist() == [4, 2, 2, 0] and kept == 6
+
+
+def test_gshard_second_expert_is_sent_with_probability_twice_its_share():
+    layer = make_moe(dict(n_experts=2, top_k=2, second_expert="random", normalize_top_k=True)).train()
+    x = torch.ones(1, 4000, D)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0] = math.log(9) / D  # probabilities (0.9, 0.1): g2 share 0.1
+        torch.manual_seed(0)
+        layer(x)
+        assert layer.stats["tokens_per_expert"][0] == 4000
+        assert layer.stats["tokens_per_expert"][1] / 4000 == pytest.approx(0.2, abs=0.03)
+        layer.eval()
+        layer(x)
+        assert layer.stats["tokens_per_expert"] == [4000, 4000]
+
+
+def test_router_logits_are_fp32_under_autocast():
+    layer = make_moe(dict(n_experts=4, top_k=2, n_shared=1))
+    x = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = layer.router(x.view(-1, D))
+        y = layer(x)
+    assert r.logits_TE.dtype == torch.float32 and r.weight_TK.dtype == torch.float32
+    want = layer(x)
+    assert y.dtype == torch.float32 and float((y - want).detach().norm() / want.detach().norm()) < 0.02  # bf16 experts, fp32 routing
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_gradients_reach_router_experts_and_shared_experts(impl):
+    layer = make_moe(dict(n_experts=4, top_k=2, n_shared=1, shared_gate="sigmoid", expert_balance_coef=0.1)).train()
+    layer.set_impl(impl)
+    y = layer(tokens())
+    (y.square().mean() + layer.aux_loss).backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().amax(dim=tuple(range(1, p.ndim))).min() > 0, name
+
+
+# ============================================================== the whole model
+@pytest.mark.parametrize("preset", sorted(MOE_PRESETS))
+def test_every_moe_preset_trains_with_its_aux_losses(preset):
+    cfg = ModelConfig.from_preset(preset, d_model=64, n_heads=4, n_layers=2, vocab_size=64)
+    model = Transformer(cfg).train()
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    out = model(idx, targets=idx)
+    enabled = {k.removesuffix("_coef") for k, v in cfg.moe.to_dict().items() if k.endswith("_coef") and v > 0}
+    assert set(out.aux_losses) == enabled and enabled
+    assert float(out.aux_loss.detach()) > 0
+    torch.testing.assert_close(out.loss, out.ce_loss + sum(out.aux_losses.values()))
+    out.loss.backward()
+    router = model.moe_layers[0].router.weight
+    assert router.grad is not None and router.grad.abs().max() > 0
+    counts = model.num_params()
+    moe, width = cfg.moe, cfg.moe.expert_width(cfg.d_ff)
+    per_expert = (3 if cfg.ffn == "glu" else 2) * 64 * width
+    assert counts["total"] - counts["active"] == cfg.n_moe_layers * (moe.routed_experts - moe.active_experts) * per_expert
+    stats = model.moe_stats()
+    assert len(stats) == cfg.n_moe_layers
+    assert sum(stats[0]["tokens_per_expert"]) == 32 * moe.active_experts or moe.second_expert == "random"
+
+
+def test_model_loss_includes_aux_losses_and_weights_are_seeded():
+    cfg = ModelConfig.from_preset("mixtral", d_model=64, n_heads=4, n_layers=2, vocab_size=64)
+    cfg = cfg.override({"moe.z_loss_coef": 1.0})
+    a, b = Transformer(cfg), Transformer(cfg)
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = a(idx, targets=idx)
+    z = sum(float(m.aux_losses["z_loss"]) for m in a.moe_layers)
+    assert float(out.aux_losses["z_loss"]) == pytest.approx(z) and z > 0
+    assert float(out.loss - out.ce_loss) == pytest.approx(float(out.aux_loss))
+    # down projections use the residual std: gpt2 scaling shrinks them, not the inputs
+    g = Transformer(cfg.replace(residual_scaling="gpt2", init_std=0.05))
+    ex = g.blocks[0].ffn.experts
+    assert float(ex.gate_up.std()) == pytest.approx(0.05, rel=0.05)
+    assert float(ex.down.std()) == pytest.approx(0.05 / math.sqrt(4), rel=0.05)
