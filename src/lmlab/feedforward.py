@@ -3,6 +3,8 @@ gated linear unit (Shazeer 2020, https://arxiv.org/abs/2002.05202; SwiGLU = glu 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,7 +13,7 @@ from .config import ModelConfig
 
 ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),  # GPT-2's "gelu_new"; a partial pickles, a lambda does not
     "silu": F.silu,
     "relu": F.relu,
 }
