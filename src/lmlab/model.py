@@ -126,6 +126,11 @@ class Transformer(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> LMOutput:
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(
+                f"targets has shape {tuple(targets.shape)} but idx has {tuple(idx.shape)}; targets[b, t] is "
+                "the token that follows idx[b, t] (IGNORE_INDEX = -100 to skip it), so the shapes must match"
+            )
         logits = self.head(self.hidden(idx, cache))  # (B, T, V)
         aux_losses: dict[str, torch.Tensor] = {}
         for moe in self.moe_layers:
@@ -134,7 +139,8 @@ class Transformer(nn.Module):
         aux_loss = sum(aux_losses.values(), torch.zeros((), device=logits.device))
         ce = loss = None
         if targets is not None:
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            # .long(): token shards are often int32/uint16, which cross_entropy refuses as targets
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=IGNORE_INDEX)
             loss = ce + aux_loss
         return LMOutput(logits, loss, ce, aux_loss, aux_losses)
 
@@ -202,7 +208,7 @@ class SequenceClassifier(nn.Module):
         not_pad = (idx != self.pad_token_id).long()
         last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index
         logits = self.score(h[torch.arange(idx.shape[0], device=idx.device), last])  # (B, n_classes)
-        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        loss = F.cross_entropy(logits.float(), labels.long()) if labels is not None else None
         return logits, loss
 
 
