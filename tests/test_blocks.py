@@ -316,6 +316,16 @@ def test_ignored_targets_are_left_out_of_the_mean():
     assert keep.sum() == 20 - 5
 
 
+def test_targets_of_any_integer_dtype_and_mismatched_shapes():
+    model = Transformer(tiny_config())
+    seq = tokens(2, 9)
+    expected = model(seq[:, :-1], targets=seq[:, 1:]).loss
+    narrow = seq.to(torch.int32)  # token shards are commonly stored as int32 / uint16
+    assert_close(model(narrow[:, :-1], targets=narrow[:, 1:]).loss, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"targets has shape \(2, 4\) but idx has \(2, 8\)"):
+        model(seq[:, :-1], targets=seq[:, 1:5])
+
+
 def test_classifier_pools_the_last_non_pad_token():
     pad = 0
     clf = SequenceClassifier(tiny_config(init_std=0.1), n_classes=3, pad_token_id=pad).eval()
@@ -412,3 +422,14 @@ def test_cache_guards():
     with pytest.raises(ValueError, match="made for batch_size=2 but the input has batch_size=1"):
         model(tokens(1, 1), cache=cache)
     assert cache.length == 4  # a refused call leaves the cache as it was
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
+def test_whole_model_pickles(activation, tmp_path):
+    """torch.save(model) and multiprocessing need every attribute picklable (no lambdas)."""
+    model = Transformer(tiny_config(ffn="mlp", activation=activation, positions="alibi")).eval()
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    idx = tokens(1, 6)
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, model(idx).logits)
