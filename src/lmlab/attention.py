@@ -116,7 +116,7 @@ class Attention(nn.Module):
         if bias is not None:
             scores = scores + bias
         visible = ctx.mask if ctx.mask is not None else torch.ones(ctx.T, ctx.S, dtype=torch.bool, device=q.device).tril()
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1).to(v.dtype)  # an fp32 bias promotes scores
         probs = F.dropout(probs, self.dropout, self.training)
         y = probs @ v  # (B, H, T, hd)
         extra = self.term.value_term(probs, ctx)
