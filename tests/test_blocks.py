@@ -391,10 +391,15 @@ def test_flops_per_token_by_hand(case):
 
 
 # ================================================================ dtypes and the cache's guards
-@pytest.mark.parametrize("positions", ["none", "sinusoidal", "learned", "relative", "alibi", "rope"])
-def test_bf16_weights_and_bf16_autocast_run_close_to_fp32(positions):
+BF16_CASES = [(p, "sdpa") for p in ["none", "sinusoidal", "learned", "alibi", "rope"]] + [
+    (p, "explicit") for p in ["none", "relative", "alibi", "rope"]]
+
+
+@pytest.mark.parametrize("positions,impl", BF16_CASES, ids=[f"{p}-{i}" for p, i in BF16_CASES])
+def test_bf16_weights_and_bf16_autocast_run_close_to_fp32(positions, impl):
     cfg = tiny_config(positions=positions, n_kv_heads=2, init_std=0.1)
     model = Transformer(cfg).eval()
+    model.set_attention_impl(impl)
     idx = tokens(2, 8)
     with torch.no_grad():
         reference = model(idx).logits
@@ -403,6 +408,7 @@ def test_bf16_weights_and_bf16_autocast_run_close_to_fp32(positions):
             cache = model.new_cache(2, 8, dtype=torch.bfloat16)
             cached = torch.cat([model(idx[:, :5], cache=cache).logits, model(idx[:, 5:], cache=cache).logits], 1)
         half = Transformer(cfg).to(torch.bfloat16).eval()
+        half.set_attention_impl(impl)
         pure = half(idx).logits
         cache = half.new_cache(2, 8)
         assert cache.k.dtype == torch.bfloat16
