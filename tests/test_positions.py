@@ -75,8 +75,6 @@ def test_rotary_cached_keys_keep_their_angles():
     assert_close(tail[1], full[1][6:], rtol=0, atol=0)  # sin
 
 
-@pytest.mark.xfail(strict=True, reason="Rotary.inv_freq is a float buffer, so model.to(bfloat16) rounds the "
-                   "frequencies (cos off by up to 1.5 by position 4096); reported to the rotary owner")
 def test_rotary_angles_survive_casting_the_model_to_bf16():
     cfg = tiny_config(positions="rope", d_model=256, n_heads=4, max_seq_len=4096)
     reference = Transformer(cfg).positions.context(0, 4096, torch.device("cpu")).state

@@ -299,14 +299,18 @@ class Rotary(PositionScheme):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         inv_freq, factor = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_seq_len, cfg.max_seq_len)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Not a buffer: model.to(bfloat16) would round the frequencies (cos off by ~1.5 at position
+        # 4096). Kept in fp32, one copy per device.
+        self._inv_freq = {inv_freq.device: inv_freq}
         self.attention_factor = factor
 
-    def frequencies(self, seq_len: int) -> torch.Tensor:
-        return self.inv_freq
+    def frequencies(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = next(iter(self._inv_freq.values())).to(device)
+        return self._inv_freq[device]
 
     def state(self, offset, T, device):
-        inv_freq = self.frequencies(offset + T).to(device)
+        inv_freq = self.frequencies(offset + T, device)
         pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
         angle = pos[:, None] * inv_freq[None, :]  # (T, d/2): p * theta_i
         angle = torch.cat((angle, angle), dim=-1)  # (T, d)
@@ -324,8 +328,8 @@ class DynamicRotary(Rotary):
     reuses them for a later, shorter sequence that is still longer than ``max_seq_len``; here
     the frequencies depend only on the current length, so a forward never depends on history."""
 
-    def frequencies(self, seq_len: int) -> torch.Tensor:
-        return rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, seq_len)[0]
+    def frequencies(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        return rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, seq_len)[0].to(device)
 
 
 SCHEMES: dict[str, type[PositionScheme]] = {
