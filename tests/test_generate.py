@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lmlab
-from lmlab.generate import generate, make_sampler, sample_text, top_k_filter, top_p_filter
+from lmlab.generate import candidates, generate, make_sampler, sample_text, top_k_filter, top_p_filter
 from lmlab.tokenizer import ByteTokenizer, CharTokenizer
 
 V = 64
@@ -157,6 +157,20 @@ def test_top_k_and_top_p_filters_closed_form():
     assert kept == [[False, True, False, True]]
     assert top_p_filter(probs.log(), 0.85).isfinite().tolist() == [[True, True, False, True]]
     assert top_p_filter(probs.log(), 1e-9).isfinite().tolist() == [[False, True, False, False]]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, None), (5, None), (None, 0.6), (7, 0.5), (V, 0.999999), (V + 3, None)])
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
+def test_fast_candidates_equal_the_reference_filters(temperature, top_k, top_p):
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 3
+    reference = logits / temperature
+    if top_k is not None:
+        reference = top_k_filter(reference, min(top_k, V))
+    if top_p is not None:
+        reference = top_p_filter(reference, top_p)
+    probs, ids = candidates(temperature, top_k, top_p, V)(logits)
+    full = torch.zeros(4, V).scatter(-1, ids, probs) if ids is not None else probs
+    torch.testing.assert_close(full, reference.softmax(-1))
 
 
 # ============================================================== argument checks: eager, one line

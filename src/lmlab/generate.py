@@ -45,28 +45,53 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def candidates(
+    temperature: float, top_k: int | None, top_p: float | None, vocab_size: int
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
+    """logits (B, V) -> (probs (B, K), ids (B, K) or None when K = V and ids are positions).
+
+    The fast path of ``softmax(top_p_filter(top_k_filter(logits / temperature)))`` (Hugging
+    Face's order): with top-k it works on the k best logits only, so the softmax and the draw
+    touch k values instead of the whole vocabulary. Tests check it against the filters above."""
+    k = top_k if top_k is not None and top_k < vocab_size else None
+    p = top_p if top_p is not None and top_p < 1.0 else None
+
+    def nucleus(sorted_logits: torch.Tensor) -> torch.Tensor:  # (B, K) sorted descending
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        return sorted_logits.masked_fill(before > p, float("-inf"))
+
+    if k is not None:  # the k best, sorted descending: (B, k) values and ids
+        select = lambda x: x.topk(k, dim=-1)  # noqa: E731
+    elif p is not None:  # the whole vocabulary, sorted for the nucleus cut
+        select = lambda x: x.sort(dim=-1, descending=True)  # noqa: E731
+    else:  # the whole vocabulary as it is; position = id
+        select = lambda x: (x, None)  # noqa: E731
+    trim = nucleus if p is not None else (lambda x: x)
+
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        values, ids = select(logits.float() / temperature)
+        return trim(values).softmax(dim=-1), ids
+
+    return pick
+
+
 def make_sampler(
     temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None, vocab_size: int
 ) -> Sampler:
-    """logits (B, V) -> ids (B,): greedy at temperature 0, else temperature, top-k, top-p (in
-    Hugging Face's order) and a draw from ``generator``."""
+    """logits (B, V) -> ids (B,): greedy at temperature 0, else a draw from ``generator`` over the
+    tokens that temperature, top-k and top-p leave."""
     if temperature == 0:
         return lambda logits: logits.argmax(dim=-1)
-    filters: list[Callable[[torch.Tensor], torch.Tensor]] = []
-    if top_k is not None and top_k < vocab_size:
-        filters.append(lambda x: top_k_filter(x, top_k))
-    if top_p is not None and top_p < 1.0:
-        filters.append(lambda x: top_p_filter(x, top_p))
+    pick = candidates(temperature, top_k, top_p, vocab_size)
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float() / temperature
-        for f in filters:
-            logits = f(logits)
-        probs = logits.softmax(dim=-1)  # (B, V)
+        probs, ids = pick(logits)  # (B, K), (B, K) | None
         # argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i (the exponential race),
         # with no host synchronization, unlike torch.multinomial on some devices
         race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        return (probs / race).argmax(dim=-1)
+        choice = (probs / race).argmax(dim=-1)  # (B,)
+        return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
     return sample
 
