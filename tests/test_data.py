@@ -104,6 +104,13 @@ def test_tokenizer_saved_by_prepare_loads_identically(tmp_path, kind):
     assert sorted(meta["tokenizer_files"]) == sorted(p.name for p in (tmp_path / "d").iterdir() if p.name not in ("meta.json", "train.bin", "val.bin"))
 
 
+def test_bpe_wrapper_refuses_a_non_byte_level_vocabulary():
+    tk = pytest.importorskip("tokenizers")
+    wordlevel = tk.Tokenizer(tk.models.WordLevel({"hello": 0, "▁world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match=r"token '▁world' is not written in the byte-level alphabet"):
+        BPETokenizer(wordlevel)
+
+
 def test_missing_tokenizers_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import now raises ImportError
     with pytest.raises(ValueError, match=r"pip install 'lmlab\[bpe\]'"):
@@ -276,6 +283,18 @@ def test_batch_offsets_reach_both_ends_of_the_split(prepared):
     tokens = np.asarray(train.tokens)
     starts = {bytes(r) for r in x.tolist()}
     assert bytes(tokens[:T].tolist()) in starts and bytes(tokens[n - T - 1 : n - 1].tolist()) in starts
+
+
+def test_token_data_pickles_as_a_path(prepared):
+    import pickle
+
+    d, _ = prepared
+    train = TokenData(d, "train")
+    blob = pickle.dumps(train)
+    assert len(blob) < 2000  # the tokens are not in the pickle
+    again = pickle.loads(blob)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert all(torch.equal(a, b) for a, b in zip(train.batch(4, 8, g1), again.batch(4, 8, g2)))
 
 
 def test_iter_eval_covers_the_split_in_contiguous_windows(prepared):

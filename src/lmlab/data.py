@@ -393,6 +393,14 @@ class TokenData:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    # pickled (DataLoader workers, spawned processes) as a path, reopened on arrival, never copied
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "tokens"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.tokens = np.memmap(self.path, dtype=np.dtype(self.meta["dtype"]), mode="r")
+
     def _check(self, batch_size: int, seq_len: int) -> None:
         check_positive("batch_size", batch_size)
         check_positive("seq_len", seq_len)

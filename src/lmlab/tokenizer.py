@@ -210,6 +210,11 @@ class BPETokenizer(Tokenizer):
         vocab = hf_tokenizer.get_vocab()  # token string -> id
         table = [REPLACEMENT] * hf_tokenizer.get_vocab_size()
         for token, i in vocab.items():
+            if any(c not in to_byte for c in token):
+                raise ValueError(
+                    f"token {token!r} is not written in the byte-level alphabet; BPETokenizer wraps byte-level BPE "
+                    "tokenizers only (those lmlab trains), not SentencePiece/WordPiece ones"
+                )
             table[i] = bytes(to_byte[c] for c in token)
         self.token_bytes = table
 
