@@ -205,6 +205,10 @@ def test_hf_source_from_save_to_disk_and_from_data_files(tmp_path):
     meta = prepare(DataConfig(source=f"hf:{tmp_path / 'files'}"), tmp_path / "d")
     assert meta["documents"] == 3
     assert bytes(shards(tmp_path / "d").astype(np.uint8)).decode() == SEPARATOR.join(DOCS)
+    single = read_corpus(DataConfig(source=f"hf:{tmp_path / 'files' / 'part.jsonl'}"))  # one data file
+    assert [t for _, t in single] == DOCS
+    with pytest.raises(ValueError, match=r"hf:.*notes\.xyz is a file of unknown kind; use \.parquet, \.csv, \.json\(l\) or \.txt"):
+        read_corpus(DataConfig(source=f"hf:{write(tmp_path / 'notes.xyz', 'x')}"))
     with pytest.raises(ValueError, match=r"has no column 'text' \(columns: \['content', 'n'\]\); set data.text_field"):
         read_corpus(DataConfig(source=f"hf:{tmp_path / 'saved'}"))
     with pytest.raises(ValueError, match=r"hf dataset path '.*nope' does not exist; lmlab reads only local datasets"):

@@ -209,6 +209,10 @@ def _load_local_dataset(datasets, path: Path):
     import tempfile
 
     saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    # belt and braces: local paths need no network, and offline mode makes sure nothing is fetched
+    flags = {k: getattr(datasets.config, k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if hasattr(datasets.config, k)}
+    for k in flags:
+        setattr(datasets.config, k, True)
     try:
         if saved:
             return datasets.load_from_disk(str(path))
@@ -226,6 +230,9 @@ def _load_local_dataset(datasets, path: Path):
     except Exception as e:  # datasets raises many types; keep the message to one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot load hf dataset {str(path)!r}: {first}; save it with Dataset.save_to_disk") from None
+    finally:
+        for k, v in flags.items():
+            setattr(datasets.config, k, v)
 
 
 def corpus_hash(docs: list[Document]) -> str:
