@@ -7,8 +7,8 @@
 
 The loop: one cache for the whole run (``model.new_cache(B, T + max_new_tokens)``), the prompt
 prefilled in one forward, the head applied to the last position only, then one token per
-forward. Sampling runs on the model's device; the sampler is assembled once from the arguments,
-so the loop has no branching on them.
+forward. Sampling runs on the model's device, with no host synchronization unless ``eos_id`` is
+given; the sampler is assembled once from the arguments, not re-decided at every step.
 
 Positions beyond ``max_seq_len``: schemes that compute positions (rope, alibi, relative,
 sinusoidal, none) simply continue, as in length-extrapolation studies. ``learned`` has a table of
