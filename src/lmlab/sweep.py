@@ -635,4 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the lmlab.sweep module, not this __main__ copy, so exception classes are the library's
+    from lmlab.sweep import main as _main
+
+    sys.exit(_main())
