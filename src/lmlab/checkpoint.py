@@ -1,0 +1,252 @@
+"""Checkpoints on disk: weights as safetensors, training state as a weights-only torch file.
+
+    checkpoints/
+      step_0000200/model.safetensors   weights; tied tensors stored once; the model config in the metadata
+      step_0000200/state.pt            step, optimizer state, counters (load with torch.load(weights_only=True))
+      best.json                        {"step": 200, "val_loss": 1.83}: the best checkpoint is never pruned
+
+A checkpoint appears all at once or not at all: its files are written and fsynced inside a hidden
+temporary directory, which is then renamed into place (``os.replace``, atomic on POSIX) and the
+parent directory fsynced. A crash at any point leaves the earlier checkpoints untouched; a stale
+temporary directory is ignored and swept by the next save. Every other file here (best.json, a
+run's config.yaml) goes through :func:`atomic_write`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+WEIGHTS = "model.safetensors"
+STATE = "state.pt"
+BEST = "best.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# ============================================================== atomic files
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` through ``write(tmp_path)``: temp file in the same directory, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+# ============================================================== weights
+def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop tensors that share memory with an earlier one (tied weights); safetensors refuses them.
+
+    Returns (tensors to store, {alias: stored name})."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen and t.numel() > 0:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            stored[name] = t.detach().cpu().contiguous()
+    return stored, aliases
+
+
+def save_weights(model: nn.Module, path: str | Path, model_config: dict[str, Any] | None = None) -> None:
+    """``model``'s state dict as safetensors, each tied tensor once; metadata records the ties and config."""
+    from safetensors.torch import save_file
+
+    tensors, aliases = _unique_tensors(model.state_dict())
+    metadata = {"format": "pt", "aliases": json.dumps(aliases)}
+    if model_config is not None:
+        metadata["model_config"] = json.dumps(model_config)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def _config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "model.") -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} is {a!r} in the checkpoint but {b!r} here")
+    return out
+
+
+def load_weights(model: nn.Module, path: str | Path) -> dict[str, str]:
+    """Load safetensors weights into ``model`` (re-tying shared tensors), or raise a ValueError that
+    names the first mismatching tensor and, where the checkpoint records it, the differing config field.
+    Returns the file's metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint weights {str(path)!r} do not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"checkpoint weights {str(path)!r} cannot be read ({e}); the file is damaged") from None
+    for alias, name in json.loads(metadata.get("aliases", "{}")).items():
+        tensors[alias] = tensors[name]
+
+    expected = model.state_dict()
+    problems = [f"tensor {k!r} is missing from the checkpoint" for k in expected if k not in tensors]
+    problems += [f"the checkpoint has tensor {k!r}, which the model does not" for k in tensors if k not in expected]
+    problems += [
+        f"tensor {k!r} has shape {tuple(tensors[k].shape)} in the checkpoint but {tuple(v.shape)} in the model"
+        for k, v in expected.items()
+        if k in tensors and tensors[k].shape != v.shape
+    ]
+    if problems:
+        config = getattr(model, "config", None)
+        fields = []
+        if "model_config" in metadata and config is not None and hasattr(config, "to_dict"):
+            fields = _config_diff(json.loads(metadata["model_config"]), config.to_dict())
+        hint = f"; {fields[0]}" if fields else ""
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"checkpoint {str(path)!r} does not match the model: {problems[0]}{more}{hint}")
+    model.load_state_dict(tensors)
+    return metadata
+
+
+# ============================================================== checkpoint directories
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:07d}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def save_checkpoint(
+    root: str | Path, step: int, model: nn.Module, state: dict[str, Any], model_config: dict[str, Any] | None = None
+) -> Path:
+    """Write checkpoint ``step`` atomically (see the module docstring); an existing one is kept as is."""
+    root = Path(root)
+    final = step_dir(root, step)
+    if final.exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    _sweep(root)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        save_weights(model, tmp / WEIGHTS, model_config)
+        atomic_write(tmp / STATE, lambda p: torch.save(state, p))
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root)
+    return final
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's training state, read with ``weights_only=True`` (no arbitrary code runs)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / STATE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint state {str(path)!r} does not exist")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_best(root: str | Path) -> dict[str, Any] | None:
+    p = Path(root) / BEST
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def write_best(root: str | Path, step: int, val_loss: float) -> None:
+    atomic_write_text(Path(root) / BEST, json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+
+
+def prune(root: str | Path, keep_last: int) -> list[int]:
+    """Delete all but the newest ``keep_last`` checkpoints and the best one; return the deleted steps.
+
+    A checkpoint is first renamed out of the namespace, then deleted, so a crash mid-delete never
+    leaves a half-deleted directory that looks complete."""
+    root = Path(root)
+    best = read_best(root)
+    keep = {s for s, _ in list_checkpoints(root)[-keep_last:]} | ({best["step"]} if best else set())
+    deleted = []
+    for s, p in list_checkpoints(root):
+        if s not in keep:
+            trash = root / f".{p.name}.deleting"
+            os.replace(p, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(s)
+    if deleted:
+        fsync_dir(root)
+    return deleted
+
+
+def _sweep(root: Path) -> None:
+    """Remove temporary directories left by an interrupted save or delete."""
+    for p in root.iterdir():
+        if p.name.startswith(".step_") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def resolve(root: str | Path, which: str | int = "latest") -> Path:
+    """The checkpoint directory for ``which``: "latest", "best" (falls back to latest) or a step number."""
+    root = Path(root)
+    found = dict(list_checkpoints(root))
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {str(root)!r}; train the run first")
+    if which == "best":
+        best = read_best(root)
+        if best is not None and best["step"] in found:
+            return found[best["step"]]
+        which = "latest"
+    if which == "latest":
+        return found[max(found)]
+    try:
+        step = int(which)
+    except (TypeError, ValueError):
+        raise ValueError(f"checkpoint={which!r} is not valid; use 'best', 'latest' or a step number") from None
+    if step not in found:
+        raise ValueError(f"there is no checkpoint at step {step} in {str(root)!r}; steps saved: {sorted(found)}")
+    return found[step]

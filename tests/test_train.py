@@ -1,0 +1,291 @@
+"""The trainer: param groups, schedule, clipping, accumulation, exact resume, numerical faults, DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import lmlab
+from lmlab import checkpoint as ckpt
+from lmlab.data import DataConfig
+from lmlab.train import (
+    RunConfig, TrainConfig, Trainer, TrainingDiverged, clip_gradients, forward_backward, learning_rate, load_config,
+    param_groups,
+)
+
+TINY = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
+
+
+def corpus(path: Path, n_words: int = 6000) -> Path:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
+    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
+    return path
+
+
+def run_config(tmp_path: Path, model: dict | None = None, **train) -> RunConfig:
+    source = tmp_path / "corpus.txt"
+    if not source.exists():
+        corpus(source)
+    t = dict(steps=8, batch_size=4, warmup_steps=2, lr=3e-3, eval_every=4, eval_batches=2, save_every=4, log_every=1,
+             tensorboard=False, sample_tokens=0, device="cpu")
+    return RunConfig(
+        model=lmlab.ModelConfig.from_preset("llama", **{**TINY, **(model or {})}),
+        data=DataConfig(source=str(source)),
+        train=TrainConfig(**{**t, **train}),
+    )
+
+
+def train(cfg: RunConfig, run_dir: Path, callbacks=(), **kw) -> tuple[lmlab.train.TrainResult, list[dict], Trainer]:
+    records: list[dict] = []
+    with Trainer(cfg, run_dir, quiet=True, callbacks=[lambda t, r: records.append(r), *callbacks], **kw) as trainer:
+        result = trainer.fit()
+    return result, records, trainer
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+# ============================================================== parts
+def test_param_groups_decay_only_weight_matrices():
+    def groups(**kw):
+        model = lmlab.Transformer(lmlab.ModelConfig.from_preset(**{**TINY, "n_kv_heads": None, **kw}))
+        decay, no_decay = param_groups(model, 0.1)
+        assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+        assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+        return set(decay["names"]), set(no_decay["names"])
+
+    decay, no_decay = groups(name="gpt2")  # biases, LayerNorm, learned positions, tied head
+    assert decay == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.out", "ffn.up", "ffn.down")}
+    assert {"embed.weight", "positions.table.weight", "final_norm.weight", "final_norm.bias",
+            "blocks.0.attn.qkv.bias", "blocks.1.norm2.weight"} <= no_decay
+    assert "head.weight" not in decay | no_decay  # tied: the embedding, listed once
+
+    decay, no_decay = groups(name="llama")  # untied head decays like any projection
+    assert "head.weight" in decay and "embed.weight" in no_decay
+    decay, no_decay = groups(name="llama", positions="relative")  # Shaw tables are position embeddings
+    assert {"blocks.0.attn.term.rel_k", "blocks.1.attn.term.rel_v"} <= no_decay
+
+
+def test_learning_rate_warmup_then_cosine_to_min():
+    cfg = TrainConfig(steps=11, warmup_steps=2, lr=1.0, min_lr=0.1)
+    got = [learning_rate(s, cfg) for s in range(11)]
+    assert got[0] == 0.5 and got[1] == 1.0 and got[2] == 1.0  # warmup reaches lr, decay starts from it
+    assert got[6] == pytest.approx(0.55)  # half way through the decay: (lr + min_lr) / 2
+    assert got[10] == pytest.approx(0.1)  # the last step is at min_lr
+    assert got[4] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
+    assert all(a >= b for a, b in zip(got[1:], got[2:]))
+    assert learning_rate(0, TrainConfig(steps=5, warmup_steps=0, lr=1.0, min_lr=0.0)) == 1.0
+
+
+def test_clip_gradients_scales_to_max_norm_and_reports_non_finite():
+    a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    assert clip_gradients([a, b], 1.0) == pytest.approx(5.0)
+    torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([0.6, 0.8]))
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    assert clip_gradients([a, b], 0.0) == pytest.approx(5.0)  # 0: measure only
+    torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([3.0, 4.0]))
+    b.grad = torch.tensor([float("inf")])
+    assert not math.isfinite(clip_gradients([a, b], 1.0))
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    cfg = lmlab.ModelConfig.from_preset("llama", **TINY)
+    x = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    grads, losses_ = [], []
+    for n in (1, 2, 4):
+        model = lmlab.Transformer(cfg)
+        chunks = list(zip(x.chunk(n), y.chunk(n)))
+        ce, _ = forward_backward(model, chunks, n, device=torch.device("cpu"))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        losses_.append(ce)
+    for g, loss in zip(grads[1:], losses_[1:]):
+        torch.testing.assert_close(g, grads[0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(loss, losses_[0])
+
+
+def test_train_config_validation_names_field_and_fix():
+    cases = {
+        "train.min_lr=0.1 is above train.lr=0.01": dict(lr=0.01, min_lr=0.1),
+        r"train.betas=\[0.9\] is not valid; give two numbers": dict(betas=(0.9,)),
+        "train.device='gpu' is not a device; use auto, cpu, cuda": dict(device="gpu"),
+        r"train.steps=0 is not valid; it must be > 0": dict(steps=0),
+        r"train.grad_clip=-1.0 is not valid; it must be >= 0": dict(grad_clip=-1.0),
+    }
+    for message, kw in cases.items():
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**kw)
+    with pytest.raises(ValueError, match="train.seq_len=64 is longer than model.max_seq_len=32"):
+        RunConfig(model=lmlab.ModelConfig(**TINY), train=TrainConfig(seq_len=64))
+
+
+def test_load_config_layers_yaml_and_overrides_on_the_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  n_layers: 2\ntrain:\n  lr: 0.001\n  betas: [0.8, 0.9]\nprovenance: [{}]\n")
+    cfg = load_config(path, {"train.lr": "3e-4", "model.rope.base": "500000"})
+    default = RunConfig()
+    assert cfg.model.n_layers == 2 and cfg.model.d_model == default.model.d_model  # the rest stays the demo's
+    assert cfg.train.lr == 3e-4 and cfg.train.betas == (0.8, 0.9) and cfg.model.rope.base == 5e5
+    assert cfg.train.steps == default.train.steps and cfg.data == default.data
+    with pytest.raises(ValueError, match=r"unknown key 'model.n_layer'.*did you mean 'n_layers'"):
+        load_config(None, {"model.n_layer": 2})
+    (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
+    with pytest.raises(ValueError, match="bad.yaml' is not valid YAML at line"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "empty.yaml").write_text("\n")
+    with pytest.raises(ValueError, match="empty.yaml' is empty"):
+        load_config(tmp_path / "empty.yaml")
+    with pytest.raises(FileNotFoundError, match="missing.yaml' does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+# ============================================================== the loop
+def test_training_logs_checkpoints_and_config(tmp_path):
+    cfg = run_config(tmp_path, steps=12, keep_last=1, grad_accum=2)
+    result, records, trainer = train(cfg, tmp_path / "run", command=["lmlab", "train", "--x"])
+    run = tmp_path / "run"
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, 13))
+    for r in logged:
+        assert r["lr"] == pytest.approx(learning_rate(r["step"] - 1, cfg.train))
+        assert r["tokens"] == r["step"] * 4 * 2 * 32 and r["tokens_per_s"] > 0 and r["skipped_steps"] == 0
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    vals = {r["step"]: r["val_loss"] for r in logged if "val_loss" in r}
+    assert sorted(vals) == [4, 8, 12]
+    assert logged[-1]["loss"] < logged[0]["loss"] - 0.5  # it learns: ln(256) = 5.5 at the start
+    assert result.val_loss == vals[12] and result.best_val_loss == min(vals.values())
+    # keep_last=1 plus the best
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best == {"step": min(vals, key=vals.get), "val_loss": min(vals.values())}
+    assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == sorted({12, best["step"]})
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    prov = saved.pop("provenance")
+    assert load_config(run / "config.yaml") == trainer.cfg and RunConfig.from_dict(saved) == trainer.cfg
+    assert prov[0]["command"] == "lmlab train --x" and prov[0]["torch"] == str(torch.__version__)
+    assert prov[0]["lmlab"] == lmlab.__version__ and prov[0]["step"] == 0 and "git" in prov[0]
+    state = ckpt.load_state(run / "checkpoints" / "step_0000012")
+    assert state["step"] == 12 and state["tokens"] == 12 * 4 * 2 * 32
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):
+    cfg = run_config(tmp_path, steps=8, grad_accum=2, model={"dropout": 0.1})
+    full, _, _ = train(cfg, tmp_path / "full")
+
+    def stop_at_4(trainer, record):
+        if record["step"] == 4:
+            trainer.request_stop(signal.SIGTERM)
+
+    part, _, _ = train(cfg, tmp_path / "part", callbacks=[stop_at_4])
+    assert part.stopped_by == signal.SIGTERM and part.step == 4 and part.checkpoint.name == "step_0000004"
+    resumed, _, t2 = train(cfg, tmp_path / "part", resume=True)
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert list(a) == list(b) == list(range(1, 9))
+    assert a == b  # bit-identical, steps 5-8 included
+    assert resumed.val_loss == full.val_loss
+    ref = lmlab.Transformer(t2.cfg.model)
+    ckpt.load_weights(ref, ckpt.resolve(tmp_path / "full" / "checkpoints", "latest") / ckpt.WEIGHTS)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), t2.model.parameters()))
+    prov = yaml.safe_load((tmp_path / "part" / "config.yaml").read_text())["provenance"]
+    assert [p["step"] for p in prov] == [0, 4]
+
+
+def test_non_finite_steps_are_skipped_and_counted(tmp_path):
+    cfg = run_config(tmp_path, steps=6, max_bad_steps=2)
+    bad_loss, bad_grad = {2}, {4}
+    snapshots = {}
+
+    with Trainer(cfg, tmp_path / "run", quiet=True,
+                 callbacks=[lambda t, r: snapshots.__setitem__(r["step"], t.model.head.weight.detach().clone())]) as trainer:
+        trainer.model.head.register_forward_hook(
+            lambda m, i, out: out * float("nan") if trainer.step + 1 in bad_loss and m.training else None)
+        trainer.model.embed.weight.register_hook(
+            lambda g: g * float("inf") if trainer.step + 1 in bad_grad else None)
+        result = trainer.fit()
+    logged = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert math.isnan(logged[2]["loss"]) and not math.isfinite(logged[4]["grad_norm"]) and math.isfinite(logged[4]["loss"])
+    assert [logged[s]["skipped_steps"] for s in range(1, 7)] == [0, 1, 1, 2, 2, 2]
+    assert result.skipped_steps == 2 and math.isfinite(result.val_loss)
+    assert torch.equal(snapshots[2], snapshots[1]) and torch.equal(snapshots[4], snapshots[3])  # no update
+    assert not torch.equal(snapshots[3], snapshots[2])  # training went on between the faults
+
+
+def test_consecutive_faults_stop_the_run_and_keep_the_good_checkpoint(tmp_path):
+    cfg = run_config(tmp_path, steps=20, save_every=2, eval_every=100, max_bad_steps=3)
+
+    def corrupt(trainer, record):
+        if record["step"] == 5:  # weights go bad after a good update: every later loss is NaN
+            with torch.no_grad():
+                trainer.model.blocks[0].ffn.down.weight[0, 0] = float("nan")
+
+    with pytest.raises(TrainingDiverged) as e:
+        train(cfg, tmp_path / "run", callbacks=[corrupt])
+    root = tmp_path / "run" / "checkpoints"
+    assert str(e.value) == (
+        "stopped at step 8: 3 consecutive steps with a non-finite loss or gradient (train.max_bad_steps=3); "
+        f"last good checkpoint: {root / 'step_0000004'}"
+    )
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [2, 4]  # step 6's save was refused: NaN weights
+    model = lmlab.Transformer(cfg.model)
+    ckpt.load_weights(model, root / "step_0000004" / ckpt.WEIGHTS)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_moe_statistics_and_aux_losses_are_logged_and_biases_updated(tmp_path):
+    moe = {"moe": {"n_experts": 4, "top_k": 2, "load_balance_coef": 0.01, "bias_update_rate": 0.01}, "ffn": "glu"}
+    cfg = run_config(tmp_path, model=moe, steps=3, eval_every=3)
+    _, records, trainer = train(cfg, tmp_path / "run")
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in logged:
+        assert len(r["moe"]) == 2 and set(r["moe"][0]) >= {"tokens_per_expert", "max_load", "router_entropy"}
+        assert sum(r["moe"][1]["tokens_per_expert"]) == 4 * 32 * 2  # every token sent to top_k=2 experts
+        assert r["aux_losses"]["load_balance"] > 0
+    biases = [m.router.score_bias for m in trainer.model.moe_layers]
+    assert all(b.abs().sum() > 0 for b in biases)  # update_router_biases ran after the steps
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path):
+    cfg = run_config(tmp_path, steps=2, eval_every=2, save_every=2)
+    train(cfg, tmp_path / "run")
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"already holds this run, trained to step 2; pass --resume"):
+        Trainer(cfg, tmp_path / "run", quiet=True)
+    with pytest.raises(ValueError, match=r"already holds a different run \(model.n_layers: 2 vs 3, there vs here\)"):
+        Trainer(cfg.override({"model.n_layers": 3}), tmp_path / "run", quiet=True)
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+    result, _, _ = train(cfg.override({"train.steps": 3}), tmp_path / "run", overwrite=True)
+    assert result.step == 3 and losses(tmp_path / "run").keys() == {1, 2, 3}
+
+
+# ============================================================== DDP
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    cfg = run_config(tmp_path, steps=4, grad_accum=2, eval_every=4, save_every=4)
+    train(cfg, tmp_path / "one")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "lmlab.cli", "train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "two"), "--quiet"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert list(one) == list(two) == [1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(list(two.values())), torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
+    prov = yaml.safe_load((tmp_path / "two" / "config.yaml").read_text())["provenance"]
+    assert prov[0]["world_size"] == 2
+    a, b = lmlab.Transformer(cfg.model), lmlab.Transformer(cfg.model)
+    ckpt.load_weights(a, tmp_path / "one" / "checkpoints" / "step_0000004" / ckpt.WEIGHTS)
+    ckpt.load_weights(b, tmp_path / "two" / "checkpoints" / "step_0000004" / ckpt.WEIGHTS)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
