@@ -357,6 +357,7 @@ class Experts(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
         self.act = _activation(activation)
         self.hidden = self.glu_hidden if ffn == "glu" else self.act
+        self.weighted_down = self.gate_then_down if self.down_bias is None else self.down_then_gate
 
     @property
     def w_in_EID(self) -> torch.Tensor:
@@ -389,17 +390,22 @@ class Experts(nn.Module):
     def grouped(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
         """Fast path: sort assignments by expert, then two grouped matmuls over contiguous groups."""
         expert_A, order_A = torch.sort(expert_A, stable=True)
-        token_A, weight_A = token_A[order_A], weight_A[order_A]
+        token_A, weight_A = token_A[order_A], weight_A.index_select(0, order_A)
         offs_E = torch.bincount(expert_A, minlength=self.n).cumsum(0).to(torch.int32)  # group ends
-        x_AD = x_TD[token_A]
+        x_AD = x_TD.index_select(0, token_A)  # index_select: its backward is a fast index_add
         z_AI = grouped_mm(x_AD, self.w_in_EID, offs_E)
         if self.in_bias is not None:
-            z_AI = z_AI + self.in_bias[expert_A]
-        y_AD = grouped_mm(self.hidden(z_AI), self.down, offs_E)
-        if self.down_bias is not None:
-            y_AD = y_AD + self.down_bias[expert_A]
-        y_AD = y_AD * weight_A[:, None]
+            z_AI = z_AI + self.in_bias.index_select(0, expert_A)
+        y_AD = self.weighted_down(self.hidden(z_AI), expert_A, weight_A, offs_E)
         return out_TD.index_add_(0, token_A, y_AD.to(out_TD.dtype))
+
+    def gate_then_down(self, h_AF, expert_A, weight_A, offs_E) -> torch.Tensor:
+        """w * down(h) = down(w * h) without a bias; F < D, so weighting h is the cheaper side."""
+        return grouped_mm(h_AF * weight_A[:, None].to(h_AF.dtype), self.down, offs_E)
+
+    def down_then_gate(self, h_AF, expert_A, weight_A, offs_E) -> torch.Tensor:
+        y_AD = grouped_mm(h_AF, self.down, offs_E) + self.down_bias.index_select(0, expert_A)
+        return y_AD * weight_A[:, None]
 
 
 IMPLS = {"reference": Experts.loop, "fast": Experts.grouped}
@@ -420,9 +426,9 @@ def grouped_mm(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) ->
 
 def grouped_mm_split(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """The fallback: split the sorted rows into groups (one host sync) and run a matmul per group.
-    Splitting, not slicing, keeps the backward to one concatenation."""
+    split and unbind, not indexing, keep the backward to one cat and one stack."""
     sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
-    return torch.cat([x_NI @ w_EOI[e].T for e, x_NI in enumerate(torch.split(x_AI, sizes))])
+    return torch.cat([x_NI @ w_OI.T for x_NI, w_OI in zip(torch.split(x_AI, sizes), w_EOI.unbind(0))])
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
