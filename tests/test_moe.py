@@ -471,3 +471,123 @@ def test_model_loss_includes_aux_losses_and_weights_are_seeded():
     ex = g.blocks[0].ffn.experts
     assert float(ex.gate_up.std()) == pytest.approx(0.05, rel=0.05)
     assert float(ex.down.std()) == pytest.approx(0.05 / math.sqrt(4), rel=0.05)
+
+
+# ============================================================== Hugging Face checkpoints
+def random_hf_model(model_cls, config, seed=0):
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize(model, seed)
+    return model
+
+
+def check_logits(hf_model, tmp_path) -> lmlab.Transformer:
+    hf_model.save_pretrained(tmp_path)  # writes the Hub layout: one tensor per expert
+    ours = lmlab.from_hf(tmp_path)
+    idx = torch.randint(0, hf_model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx).logits, hf_model(idx).logits, rtol=1e-4, atol=1e-4)
+    # transformers' in-memory layout (stacked experts) maps to the same weights
+    from lmlab.hf import state_dict_from_hf
+
+    sd = state_dict_from_hf(ours.config, hf_model.state_dict())
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(sd[name], value, msg=name)
+    return ours
+
+
+def test_from_hf_mixtral_logits_match(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )
+    ours = check_logits(random_hf_model(MixtralForCausalLM, cfg), tmp_path)
+    assert ours.config.moe == MoEConfig(n_experts=4, top_k=2, normalize_top_k=True)
+
+
+def test_from_hf_qwen2_moe_logits_match(tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, decoder_sparse_step=2, qkv_bias=False,
+    )
+    ours = check_logits(random_hf_model(Qwen2MoeForCausalLM, cfg, seed=1), tmp_path)
+    moe = ours.config.moe
+    assert (moe.n_shared, moe.shared_gate, moe.every, moe.first_dense) == (2, "sigmoid", 2, 1)
+    assert [ours.config.is_moe_layer(i) for i in range(3)] == [False, True, False]
+
+
+def test_deepseek_v3_moe_layer_through_the_converter():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from lmlab.hf import HFTensors
+    from lmlab.hf_moe import deepseek_v3_moe, deepseek_v3_moe_weights
+
+    hf_cfg = DeepseekV3Config(
+        hidden_size=D, intermediate_size=64, moe_intermediate_size=8, n_routed_experts=16, num_experts_per_tok=3,
+        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        experts_implementation="eager",
+    )
+    hf = DeepseekV3MoE(hf_cfg).eval()
+    randomize(hf, seed=4)
+    with torch.no_grad():
+        hf.gate.e_score_correction_bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(5))
+    moe = deepseek_v3_moe(hf_cfg.to_dict())
+    assert (moe.scoring, moe.group_score, moe.topk_groups, moe.routed_scale, moe.first_dense) == (
+        "sigmoid", "top2", 2, 2.5, 1,
+    )
+    cfg = ModelConfig(d_model=D, n_heads=4, n_layers=2, d_ff=64, moe=moe)
+    tensors = HFTensors({f"model.layers.1.mlp.{k}": v for k, v in hf.state_dict().items()})
+    sd = deepseek_v3_moe_weights(cfg, tensors, "model.layers.1.mlp.", "")
+    assert not tensors.missing and not tensors.unexpected
+    layer = MoE(cfg).eval()
+    layer.load_state_dict(sd)
+    check_parity(layer, hf, tokens(S=16))
+
+
+def test_deepseek_v3_checkpoint_names_multi_head_latent_attention(tmp_path):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        first_k_dense_replace=1,
+    )
+    DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="multi-head latent attention .*kv_lora_rank=16"):
+        lmlab.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "model_type, changes, key",
+    [
+        ("qwen2_moe", dict(qkv_bias=True), "qkv_bias"),
+        ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window"),
+        ("qwen2_moe", dict(mlp_only_layers=[2]), "mlp_only_layers"),  # MoE layers 0, 1: not a pattern
+        ("qwen2_moe", dict(shared_expert_intermediate_size=24), "shared_expert_intermediate_size"),
+        ("mixtral", dict(sliding_window=4096), "sliding_window"),
+        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+        ("mixtral", dict(num_experts_per_tok=5), "moe.top_k"),
+    ],
+)
+def test_hf_moe_configs_lmlab_cannot_express_are_refused(model_type, changes, key):
+    from lmlab.hf import config_from_hf
+
+    base = dict(
+        model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )
+    base.update(
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+             qkv_bias=False)
+        if model_type == "qwen2_moe" else dict(num_local_experts=4, num_experts_per_tok=2)
+    )
+    config_from_hf(base)  # the base itself loads
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        config_from_hf({**base, **changes})
