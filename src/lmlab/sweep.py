@@ -274,7 +274,7 @@ def unigram_loss(data_dir: str | Path) -> float:
     from .data import TokenData
 
     train, val = TokenData(data_dir, "train"), TokenData(data_dir, "val")
-    vocab = int(max(train.tokens.max(), val.tokens.max())) + 1
+    vocab = max(int(train.meta["vocab_size"]), int(max(train.tokens.max(), val.tokens.max())) + 1)
     counts = np.bincount(np.asarray(train.tokens), minlength=vocab).astype(np.float64) + 1.0  # add-one smoothing
     logp = np.log(counts / counts.sum())
     return float(-logp[np.asarray(val.tokens)].mean())
