@@ -87,6 +87,7 @@ def test_learning_rate_warmup_then_cosine_to_min():
     assert got[4] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
     assert all(a >= b for a, b in zip(got[1:], got[2:]))
     assert learning_rate(0, TrainConfig(steps=5, warmup_steps=0, lr=1.0, min_lr=0.0)) == 1.0
+    assert learning_rate(4, TrainConfig(steps=5, warmup_steps=0, lr=0.5)) == pytest.approx(0.05)  # default: lr / 10
 
 
 def test_clip_gradients_scales_to_max_norm_and_reports_non_finite():
@@ -140,6 +141,10 @@ def test_load_config_layers_yaml_and_overrides_on_the_defaults(tmp_path):
     assert cfg.model.n_layers == 2 and cfg.model.d_model == default.model.d_model  # the rest stays the demo's
     assert cfg.train.lr == 3e-4 and cfg.train.betas == (0.8, 0.9) and cfg.model.rope.base == 5e5
     assert cfg.train.steps == default.train.steps and cfg.data == default.data
+    # sizes derived from d_model / n_heads follow them, as in ModelConfig.override
+    wide = load_config(None, {"model.d_model": 256, "model.n_heads": 8})
+    assert wide.model == default.model.override({"d_model": 256, "n_heads": 8})
+    assert (wide.model.head_dim, wide.model.d_ff) == (32, 704)
     with pytest.raises(ValueError, match=r"unknown key 'model.n_layer'.*did you mean 'n_layers'"):
         load_config(None, {"model.n_layer": 2})
     (tmp_path / "bad.yaml").write_text("model: [1, 2\n")

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -45,6 +46,21 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _para(*paragraphs: str) -> str:
+    return "\n\n".join(textwrap.fill(p, 92) for p in paragraphs)
+
+
+def _config_defaults() -> str:
+    """The default run config, one wrapped line per section: what --SECTION.FIELD VALUE changes."""
+    from .train import RunConfig, _flatten
+
+    lines = ["config fields and their defaults (lmlab train --print-config shows the resolved config):"]
+    for section, values in RunConfig().to_dict().items():
+        items = " ".join(f"{k}={v}" for k, v in _flatten(values).items())
+        lines.append(textwrap.fill(items, 92, initial_indent=f"  {section}: ", subsequent_indent=" " * (len(section) + 4)))
+    return "\n".join(lines)
 
 
 def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -88,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = DataConfig()
     p = sub.add_parser("prepare", help="tokenize text into train/val token shards", formatter_class=_Formatter,
-                       description="Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local Hugging "
-                       "Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards.",
+                       description=_para("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
+                       "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards."),
                        epilog=EXIT_CODES)
     p.add_argument("source", nargs="?", default=d.source, help="text file, directory, JSONL file, hf:PATH or 'builtin'")
     p.add_argument("--out", default="data", help="output directory")
@@ -102,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace data prepared differently in --out")
 
     t = sub.add_parser("train", help="train a model (no arguments: the built-in demo)", formatter_class=_Formatter,
-                       description="Train the model of a run config. With no arguments, trains a small llama-style "
-                       "model on the built-in corpus in a few minutes on a laptop CPU. Run under torchrun for "
-                       "DistributedDataParallel.\n\n" + OVERRIDES, epilog=EXIT_CODES)
+                       description=_para("Train the model of a run config. With no arguments, trains a small llama-style "
+                       "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains with "
+                       "DistributedDataParallel; the global batch stays batch_size x grad_accum.", OVERRIDES),
+                       epilog=_config_defaults() + "\n\n" + EXIT_CODES)
     t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:); omitted fields keep their defaults")
     t.add_argument("--run-dir", default="runs/default", help="where config, metrics and checkpoints go")
     mode = t.add_mutually_exclusive_group()
@@ -114,9 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
     e = sub.add_parser("eval", help="validation loss, perplexity and loss by position", formatter_class=_Formatter,
-                       description="Evaluate a run's checkpoint. --seq-len may exceed the training length; with "
+                       description=_para("Evaluate a run's checkpoint. --seq-len may exceed the training length; with "
                        "--model.rope.* overrides (e.g. --model.rope.scaling yarn --model.rope.factor 4) this "
-                       "measures length extrapolation through the loss by position.\n\n" + OVERRIDES, epilog=EXIT_CODES)
+                       "measures length extrapolation through the loss by position.", OVERRIDES), epilog=EXIT_CODES)
     _run_args(e)
     e.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the training length)")
     e.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
@@ -127,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print JSON, including the loss at every position")
 
     g = sub.add_parser("generate", help="sample text from a run or a Hugging Face checkpoint", formatter_class=_Formatter,
-                       description="Stream text from a run's checkpoint, or from a Hugging Face checkpoint directory "
-                       "(config.json, safetensors weights, tokenizer.json).\n\n" + OVERRIDES, epilog=EXIT_CODES)
+                       description=_para("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
+                       "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES), epilog=EXIT_CODES)
     _run_args(g)
     g.add_argument("--prompt", default="The ", help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")

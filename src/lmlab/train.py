@@ -71,7 +71,7 @@ class TrainConfig(Config):
     seq_len: int | None = None  # tokens per sequence; None = model.max_seq_len
     grad_accum: int = 1  # micro-batches per step over all processes: global batch = batch_size * grad_accum
     lr: float = 2e-3  # peak learning rate; small models tolerate a high one
-    min_lr: float = 2e-4  # cosine decay ends here (10% of peak, as in Chinchilla)
+    min_lr: float | None = None  # cosine decay ends here; None = lr / 10 (as in Chinchilla)
     warmup_steps: int = 100  # linear warmup from lr / warmup_steps
     weight_decay: float = 0.1  # AdamW decoupled decay; matrices only, never norms, biases or embeddings
     betas: tuple[float, ...] = (0.9, 0.95)
@@ -97,9 +97,11 @@ class TrainConfig(Config):
             check_positive(f"train.{name}", getattr(self, name))
         if self.seq_len is not None:
             check_positive("train.seq_len", self.seq_len)
-        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "sample_every", "sample_tokens"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "sample_every", "sample_tokens"):
             check_positive(f"train.{name}", getattr(self, name), allow_zero=True)
-        if self.min_lr > self.lr:
+        if self.min_lr is not None:
+            check_positive("train.min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}; choose min_lr <= lr")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas={list(self.betas)} is not valid; give two numbers, e.g. 0.9,0.95")
@@ -138,6 +140,11 @@ class RunConfig(Config):
     @property
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.max_seq_len
+
+    def _editable_dict(self) -> dict[str, Any]:
+        # each section's own editable form, so that override({"model.d_model": 64}) re-derives
+        # head_dim and d_ff as ModelConfig.override does, instead of keeping the default model's
+        return {f.name: getattr(self, f.name)._editable_dict() for f in dataclasses.fields(self)}
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -250,7 +257,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     decay_steps = cfg.steps - 1 - cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps) if decay_steps > 0 else 1.0
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> float:

@@ -1,0 +1,286 @@
+"""The lmlab command end to end: prepare -> train -> eval -> generate, signals, and every bad-input case."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmlab import checkpoint as ckpt
+from lmlab import cli
+from lmlab.runs import load_run
+
+WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
+TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.max_seq_len", "32"]
+FAST = ["--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2", "--train.log_every", "1",
+        "--train.tensorboard", "false", "--train.sample_tokens", "16", "--train.device", "cpu", "--quiet"]
+
+
+def corpus(path: Path, n_words: int = 6000) -> Path:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
+    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
+    return path
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def bad_input(capsys, *args: str) -> str:
+    """Run a command that must fail on its input: exit 2, one line on stderr, no traceback."""
+    code, out, err = run(capsys, *args)
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and err.endswith("\n") and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """prepare -> train, shared by the eval / generate / bad-input tests."""
+    root = tmp_path_factory.mktemp("cli")
+    source = corpus(root / "corpus.txt")
+    assert cli.main(["prepare", str(source), "--out", str(root / "data"), "--seq-len", "32"]) == 0
+    code = cli.main(["train", "--run-dir", str(root / "run"), "--data.dir", str(root / "data"),
+                     "--data.source", str(source), *TINY, *FAST, "--train.steps", "12", "--train.eval_every", "6",
+                     "--train.save_every", "6"])
+    assert code == 0
+    return root
+
+
+# ============================================================== the happy path
+def test_prepare_train_eval_generate(trained, capsys):
+    root = trained
+    meta = json.loads((root / "data" / "meta.json").read_text())
+    assert meta["tokenizer"] == "byte" and meta["train_tokens"] + meta["val_tokens"] == len((root / "corpus.txt").read_bytes())
+    assert not (root / "run" / "data").exists()  # absolute data.dir: the prepared data was shared, not copied
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert sorted(val) == [6, 12] and val[12] < 5.0  # well below ln(256) = 5.55 after 12 steps
+
+    # the trainer's last validation pass: eval_batches=2 batches of batch_size=4, read in order
+    code, out, _ = run(capsys, "eval", root / "run", "--json", "--checkpoint", "latest", "--batch-size", "4",
+                       "--max-batches", "2")
+    report = json.loads(out)
+    assert code == 0 and report["step"] == 12 and report["seq_len"] == 32 == report["train_seq_len"]
+    assert report["sequences"] == 8 and report["tokens"] == 8 * 32
+    assert report["loss"] == pytest.approx(val[12], rel=1e-6)
+    assert report["perplexity"] == pytest.approx(torch.tensor(report["loss"]).exp().item())
+    assert len(report["per_position"]) == 32 and sum(report["per_position"]) / 32 == pytest.approx(report["loss"])
+    assert [(b["start"], b["end"]) for b in report["buckets"]] == [(i * 4, i * 4 + 4) for i in range(8)]
+    for b in report["buckets"]:
+        assert b["loss"] == pytest.approx(sum(report["per_position"][b["start"]:b["end"]]) / 4)
+
+    code, text, _ = run(capsys, "eval", root / "run", "--checkpoint", "latest", "--batch-size", "4", "--max-batches", "2")
+    assert code == 0 and text.splitlines()[0] == (
+        f"{root / 'run'} @ step_0000012: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f} "
+        "(8 sequences x 32 tokens)")
+    whole = json.loads(run(capsys, "eval", root / "run", "--json", "--max-batches", "0")[1])
+    assert whole["sequences"] == (meta["val_tokens"] - 1) // 32  # every full window of the split
+    assert whole["checkpoint"].endswith("step_0000012")  # "best" is the lowest val loss: step 12 here
+
+    code, first, _ = run(capsys, "generate", root / "run", "--prompt", "the model", "--max-new-tokens", "30", "--seed", "3")
+    code2, second, _ = run(capsys, "generate", root / "run", "--prompt", "the model", "--max-new-tokens", "30", "--seed", "3")
+    assert code == code2 == 0 and first == second and first.startswith("the model") and len(first) > len("the model") + 5
+    code, greedy, _ = run(capsys, "generate", root / "run", "--prompt", "the", "--max-new-tokens", "20", "--temperature", "0")
+    loaded = load_run(root / "run")  # greedy decoding by full recomputation, without the CLI or a KV cache
+    ids = loaded.tokenizer.encode("the")
+    with torch.no_grad():
+        for _ in range(20):
+            ids.append(int(loaded.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert code == 0 and greedy == loaded.tokenizer.decode(ids) + "\n"
+
+
+def test_eval_longer_than_training_with_rope_scaling(trained, capsys):
+    code, out, _ = run(capsys, "eval", trained / "run", "--seq-len", "64", "--json", "--max-batches", "2",
+                       "--model.rope.scaling", "yarn", "--model.rope.factor", "2")
+    report = json.loads(out)
+    assert code == 0 and report["seq_len"] == 64 and report["train_seq_len"] == 32
+    assert report["overrides"] == {"model.rope.scaling": "yarn", "model.rope.factor": "2"}
+    starts = [b["start"] for b in report["buckets"]]
+    assert 32 in starts and len(report["per_position"]) == 64  # the training length is a bucket edge
+    plain = json.loads(run(capsys, "eval", trained / "run", "--seq-len", "64", "--json", "--max-batches", "2")[1])
+    assert plain["per_position"][:4] != report["per_position"][:4]  # yarn rescales every position's angles
+    code, text, _ = run(capsys, "eval", trained / "run", "--seq-len", "64", "--max-batches", "1")
+    assert "(beyond training length)" in text and "trained at 32" in text
+
+
+def test_help_shows_defaults_for_every_command(capsys):
+    for command, default in [("prepare", "(default: builtin)"), ("train", "(default: runs/default)"),
+                             ("eval", "(default: best)"), ("generate", "(default: 0.8)")]:
+        code, out, _ = run(capsys, command, "--help")
+        out = " ".join(out.split())
+        assert code == 0 and f"usage: lmlab {command}" in out and default in out
+        assert "exit status" in out
+    code, out, _ = run(capsys, "train", "--help")
+    assert "model: vocab_size=256 d_model=128" in out and "train: steps=1500" in out  # the config's defaults
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and all(c in out for c in ("prepare", "train", "eval", "generate"))
+
+
+def test_print_config_resolves_overrides(capsys, tmp_path):
+    (tmp_path / "run.yaml").write_text("model:\n  n_layers: 3\ntrain:\n  lr: 0.01\n")
+    code, out, _ = run(capsys, "train", "--config", tmp_path / "run.yaml", "--train.lr", "1e-4", "--print-config")
+    assert code == 0 and "n_layers: 3" in out and "lr: 0.0001" in out and not (Path("runs") / "default").exists()
+
+
+# ============================================================== bad input: exit 2, one line, nothing written
+def test_missing_and_empty_files(capsys, tmp_path):
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--data.source", tmp_path / "nope.txt")
+    assert "nope.txt" in err and err.startswith("lmlab train: error:")
+    (tmp_path / "empty.txt").write_text("")
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--data.source", tmp_path / "empty.txt")
+    assert "empty.txt is empty" in err
+    err = bad_input(capsys, "train", "--config", tmp_path / "none.yaml", "--run-dir", tmp_path / "run")
+    assert "config file" in err and "none.yaml' does not exist" in err
+    err = bad_input(capsys, "prepare", tmp_path / "nope.txt", "--out", tmp_path / "data")
+    assert "nope.txt" in err
+    err = bad_input(capsys, "eval", tmp_path / "no-run")
+    assert "no-run' does not exist" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]  # no run or data directory was left
+
+
+def test_corpus_shorter_than_a_context(capsys, tmp_path):
+    (tmp_path / "short.txt").write_text("too short to fill a context of 32 bytes")
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--data.source", tmp_path / "short.txt", *TINY)
+    assert "too short for seq_len=32" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_undecodable_bytes_are_reported_or_replaced(capsys, tmp_path):
+    text = corpus(tmp_path / "c.txt").read_bytes()
+    (tmp_path / "bad.txt").write_bytes(text[:500] + b"\xff\xfe" + text[500:])
+    err = bad_input(capsys, "prepare", tmp_path / "bad.txt", "--out", tmp_path / "data")
+    assert f"{tmp_path / 'bad.txt'}: byte offset 500 (line 1) is not valid UTF-8 (byte 0xff)" in err
+    assert "data.errors='replace'" in err
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--data.source", tmp_path / "bad.txt")
+    assert "byte offset 500" in err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+    code, out, _ = run(capsys, "prepare", tmp_path / "bad.txt", "--out", tmp_path / "data", "--errors", "replace")
+    assert code == 0 and out.startswith(f"prepared {tmp_path / 'data'}")
+
+
+def test_unknown_config_keys_suggest_the_closest(capsys, tmp_path):
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--model.n_layer", "2")
+    assert "unknown key 'model.n_layer'" in err and "did you mean 'n_layers'?" in err
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--modle.n_layers", "2")
+    assert "unknown config section 'modle'" in err and "did you mean 'model'?" in err
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--train.lr", "fast")
+    assert "lr='fast' is not a number" in err
+    (tmp_path / "run.yaml").write_text("model:\n  positon: rope\n")
+    err = bad_input(capsys, "train", "--config", tmp_path / "run.yaml", "--run-dir", tmp_path / "run")
+    assert "did you mean 'positions'?" in err
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--bogus")
+    assert "unrecognized arguments: --bogus" in err
+    err = bad_input(capsys, "eval", tmp_path, "--train.lr", "1")
+    assert "unknown config section 'train'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def test_checkpoint_not_matching_the_config(trained, capsys):
+    before = snapshot(trained / "run")
+    err = bad_input(capsys, "eval", trained / "run", "--model.n_kv_heads", "4")
+    assert "does not match the model: tensor 'blocks.0.attn.qkv.weight' has shape (64, 32) in the checkpoint but (96, 32)" in err
+    assert "model.n_kv_heads is 2 in the checkpoint but 4 here" in err
+    err = bad_input(capsys, "train", "--run-dir", trained / "run", "--resume", "--model.n_layers", "3")
+    assert "tensor 'blocks.2.attn.qkv.weight' is missing from the checkpoint" in err and "model.n_layers is 2" in err
+    assert snapshot(trained / "run") == before
+
+
+def test_run_dir_holding_another_run(trained, capsys):
+    before = snapshot(trained / "run")
+    err = bad_input(capsys, "train", "--run-dir", trained / "run", "--data.dir", trained / "data",
+                    "--data.source", trained / "corpus.txt", *TINY, *FAST, "--train.steps", "12",
+                    "--train.eval_every", "6", "--train.save_every", "6", "--model.n_layers", "3")
+    assert "already holds a different run (model.n_layers: 2 vs 3, there vs here)" in err and "--resume" in err
+    err = bad_input(capsys, "train", "--run-dir", trained / "run")
+    assert "already holds a different run" in err and "--overwrite" in err
+    err = bad_input(capsys, "train", "--run-dir", trained / "run", "--resume", "--config", trained / "x.yaml")
+    assert "--config cannot be combined with --resume" in err
+    err = bad_input(capsys, "train", "--run-dir", trained / "run", "--resume", "--overwrite")
+    assert "not allowed with argument" in err
+    err = bad_input(capsys, "train", "--run-dir", trained / "nothing", "--resume")
+    assert "nothing to resume" in err
+    assert snapshot(trained / "run") == before
+
+
+def test_learned_positions_past_their_table(capsys, tmp_path):
+    source = corpus(tmp_path / "c.txt")
+    code = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--data.source", str(source), *TINY, *FAST,
+                     "--model.positions", "learned", "--train.steps", "2", "--train.eval_every", "2", "--train.sample_tokens", "0"])
+    assert code == 0
+    err = bad_input(capsys, "eval", tmp_path / "run", "--seq-len", "64")
+    assert "positions='learned' has a table of max_seq_len=32 positions" in err
+    err = bad_input(capsys, "generate", tmp_path / "run", "--max-new-tokens", "100")
+    assert "exceeds max_seq_len=32" in err
+
+
+# ============================================================== signals
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_resume_continues(capsys, tmp_path, sig):
+    source = corpus(tmp_path / "c.txt")
+    run_dir = tmp_path / "run"
+    args = ["train", "--run-dir", str(run_dir), "--data.source", str(source), *TINY, *FAST, "--train.steps", "100000",
+            "--train.eval_every", "100000", "--train.save_every", "100000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    (step, path), = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert step >= 2 and f"stopped at step {step}; checkpoint {path}" in out and "--resume" in out
+    assert ckpt.load_state(path)["step"] == step
+    code, out, _ = run(capsys, "train", "--run-dir", run_dir, "--resume", "--train.steps", str(step + 2), "--quiet")
+    assert code == 0 and f"done: step {step + 2}" in out
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == step + 2
+
+
+# ============================================================== a Hugging Face checkpoint
+def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("lmlab.hf")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())  # GPT-2 style byte-level BPE: spaces live in the tokens
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    prompt_ids = tok.encode("the model learns").ids
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0]
+    code, out, _ = run(capsys, "generate", tmp_path / "hf", "--prompt", "the model learns", "--max-new-tokens", "8",
+                       "--temperature", "0")
+    assert code == 0
+    assert out == "the model learns" + tok.decode(want[len(prompt_ids):].tolist()) + "\n"
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    err = bad_input(capsys, "generate", tmp_path / "hf")
+    assert "has no tokenizer.json" in err
+    err = bad_input(capsys, "eval", tmp_path / "hf")
+    assert "is a Hugging Face checkpoint; give prepared data" in err
