@@ -52,6 +52,10 @@ class KVCache:
             )
 
 
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5; before, keys and values are copied per head
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(B, KV, S, hd) -> (B, H, S, hd): query head h reads key/value head h // (H / KV)."""
     B, KV, S, hd = x.shape
@@ -96,27 +100,37 @@ class Attention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)  # rotary tables are fp32; a bf16 model must stay bf16 for SDPA
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, S, hd)
-        y = self.attend(q, expand_kv(k, H), expand_kv(v, H), ctx)  # (B, H, T, hd)
+        y = self.attend(q, k, v, ctx)  # (B, H, T, hd)
         return self.out(y.transpose(1, 2).reshape(B, T, H * hd))
 
     def attend_sdpa(self, q, k, v, ctx: Context) -> torch.Tensor:
+        """q (B, H, T, hd); k, v (B, KV, S, hd)."""
         bias = self.term.score_bias(q, ctx)
-        mask = ctx.mask
-        if bias is not None:  # float mask: bias on visible keys, -inf elsewhere
-            visible = mask if mask is not None else torch.ones(ctx.T, ctx.S, dtype=torch.bool, device=q.device).tril()
-            mask = bias.to(q.dtype).masked_fill(~visible, float("-inf"))
+        mask, is_causal = ctx.mask, ctx.is_causal
+        if bias is not None:  # a float mask: the bias on visible keys, -inf elsewhere
+            visible = ctx.visible(q.device)
+            mask = bias.to(q.dtype) if visible is None else bias.to(q.dtype).masked_fill(~visible, float("-inf"))
+            is_causal = False
+        if SDPA_GQA:  # the kernel reads each key/value head for its group of query heads, no copy
+            gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        else:
+            k, v, gqa = expand_kv(k, self.n_heads), expand_kv(v, self.n_heads), {}
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale, **gqa,
         )
 
     def attend_explicit(self, q, k, v, ctx: Context) -> torch.Tensor:
+        """The reference: softmax(q k^T / sqrt(d) + bias) v + value term, written out."""
+        k, v = expand_kv(k, self.n_heads), expand_kv(v, self.n_heads)  # (B, H, S, hd)
         scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, S)
         bias = self.term.score_bias(q, ctx)
         if bias is not None:
             scores = scores + bias
-        visible = ctx.mask if ctx.mask is not None else torch.ones(ctx.T, ctx.S, dtype=torch.bool, device=q.device).tril()
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1).to(v.dtype)  # an fp32 bias promotes scores
+        visible = ctx.visible(q.device)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.softmax(dim=-1).to(v.dtype)  # an fp32 bias promotes scores
         probs = F.dropout(probs, self.dropout, self.training)
         y = probs @ v  # (B, H, T, hd)
         extra = self.term.value_term(probs, ctx)

@@ -38,12 +38,24 @@ class Context:
 
     offset: int
     T: int
-    mask: torch.Tensor | None  # (T, S) bool, True = may attend; None = plain causal with S == T
+    mask: torch.Tensor | None  # (T, S) bool, True = may attend; None when the shapes say it (see below)
     state: Any = None  # scheme-specific: rotary (cos, sin), relative index, ALiBi bias
 
     @property
     def S(self) -> int:
         return self.offset + self.T
+
+    @property
+    def is_causal(self) -> bool:
+        """No cache offset: the plain lower-triangular mask, which fused kernels apply themselves."""
+        return self.offset == 0 and self.T > 1
+
+    def visible(self, device: torch.device) -> torch.Tensor | None:
+        """The (T, S) mask of keys each query may see; None when it sees all of them (one query,
+        the decoding step), so no masking is needed at all."""
+        if self.mask is not None:
+            return self.mask
+        return torch.ones(self.T, self.S, dtype=torch.bool, device=device).tril() if self.is_causal else None
 
 
 def causal_mask(offset: int, T: int, device: torch.device) -> torch.Tensor:
@@ -135,7 +147,8 @@ class PositionScheme(nn.Module):
         self.cfg = cfg
 
     def context(self, offset: int, T: int, device: torch.device) -> Context:
-        mask = None if offset == 0 else causal_mask(offset, T, device)
+        # a mask only where the shapes do not imply it: several queries after a cache offset
+        mask = causal_mask(offset, T, device) if offset > 0 and T > 1 else None
         return Context(offset, T, mask, self.state(offset, T, device))
 
     def state(self, offset: int, T: int, device: torch.device) -> Any:
@@ -301,20 +314,22 @@ class Rotary(PositionScheme):
         inv_freq, factor = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_seq_len, cfg.max_seq_len)
         # Not a buffer: model.to(bfloat16) would round the frequencies (cos off by ~1.5 at position
         # 4096). Kept in fp32, one copy per device.
-        self._inv_freq = {inv_freq.device: inv_freq}
+        self.inv_freq = inv_freq
         self.attention_factor = factor
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (cos, sin)
 
-    def frequencies(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = next(iter(self._inv_freq.values())).to(device)
-        return self._inv_freq[device]
+    def cos_sin(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (T, d/2): p * theta_i
+        angle = torch.cat((angle, angle), dim=-1)  # (T, d), both halves of a pair share the angle
+        return angle.cos() * self.attention_factor, angle.sin() * self.attention_factor
 
     def state(self, offset, T, device):
-        inv_freq = self.frequencies(offset + T, device)
-        pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
-        angle = pos[:, None] * inv_freq[None, :]  # (T, d/2): p * theta_i
-        angle = torch.cat((angle, angle), dim=-1)  # (T, d)
-        return angle.cos() * self.attention_factor, angle.sin() * self.attention_factor
+        # cos/sin tables are computed once per device and grown by doubling, then sliced per step
+        cos, sin = self._tables.get(device, (None, None))
+        if cos is None or cos.shape[0] < offset + T:
+            n = max(offset + T, 2 * (0 if cos is None else cos.shape[0]), self.cfg.max_seq_len)
+            cos, sin = self._tables[device] = self.cos_sin(self.inv_freq, torch.arange(n, device=device))
+        return cos[offset : offset + T], sin[offset : offset + T]
 
     def attention_term(self):
         return RotaryTerm(self.cfg.rope.layout)
@@ -328,8 +343,9 @@ class DynamicRotary(Rotary):
     reuses them for a later, shorter sequence that is still longer than ``max_seq_len``; here
     the frequencies depend only on the current length, so a forward never depends on history."""
 
-    def frequencies(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        return rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, seq_len)[0].to(device)
+    def state(self, offset, T, device):
+        inv_freq = rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, offset + T)[0]
+        return self.cos_sin(inv_freq, torch.arange(offset, offset + T, device=device))
 
 
 SCHEMES: dict[str, type[PositionScheme]] = {
