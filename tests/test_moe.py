@@ -574,6 +574,7 @@ def test_deepseek_v3_checkpoint_names_multi_head_latent_attention(tmp_path):
         ("mixtral", dict(sliding_window=4096), "sliding_window"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("mixtral", dict(num_experts_per_tok=5), "moe.top_k"),
+        ("qwen2_moe", dict(num_experts=0), "num_experts"),
     ],
 )
 def test_hf_moe_configs_lmlab_cannot_express_are_refused(model_type, changes, key):

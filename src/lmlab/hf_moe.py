@@ -44,6 +44,8 @@ def moe_weights(
     shared_gate: str | None = None, score_bias: str | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """One MoE layer under HF prefix ``hf`` ("model.layers.3.mlp.") -> lmlab ``ours`` ("blocks.3.ffn.")."""
+    if cfg.moe is None:  # e.g. detect_model_type trying this family on a dense config
+        raise ValueError("a mixture-of-experts checkpoint needs a config with moe set")
     E = cfg.moe.routed_experts
     gate_up, down = stacked_experts(t, f"{hf}experts.", E, *names)
     router = t.take(f"{hf}gate.weight")
@@ -144,8 +146,10 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
         )
     if hf["use_sliding_window"]:
         raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention")
+    if not hf["num_experts"]:
+        raise _refuse(hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'")
     heads, L = hf["num_attention_heads"], hf["num_hidden_layers"]
-    moe = _qwen2_moe_experts(hf, L) if hf["num_experts"] else None
+    moe = _qwen2_moe_experts(hf, L)
     return model_config(
         hf,
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=L,
@@ -205,6 +209,8 @@ def qwen2_moe_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[st
 
 
 def qwen2_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.moe is None:  # a dense config is Llama's layout; refusing keeps detect_model_type unambiguous
+        raise ValueError("a Qwen2-MoE checkpoint needs a config with moe set")
     return llama_weights(cfg, t, ffn=qwen2_moe_ffn)
 
 
