@@ -14,7 +14,7 @@ from lmlab import ModelConfig, MoEConfig, Transformer
 from lmlab.feedforward import GLU, MLP
 from lmlab.moe import (
     MOE_PRESETS, MoE, Routing, device_balance_loss, expert_balance_loss, grouped_mm, grouped_mm_split,
-    _grouped_mm_kernel_ok, load_balance_loss, z_loss,
+    _grouped_mm_kernel_ok, _probe_grouped_mm, load_balance_loss, z_loss,
 )
 
 D = 32  # d_model of the block-level tests
@@ -283,6 +283,8 @@ def test_grouped_mm_kernel_and_fallback_agree():
         torch.testing.assert_close(gx, gx_want)
         torch.testing.assert_close(gw, gw_want)
     assert not _grouped_mm_kernel_ok(x[:, :6].contiguous(), w[:, :, :6].contiguous())  # 24-byte strides: the kernel refuses
+    with torch.inference_mode():  # a first call during generation must not record "no kernel" for good
+        assert _probe_grouped_mm.__wrapped__("cpu", torch.float32) == _probe_grouped_mm("cpu", torch.float32)
 
 
 # ============================================================== balancing

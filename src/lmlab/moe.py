@@ -460,7 +460,7 @@ def _probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
     if _GROUPED_MM is None:
         return False
     try:
-        with torch.enable_grad(), torch.autocast(device_type=torch.device(device).type, enabled=False):
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
             g = torch.Generator().manual_seed(0)
             x = torch.randn(24, 16, generator=g).to(device, dtype).requires_grad_()
             w = torch.randn(3, 32, 16, generator=g).to(device, dtype).requires_grad_()
