@@ -294,3 +294,15 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     ckpt.load_weights(b, tmp_path / "two" / "checkpoints" / "step_0000004" / ckpt.WEIGHTS)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+def test_tensorboard_events_mirror_the_metrics(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    cfg = run_config(tmp_path, steps=4, tensorboard=True, eval_every=2)
+    train(cfg, tmp_path / "run")
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in logged]
+    assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]

@@ -316,6 +316,8 @@ class Dist:
         import torch.distributed as dist
 
         owns = not dist.is_initialized()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL object collectives use the current device
         if owns:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
@@ -543,7 +545,13 @@ class Trainer:
         path = self.run_dir / METRICS_FILE
         if not path.is_file():
             return
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+        def keep(line: str) -> bool:
+            try:
+                return json.loads(line)["step"] <= self.step
+            except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                return False
+
+        lines = [ln for ln in path.read_text().splitlines() if keep(ln)]
         ckpt.atomic_write_text(path, "".join(ln + "\n" for ln in lines))
 
     def _tensorboard(self):
