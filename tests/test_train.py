@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,31 @@ def test_tensorboard_events_mirror_the_metrics(tmp_path):
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(acc.Tags()["scalars"])
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in logged]
     assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]
+
+
+def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path):
+    cfg = run_config(tmp_path, steps=100000, grad_accum=2, eval_every=100000, save_every=100000)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "lmlab.cli", "train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), "--quiet"]
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.1)
+
+    def rank_of(pid: int) -> str | None:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
+
+    children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+    (rank1,) = [int(p) for p in children if rank_of(int(p)) == "1"]
+    os.kill(rank1, signal.SIGTERM)  # rank 0 never sees a signal: it learns of it through the step's all-reduce
+    agent.communicate(timeout=120)
+    (step, path), = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert step >= 2 and steps[-1] == step and ckpt.load_state(path)["step"] == step

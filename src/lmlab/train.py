@@ -478,7 +478,8 @@ class Trainer:
         self.step, self.bad_steps, self.skipped_steps, self.tokens = 0, 0, 0, 0
         self.best_val: float | None = None
         self.last_checkpoint: Path | None = None
-        self._stop: int | None = None
+        self._stop: int | None = None  # the signal that asked this process to stop
+        self._stop_agreed = False  # some rank asked, as of the last all-reduce
         if resume:
             self._load_latest()
         if self.dist.main:
@@ -578,7 +579,7 @@ class Trainer:
         start, window_start, window_tokens = time.perf_counter(), time.perf_counter(), 0
         loss = val_loss = None
         try:
-            while self.step < t.steps and self._stop is None:
+            while self.step < t.steps and not self._stopping():
                 loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
                 self.step += 1
                 self.tokens += tokens_per_step
@@ -613,26 +614,26 @@ class Trainer:
                         record.update(val_loss=val_loss, val_perplexity=_exp(val_loss))
                         self._print(f"step {self.step}: val loss {val_loss:.4f}" + (" (best)" if improved else ""))
                 if self.dist.main:
-                    if self.step % t.save_every == 0 or self.step == t.steps or improved or self._stop:
+                    if self.step % t.save_every == 0 or self.step == t.steps or improved or self._stopping():
                         self._save(best=improved)
                     if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps:
                         self._print(f"sample at step {self.step}: {self.sample()!r}")
                 self._log(record)
-            if self._stop is not None and self.dist.main:
+            if self._stopping() and self.dist.main:
                 self._save()
         finally:
             self._restore_signal_handlers(previous)
             if bar is not None:
                 bar.close()
         sample = None
-        if self._stop is None:
+        if not self._stopping():
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
             sample = self.sample() if self.dist.main and t.sample_tokens else None
         return TrainResult(
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val,
             skipped_steps=self.skipped_steps, tokens=self.tokens, elapsed_s=time.perf_counter() - start,
-            checkpoint=self.last_checkpoint, stopped_by=self._stop, sample=sample,
+            checkpoint=self.last_checkpoint, stopped_by=self._stop if self._stopping() else None, sample=sample,
         )
 
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
@@ -652,8 +653,9 @@ class Trainer:
         shared = torch.stack([ce.double(), torch.tensor(float(self._stop or 0), dtype=torch.float64, device=self.device)])
         shared = self.dist.all_reduce_sum(shared).tolist()
         loss, stop = shared[0] / self.dist.world, shared[1]
-        if stop and self._stop is None:
-            self._stop = signal.SIGTERM
+        if stop:
+            self._stop_agreed = True
+            self._stop = self._stop or signal.SIGTERM  # another rank got the signal
         grad_norm = clip_gradients(self.model.parameters(), t.grad_clip)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -751,6 +753,10 @@ class Trainer:
     def request_stop(self, signum: int = signal.SIGINT) -> None:
         """Finish the current step, save a checkpoint and return from ``fit`` (what Ctrl-C does)."""
         self._stop = signum
+
+    def _stopping(self) -> bool:
+        # under DDP only the all-reduced flag counts, so that every rank leaves the loop after the same step
+        return self._stop_agreed if self.dist.world > 1 else self._stop is not None
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
