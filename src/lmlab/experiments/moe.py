@@ -110,9 +110,13 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
             ax.set_title(f"{name}: max/mean {by[name]['max_load_val']:.2f}", fontsize=9)
             ax.set_ylabel("layer")
             ax.set_yticks(range(rel.shape[0]))
-            fig.colorbar(im, ax=ax, label="load / mean load")
         axes[-1, 0].set_xlabel("expert index")
-        plots.append(save(fig, out / "expert_load_heatmaps.png"))
+        fig.tight_layout(rect=(0, 0, 0.88, 1))
+        cax = fig.add_axes((0.90, 0.1, 0.02, 0.8))
+        fig.colorbar(im, cax=cax, label="assignments / mean assignments per expert (validation batches)")
+        fig.savefig(out / "expert_load_heatmaps.png", dpi=100)
+        plt.close(fig)
+        plots.append("expert_load_heatmaps.png")
 
     # 4. balance ablation: max/mean load during training
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -141,19 +141,26 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
     for i, s in enumerate(settings):
         for j, d in enumerate(depths):
             ax = axes[i][j]
+            ys: list[float] = []
             for norm in NORMS:
                 r = by.get((norm, d, s))
                 if r is None:
                     continue
-                curve = [c for c in read_curve(run_dir_of(out, r["variant"], r["seed"])) if c.get("val_loss") is not None]
-                ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], color=COLORS[norm],
-                        marker=".", label=norm + (" (diverged)" if r["diverged"] else ""))
+                curve = read_curve(run_dir_of(out, r["variant"], r["seed"]))
+                train = [c for c in curve if c.get("loss") is not None]
+                val = [c for c in curve if c.get("val_loss") is not None]
+                ax.plot([c["step"] for c in train], [c["loss"] for c in train], color=COLORS[norm], lw=1,
+                        label=norm + (" (diverged)" if r["diverged"] else ""))
+                ax.plot([c["step"] for c in val], [c["val_loss"] for c in val], color=COLORS[norm], ls="", marker="o", ms=4)
+                ys += [c["loss"] for c in train if math.isfinite(c["loss"])]
+            if ys:  # the learning phase, not the first steps' ~ln(vocab)
+                ax.set_ylim(min(ys) - 0.1, min(max(ys), min(ys) + 2.5) + 0.1)
             ax.set_title(f"{n_layers[d]} layers; {s}", fontsize=9)
             ax.grid(alpha=0.3)
             if i == len(settings) - 1:
                 ax.set_xlabel("optimizer step")
             if j == 0:
-                ax.set_ylabel("val loss (nats/token)")
+                ax.set_ylabel("loss (nats/token)\nline: train, dots: val", fontsize=8)
             ax.legend(fontsize=6)
     plots.append(save(fig, out / "loss_curves.png"))
 
