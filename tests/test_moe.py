@@ -465,14 +465,14 @@ def test_model_loss_includes_aux_losses_and_weights_are_seeded():
         assert torch.equal(p, q), n
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     out = a(idx, targets=idx)
-    z = sum(float(m.aux_losses["z_loss"]) for m in a.moe_layers)
-    assert float(out.aux_losses["z_loss"]) == pytest.approx(z) and z > 0
-    assert float(out.loss - out.ce_loss) == pytest.approx(float(out.aux_loss))
+    z = sum(float(m.aux_losses["z_loss"].detach()) for m in a.moe_layers)
+    assert float(out.aux_losses["z_loss"].detach()) == pytest.approx(z) and z > 0
+    assert float((out.loss - out.ce_loss).detach()) == pytest.approx(float(out.aux_loss.detach()))
     # down projections use the residual std: gpt2 scaling shrinks them, not the inputs
     g = Transformer(cfg.replace(residual_scaling="gpt2", init_std=0.05))
     ex = g.blocks[0].ffn.experts
-    assert float(ex.gate_up.std()) == pytest.approx(0.05, rel=0.05)
-    assert float(ex.down.std()) == pytest.approx(0.05 / math.sqrt(4), rel=0.05)
+    assert float(ex.gate_up.detach().std()) == pytest.approx(0.05, rel=0.05)
+    assert float(ex.down.detach().std()) == pytest.approx(0.05 / math.sqrt(4), rel=0.05)
 
 
 # ============================================================== Hugging Face checkpoints
