@@ -155,6 +155,23 @@ PLACEMENTS = {
 }
 
 
+def test_deepnorm_init_of_a_mixture_of_experts_scales_each_expert_but_not_router_gate_or_biases():
+    L, d = 2, 64
+    cfg = tiny_config(d_model=d, n_layers=L, n_heads=4, norm_position="post", residual_scaling="deepnorm", bias=True,
+                      moe={"n_experts": 8, "top_k": 2, "n_shared": 1, "shared_gate": "sigmoid"})
+    moe, beta = Transformer(cfg).blocks[0].ffn, (8 * L) ** -0.25
+    F_ = moe.experts.down.shape[-1]
+    for name in ("experts.gate_up", "shared.gate_up"):
+        for expert in dict(moe.named_parameters())[name]:
+            for w in expert.chunk(2, dim=0):
+                _std_close(w, beta * math.sqrt(2.0 / (F_ + d)))
+    for expert in moe.experts.down:
+        _std_close(expert, beta * math.sqrt(2.0 / (F_ + d)))
+    _std_close(moe.router.weight, cfg.init_std)  # centroids keep N(0, init_std)
+    _std_close(moe.shared.output_gate, cfg.init_std, rel=0.5)  # one row of 64: a loose check
+    assert all(p.abs().sum() == 0 for n, p in moe.named_parameters() if n.endswith("bias"))
+
+
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_block_output_matches_its_placement_formula(placement, norm):

@@ -239,9 +239,13 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     def normal_(p: torch.Tensor, s: float) -> None:
         p.copy_(_randn(p.shape, g) * s)
 
+    owned: list[str] = []  # modules that initialize themselves, whole subtree included
     for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in owned):
+            continue
         if hasattr(module, "init_params"):
             module.init_params(g, std=std, out_std=out_std)
+            owned.append(name)
         elif isinstance(module, nn.Linear):
             normal_(module.weight, out_std if name.endswith(("attn.out", "ffn.down")) else std)
             if module.bias is not None:
@@ -274,6 +278,9 @@ def _deepnorm_init(model: nn.Module, cfg: ModelConfig, g: torch.Generator) -> No
         xavier_(v, beta)
         xavier_(attn.out.weight, beta)
         for name, p in block.ffn.named_parameters():
-            if p.ndim == 2:
-                for w in p.chunk(2 if name == "gate_up.weight" else 1, dim=0):  # fused [gate; up]: two matrices
+            # the feed-forward projections only: not biases, an MoE router or a shared-expert gate
+            if name.removesuffix(".weight").rsplit(".", 1)[-1] not in ("up", "gate_up", "down"):
+                continue
+            for matrix in p.unbind(0) if p.ndim == 3 else (p,):  # stacked experts: one matrix each
+                for w in matrix.chunk(2 if "gate_up" in name else 1, dim=0):  # fused [gate; up]: two matrices
                     xavier_(w, beta)
