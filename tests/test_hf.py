@@ -186,6 +186,19 @@ def test_mistral_without_sliding_window_matches_transformers(tmp_path):
     assert_parity(logits(lmlab.from_hf(saved(hf, tmp_path)), idx), logits(hf, idx))
 
 
+def test_qwen2_matches_transformers_with_q_k_v_only_biases(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf = randomize_(Qwen2ForCausalLM(Qwen2Config(**LLAMA)))
+    ours = lmlab.from_hf(saved(hf, tmp_path))
+    assert (ours.config.qkv_bias, ours.config.bias) == (True, False)
+    assert ours.blocks[0].attn.out.bias is None and ours.blocks[0].attn.qkv.bias.abs().sum() > 0
+    idx = tokens(20)
+    assert_parity(logits(ours, idx), logits(hf, idx))
+    with pytest.raises(ValueError, match="sliding-window"):
+        config_from_hf({**Qwen2Config(**LLAMA).to_dict(), "use_sliding_window": True, "sliding_window": 8})
+
+
 GPT2_VARIANTS = {
     "tied": {},
     "untied": {"tie_word_embeddings": False},
@@ -221,6 +234,9 @@ def test_defaults_match_transformers_config_classes():
     """A config.json that leaves keys out means the transformers class defaults; ours agree."""
     assert config_from_hf({"model_type": "llama"}) == config_from_hf(LlamaConfig().to_dict())
     assert config_from_hf({"model_type": "gpt2"}) == config_from_hf(GPT2Config().to_dict())
+    from transformers import Qwen2Config
+
+    assert config_from_hf({"model_type": "qwen2"}) == config_from_hf(Qwen2Config().to_dict())
     mistral = {"model_type": "mistral", "sliding_window": None}
     assert config_from_hf(mistral) == config_from_hf(MistralConfig(sliding_window=None).to_dict())
 
@@ -322,7 +338,7 @@ CHECKPOINT_ERRORS = {
     "no_config": (lambda p: (p / "config.json").unlink(), "config.json' not found"),
     "config_not_json": (lambda p: (p / "config.json").write_text("{nope"), "is not valid JSON"),
     "no_model_type": (lambda p: edit_config(p, lambda d: d.pop("model_type")), "has no 'model_type'"),
-    "unknown_model_type": (lambda p: edit_config(p, _bad_config(model_type="qwen2")), "model_type 'qwen2' is not supported"),
+    "unknown_model_type": (lambda p: edit_config(p, _bad_config(model_type="falcon")), "model_type 'falcon' is not supported"),
     "only_pickle": (_only_pickle, "holds pytorch_model.bin, a pickle; lmlab never loads pickles"),
     "no_weights": (lambda p: (p / "model.safetensors").unlink(), "has no model.safetensors or model.safetensors.index.json"),
     "missing_shard": (_lost_shard, "shard 'model-00002-of-00002.safetensors' listed in"),

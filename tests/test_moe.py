@@ -509,15 +509,17 @@ def test_from_hf_mixtral_logits_match(tmp_path):
     assert ours.config.moe == MoEConfig(n_experts=4, top_k=2, normalize_top_k=True)
 
 
-def test_from_hf_qwen2_moe_logits_match(tmp_path):
+@pytest.mark.parametrize("qkv_bias", [True, False])  # true is what published Qwen1.5-MoE / Qwen2-MoE use
+def test_from_hf_qwen2_moe_logits_match(tmp_path, qkv_bias):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=32, decoder_sparse_step=2, qkv_bias=False,
+        shared_expert_intermediate_size=32, decoder_sparse_step=2, qkv_bias=qkv_bias,
     )
     ours = check_logits(random_hf_model(Qwen2MoeForCausalLM, cfg, seed=1), tmp_path)
+    assert (ours.config.qkv_bias, ours.config.bias) == (qkv_bias, False)
     moe = ours.config.moe
     assert (moe.n_shared, moe.shared_gate, moe.every, moe.first_dense) == (2, "sigmoid", 2, 1)
     assert [ours.config.is_moe_layer(i) for i in range(3)] == [False, True, False]
@@ -569,7 +571,6 @@ def test_deepseek_v3_checkpoint_names_multi_head_latent_attention(tmp_path):
 @pytest.mark.parametrize(
     "model_type, changes, key",
     [
-        ("qwen2_moe", dict(qkv_bias=True), "qkv_bias"),
         ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window"),
         ("qwen2_moe", dict(mlp_only_layers=[2]), "mlp_only_layers"),  # MoE layers 0, 1: not a pattern
         ("qwen2_moe", dict(shared_expert_intermediate_size=24), "shared_expert_intermediate_size"),

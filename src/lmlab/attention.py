@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.dropout = cfg.dropout
         qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, qkv_dim, bias=cfg.bias)  # [q; k; v], one matmul
+        self.qkv = nn.Linear(cfg.d_model, qkv_dim, bias=cfg.qkv_bias)  # [q; k; v], one matmul
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.term = term  # the position scheme's part in attention
         self.set_impl("sdpa" if term.sdpa_ok else "explicit")

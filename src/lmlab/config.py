@@ -118,6 +118,7 @@ class ModelConfig(Config):
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)
+    qkv_bias: bool | None = None  # biases on the q/k/v projection; None = as `bias` (Qwen2: true with bias false)
     tie_embeddings: bool = False  # share the token embedding with the output head
     norm_eps: float = 1e-5
     dropout: float = 0.0
@@ -132,9 +133,10 @@ class ModelConfig(Config):
                 object.__setattr__(self, name, value)
         self._validate_resolved()
 
-    def _derived_sizes(self) -> dict[str, int]:
-        """What n_kv_heads, head_dim and d_ff resolve to when left as None."""
+    def _derived_sizes(self) -> dict[str, Any]:
+        """What n_kv_heads, head_dim, d_ff and qkv_bias resolve to when left as None."""
         sizes = {
+            "qkv_bias": self.bias,
             "n_kv_heads": self.n_heads,
             "d_ff": 4 * self.d_model if self.ffn == "mlp" else 64 * math.ceil(8 * self.d_model / 3 / 64),
         }

@@ -419,8 +419,9 @@ def llama_attention(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[
     """q/k/v/o projections under HF prefix ``hf`` ("model.layers.3.self_attn.") -> lmlab ``ours``
     ("blocks.3.attn."). HF Llama checkpoints already use the half rotary layout."""
     sd = {}
-    for kind in ("weight", "bias") if cfg.bias else ("weight",):
+    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
         sd[f"{ours}qkv.{kind}"] = t.cat([f"{hf}{p}_proj.{kind}" for p in "qkv"])
+    for kind in ("weight", "bias") if cfg.bias else ("weight",):
         sd[f"{ours}out.{kind}"] = t.take(f"{hf}o_proj.{kind}")
     return sd
 
@@ -470,6 +471,26 @@ LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before
 
 register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE))
 register("mistral", Family(mistral_config, llama_weights, LLAMA_IGNORE))
+
+# transformers' Qwen2Config defaults (5.x), for keys an older config.json leaves out.
+QWEN2_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, vocab_size=151936, hidden_size=4096, intermediate_size=22016, max_position_embeddings=32768,
+    use_sliding_window=False, layer_types=None,
+)
+
+
+def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False)."""
+    hf = with_defaults(hf, QWEN2_DEFAULTS)
+    if hf["use_sliding_window"] or "sliding_attention" in (hf["layer_types"] or ()):
+        raise ValueError(
+            "config.json enables sliding-window attention (use_sliding_window / layer_types): lmlab has no "
+            "sliding-window attention, so only Qwen2 checkpoints with full attention in every layer load"
+        )
+    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS).replace(qkv_bias=True)
+
+
+register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE))
 
 
 # ============================================================== GPT-2

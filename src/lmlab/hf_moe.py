@@ -138,12 +138,6 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): fine-grained softmax-routed experts plus one shared
     expert whose output is gated per token by sigmoid(x·g)."""
     hf = with_defaults(hf, QWEN2_MOE_DEFAULTS)
-    if hf["qkv_bias"]:
-        raise _refuse(
-            hf, "qkv_bias",
-            "Qwen2-MoE puts biases on the q, k and v projections only, and lmlab's single `bias` switch covers "
-            "every linear layer; only checkpoints with qkv_bias false load",
-        )
     if hf["use_sliding_window"]:
         raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention")
     if not hf["num_experts"]:
@@ -158,7 +152,8 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
         max_seq_len=hf["max_position_embeddings"],
         norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
         activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-        rope=rope_from_hf(hf), bias=False, tie_embeddings=bool(hf["tie_word_embeddings"]),
+        rope=rope_from_hf(hf), bias=False, qkv_bias=bool(hf["qkv_bias"]),  # q/k/v-only biases
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
         norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"], moe=moe,
     )
 
