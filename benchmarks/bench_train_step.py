@@ -4,8 +4,8 @@ One step = forward, cross-entropy over every position, backward, AdamW step, zer
 ``lmlab.train.Trainer`` does per micro-batch. Both models have the same config and the same weights
 (a random HF Llama saved with ``save_pretrained`` and loaded with ``lmlab.from_hf``); the first
 step's losses are checked equal before timing. Both get the same loss function (cross-entropy on
-the logits, computed outside the model) and the same optimizer settings, so the model code is the
-only difference.
+the logits, computed outside the model) and the same optimizer (fused AdamW, as ``lmlab.train``
+uses), so the model code is the only difference.
 
 Rounds alternate between the libraries and the best of ``--repeats`` rounds is kept, so a busy
 machine penalizes both alike. Two clocks: wall time, and on CPU process CPU time, which other
@@ -41,6 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds per library; the best is kept")
     p.add_argument("--matmul", type=int, default=2048, help="n of the n x n x n matmul that measures peak FLOP/s")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="torch.compile both models (as train.compile does)")
     return p.parse_args()
 
 
@@ -66,7 +67,7 @@ def build_models(args):
 
 
 def step_fn(model, logits_of, x, y):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)  # as the trainer
 
     def step() -> float:
         logits = logits_of(model, x)  # (B, T, V)
@@ -111,9 +112,10 @@ def main() -> None:
         b = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
+    run_ours, run_hf = (torch.compile(ours), torch.compile(hf)) if args.compile else (ours, hf)
     steps = {
-        "lmlab": step_fn(ours, lambda m, x: m(x).logits, x, y),
-        "transformers": step_fn(hf, lambda m, x: m(input_ids=x).logits, x, y),
+        "lmlab": step_fn(ours, lambda m, x: run_ours(x).logits, x, y),
+        "transformers": step_fn(hf, lambda m, x: run_hf(input_ids=x).logits, x, y),
     }
     for step in steps.values():  # warm up: allocator, optimizer state, kernels
         step(), step()
@@ -127,7 +129,8 @@ def main() -> None:
     peak = matmul_flops(args.matmul)
     flops_per_token = ours.flops_per_token(args.seq_len)
     print(f"training step, llama d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}, batch "
-          f"{args.batch} x {args.seq_len}, fp32 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"{args.batch} x {args.seq_len}, fp32 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+          + (", torch.compile" if args.compile else ""))
     print(f"parameters: {ours.num_params()['total']:,}; model FLOPs per token: {flops_per_token / 1e6:.1f} M")
     for name, (wall, cpu) in best.items():
         print(f"  {name:13s} {wall * 1e3:8.1f} ms/step  {tokens / wall:9,.0f} tokens/s   (CPU time: {cpu * 1e3:8.1f} ms/step)")

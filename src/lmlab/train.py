@@ -244,9 +244,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    # the fused kernel (CUDA, and CPU since torch 2.4) is one pass over each tensor: ~6x faster
+    # than the foreach path on CPU for a few-million-parameter model
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-        fused=True if device.type == "cuda" else None,
+        fused=True if device.type in ("cpu", "cuda") else None,
     )
 
 
