@@ -309,6 +309,7 @@ def test_tensorboard_events_mirror_the_metrics(tmp_path):
     assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]
 
 
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank-1 process through /proc")
 def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path):
     cfg = run_config(tmp_path, steps=100000, grad_accum=2, eval_every=100000, save_every=100000)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
@@ -328,8 +329,14 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path)
             return None
         return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
 
-    children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-    (rank1,) = [int(p) for p in children if rank_of(int(p)) == "1"]
+    def parent_of(pid: int) -> int | None:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    (rank1,) = [p for p in pids if parent_of(p) == agent.pid and rank_of(p) == "1"]
     os.kill(rank1, signal.SIGTERM)  # rank 0 never sees a signal: it learns of it through the step's all-reduce
     agent.communicate(timeout=120)
     (step, path), = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
