@@ -213,3 +213,13 @@ def test_unknown_preset_suggests_closest():
     with pytest.raises(ValueError, match=re.escape("unknown preset 'lama' (did you mean 'llama'?)")) as err:
         ModelConfig.from_preset("lama")
     assert "gpt2" in str(err.value) and "vaswani2017" in str(err.value)
+
+
+def test_sizes_derived_in_a_nested_model_config_follow_an_override_through_the_parent():
+    from lmlab.train import RunConfig
+
+    run = RunConfig().override({"model.d_model": 256, "model.n_heads": 4})
+    assert (run.model.head_dim, run.model.d_ff) == (64, 704)
+    assert run.model == run.model.override({})  # and an explicit size stays put
+    pinned = RunConfig().override({"model.d_ff": 100}).override({"model.d_model": 256})
+    assert pinned.model.d_ff == 100

@@ -147,7 +147,7 @@ class ModelConfig(Config):
     def _editable_dict(self) -> dict[str, Any]:
         # A size equal to its derived value keeps following d_model / n_heads / ffn, so that
         # override({"d_model": 512}) rescales head_dim and d_ff instead of keeping stale ones.
-        data = self.to_dict()
+        data = super()._editable_dict()
         for name, value in self._derived_sizes().items():
             if data[name] == value:
                 data[name] = None

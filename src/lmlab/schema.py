@@ -192,8 +192,13 @@ class Config:
 
     def _editable_dict(self) -> dict[str, Any]:
         """The fields ``override`` starts from. A config whose derived fields follow others (sizes
-        resolved from ``None``) returns those as ``None`` so they are derived again after a change."""
-        return self.to_dict()
+        resolved from ``None``) returns those as ``None`` so they are derived again after a change.
+        Nested configs contribute their own editable form."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v._editable_dict() if isinstance(v, Config) else (list(v) if isinstance(v, tuple) else v)
+        return out
 
     # ---- files
     def to_json(self, path: str | Path | None = None) -> str:

@@ -141,11 +141,6 @@ class RunConfig(Config):
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.max_seq_len
 
-    def _editable_dict(self) -> dict[str, Any]:
-        # each section's own editable form, so that override({"model.d_model": 64}) re-derives
-        # head_dim and d_ff as ModelConfig.override does, instead of keeping the default model's
-        return {f.name: getattr(self, f.name)._editable_dict() for f in dataclasses.fields(self)}
-
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
