@@ -287,3 +287,22 @@ def test_char_tokenizer_stream():
     tok = CharTokenizer("abcé\n")
     script = tok.encode("cabé") + [tok.unk_id]
     assert stream(script, tok) == ["c", "a", "b", "é", "\ufffd"]
+
+
+class WordTokenizer:
+    """Decodes like SentencePiece's Metaspace or WordPiece: words joined by spaces, with no space
+    at the start of a text, and only ``decode`` (no byte table)."""
+
+    words = ["<unk>", "x", "learns", "to", "read"]
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [self.words.index(w) for w in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_decode_only_tokenizers_keep_the_space_between_prompt_and_continuation():
+    pieces = stream([2, 3, 4], tokenizer=WordTokenizer())
+    assert pieces == [" learns", " to", " read"]  # decoding new ids alone gave "learnstoread"

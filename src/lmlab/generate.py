@@ -233,7 +233,7 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, **kwargs) ->
     stream = generate(model, ids, max_new_tokens, **kwargs)  # validates now, not at the first next()
     if hasattr(tokenizer, "id_bytes"):
         return _stream_bytes(stream, tokenizer, eos_id)
-    return _stream_text(stream, tokenizer, eos_id)
+    return _stream_text(stream, tokenizer, eos_id, prompt_ids=list(ids))
 
 
 def _stream_bytes(stream: Iterator[torch.Tensor], tokenizer, eos_id: int | None) -> Iterator[str]:
@@ -250,11 +250,14 @@ def _stream_bytes(stream: Iterator[torch.Tensor], tokenizer, eos_id: int | None)
         yield tail
 
 
-def _stream_text(stream: Iterator[torch.Tensor], tokenizer, eos_id: int | None) -> Iterator[str]:
-    """For tokenizers that only offer ``decode``: decode everything so far and emit what is new,
-    holding back a trailing U+FFFD that may be half a character."""
-    ids: list[int] = []
-    emitted = 0
+def _stream_text(
+    stream: Iterator[torch.Tensor], tokenizer, eos_id: int | None, prompt_ids: list[int]
+) -> Iterator[str]:
+    """For tokenizers that only offer ``decode``: decode the prompt plus everything so far and
+    emit what is new, holding back a trailing U+FFFD that may be half a character. Decoding with
+    the prompt keeps the space that SentencePiece / WordPiece decoders drop at a text's start."""
+    ids = list(prompt_ids)
+    emitted = len(tokenizer.decode(ids))
     text = ""
     for tok in stream:
         i = int(tok[0])
