@@ -129,7 +129,17 @@ def test_help_shows_defaults_for_every_command(capsys):
     code, out, _ = run(capsys, "train", "--help")
     assert "model: vocab_size=256 d_model=128" in out and "train: steps=1500" in out  # the config's defaults
     code, out, _ = run(capsys, "--help")
-    assert code == 0 and all(c in out for c in ("prepare", "train", "eval", "generate"))
+    assert code == 0 and all(c in out for c in ("prepare", "train", "eval", "generate", "sweep", "experiment"))
+    for command, default in [("sweep", "(default: None)"), ("experiment", "{moe,norm,positions}")]:
+        code, out, _ = run(capsys, command, "--help")
+        assert code == 0 and default in " ".join(out.split())
+
+
+def test_sweep_and_experiment_bad_input_is_one_line_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "sweep", tmp_path / "missing.yaml")
+    assert code == 2 and "missing.yaml" in err and "does not exist" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "experiment", "attention", "--out", tmp_path / "x")
+    assert code == 2 and "invalid choice" in err and not (tmp_path / "x").exists()
 
 
 def test_print_config_resolves_overrides(capsys, tmp_path):

@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
+
+    from .sweep import add_subcommands  # sweep and experiment: many runs on an equal budget
+
+    add_subcommands(sub)
     return parser
 
 
@@ -185,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .train import TrainingDiverged
 
     try:
-        return COMMANDS[args.command](args, overrides, argv)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args, overrides, argv)
+        return args.func(args)  # sweep, experiment
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
