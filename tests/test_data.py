@@ -19,8 +19,8 @@ from lmlab.tokenizer import (
     CharTokenizer,
     load_tokenizer,
     train_tokenizer,
-    write_atomic,
 )
+from lmlab.atomic import write_atomic
 
 TEXT = "Hello, wörld! 日本語 ✓ emoji 😀 tab\tnull\x00 end.\n" * 3
 DOCS = [

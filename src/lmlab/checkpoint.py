@@ -24,48 +24,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .atomic import atomic_write, atomic_write_text, fsync_dir  # noqa: F401 (atomic_write_text re-exported)
+
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 BEST = "best.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-# ============================================================== atomic files
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` through ``write(tmp_path)``: temp file in the same directory, fsync, rename, fsync dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 # ============================================================== weights

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from .schema import Config, check_choice, check_positive
-from .tokenizer import Tokenizer, fsync_dir, load_tokenizer, train_tokenizer, write_atomic
+from .atomic import fsync_dir, write_atomic
+from .tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 SEPARATOR = "\n\n"  # joins documents in the token stream
 TEXT_SUFFIXES = (".txt", ".md")

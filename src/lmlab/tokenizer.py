@@ -16,48 +16,14 @@ generation can feed an incremental UTF-8 decoder and emit only complete characte
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
+from .atomic import write_atomic
+
 REPLACEMENT = "\ufffd".encode()  # bytes for ids a tokenizer cannot decode (unknown, out of range)
-
-
-def write_atomic(path: str | Path, data: bytes | memoryview | str) -> None:
-    """Write ``data`` to ``path`` so a crash leaves either the old file or the new one, never a mix:
-    temp file in the same directory, fsync, ``os.replace``, fsync the directory."""
-    path = Path(path)
-    if isinstance(data, str):
-        data = data.encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates 0600; give the file the usual permissions (or keep the old file's)
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ============================================================== interface
