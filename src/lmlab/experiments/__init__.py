@@ -63,12 +63,23 @@ def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict
         f"Made by: `{command}`{'  (quick size: checks the machinery, not the claim)' if spec.is_quick else ''}\n\n"
         f"lmlab git revision {git_revision()}; {timing}. "
         f"Data: {spec.configs[spec.variants[0].name].data.source} corpus, "
-        f"{spec.configs[spec.variants[0].name].data.tokenizer} tokenizer; seeds {spec.seeds}.\n\n"
+        f"{spec.configs[spec.variants[0].name].data.tokenizer} tokenizer; seeds {spec.seeds}. Machine: {_machine()}; "
+        "wall times and tokens/s depend on whatever else ran on it at the time.\n\n"
     )
 
 
 def _session_time(spec, wall_s: float) -> str:
     return f"the invocation that wrote this report took {wall_s / 60:.1f} min (runs finished by an earlier invocation are reused)"
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    import torch
+
+    device = "CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return f"{platform.machine()} {device}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
 
 
 def figure():

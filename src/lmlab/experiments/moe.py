@@ -176,10 +176,14 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         lines.append(f"- Collapse without balancing, prevented by both balancing methods: {verdict(bal_ok)}. Validation "
                      f"max/mean load: no balancing {nob:.2f}, auxiliary loss {aux:.2f}, loss-free bias {free:.2f}; final loss "
                      + ", ".join(f"{BALANCE[n]} {f(loss[n])}" for n in BALANCE) + ".")
+    others = [n for n in by if n not in main]
+    if dense and others:
+        lines.append("- Not part of any criterion: the balance-ablation arms against dense: "
+                     + ", ".join(f"{n} {f(loss[n])} ({loss[n] - loss['dense']:+.3f})" for n in others) + ".")
     if moes and dense:
         slow = {n: by[n]["wall_s"] / dense["wall_s"] for n in moes}
-        lines.append("- Wall time relative to dense (same tokens; this CPU, this implementation): "
-                     + ", ".join(f"{n} {v:.2f}×" for n, v in slow.items()) + ".")
+        lines.append("- Wall time relative to dense (same tokens; this CPU, this implementation; sensitive to other load on "
+                     "the machine while each run trained): " + ", ".join(f"{n} {v:.2f}×" for n, v in slow.items()) + ".")
 
     cfg = spec.configs["dense"]
     t = cfg.train

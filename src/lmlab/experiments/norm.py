@@ -25,13 +25,14 @@ from typing import Any
 import torch
 
 from ..sweep import Hooks as SweepHooks
-from ..sweep import markdown_table, read_curve, run_dir_of
+from ..sweep import markdown_table, read_curve, run_dir_of, unigram_loss
 from . import figure, report_header, save, verdict, write_json
 
 UPDATE_STEPS = 50  # steps over which the relative parameter change is recorded
 GRAD_GROWS = 2.0  # post-norm's top/bottom gradient ratio must exceed this
 GRAD_FLAT = 2.0  # pre-norm's must lie within [1/2, 2]
 STRUGGLE = 0.05  # nats: "clearly worse" at one seed
+STUCK = 0.1  # nats: a final loss this close to the unigram loss learned little beyond byte frequencies
 NORMS = ("post", "pre", "deepnorm")
 COLORS = {"post": "tab:red", "pre": "tab:blue", "deepnorm": "tab:green"}
 
@@ -120,6 +121,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
     by = {(r["norm"], r["depth"], _setting(r)): r for r in rows if r["seed"] == spec.seeds[0]}
     n_layers = {d: spec.configs[next(v.name for v in spec.variants if v.labels["depth"] == d)].model.n_layers for d in depths}
     plots = []
+    unigram = unigram_loss(out / "data")
 
     # 1. gradient norm per layer at initialization, deepest model (the same at every lr / warmup)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -176,6 +178,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
                 if r["diverged"]:
                     ax.scatter([p], [min(r["final_val_loss"], 6) if math.isfinite(r["final_val_loss"]) else 6],
                                marker="x", s=80, color=COLORS[norm])
+        ax.axhline(unigram, color="gray", linestyle=":", label=f"unigram loss {unigram:.2f}")
         ax.set_xscale("log", base=2)
         ax.set_xticks([n_layers[d] for d in depths], [str(n_layers[d]) for d in depths])
         ax.set_xlabel("layers")
@@ -242,6 +245,8 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
                   f"after {UPDATE_STEPS}": f"{by[(norm, deepest, s)].get(f'update_at_{UPDATE_STEPS}', float('nan')):.4f}"}
                  for norm in NORMS for s in settings if (norm, deepest, s) in by]
     n_div = {norm: sum(bool(r["diverged"]) for r in rows if r["norm"] == norm) for norm in NORMS}
+    n_stuck = {norm: sum(not r["diverged"] and r["final_val_loss"] > unigram - STUCK for r in rows if r["norm"] == norm)
+               for norm in NORMS}
     cfg0 = spec.configs[spec.variants[0].name]
     t = cfg0.train
 
@@ -254,8 +259,11 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"steps of {t.batch_size}×{cfg0.seq_len} tokens ({t.steps * t.batch_size * cfg0.seq_len:,} tokens), cosine decay to "
         f"{t.min_lr:g}, gradient clipping {t.grad_clip:g}, warmup as named. "
         "A run counts as diverged if its loss or gradient went non-finite or its final validation loss is above the unigram loss "
-        "(the loss of predicting byte frequencies only, i.e. it learned no context).\n\n"
-        f"Divergences: post {n_div['post']}, pre {n_div['pre']}, DeepNorm {n_div['deepnorm']} of {len(rows) // 3} runs each.\n\n"
+        f"(here {unigram:.3f} nats: the loss of predicting byte frequencies only, i.e. it learned no context); a run ending "
+        f"within {STUCK} nats below it learned little beyond byte frequencies.\n\n"
+        f"Divergences: post {n_div['post']}, pre {n_div['pre']}, DeepNorm {n_div['deepnorm']} of {len(rows) // 3} runs each. "
+        f"Runs that did not diverge but ended within {STUCK} nats of the unigram loss: post {n_stuck['post']}, pre "
+        f"{n_stuck['pre']}, DeepNorm {n_stuck['deepnorm']}.\n\n"
         "### Final validation loss (nats/token; `DIV` = diverged)\n\n" + markdown_table(table) + "\n"
         f"![final loss vs depth](final_loss_vs_depth.png)\n\n![loss curves](loss_curves.png)\n\n"
         "### Gradient norm per layer at initialization\n\n"
@@ -274,8 +282,8 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"- (b) Deep training stability: {verdict(stab_ok)}. At {n_layers[deepest]} layers pre-norm beat post-norm in {wins} of "
         f"{len(lines)} settings, diverged {pre_div} times; post-norm struggled in: {', '.join(struggles) or 'none'}.\n\n"
         + "\n".join(lines) + "\n\n"
-        "At this scale (d_model 64, ~200 steps) these are statements about the start of training; the full report's numbers "
-        "are what was observed, nothing else.\n"
+        f"At this scale (d_model {cfg0.model.d_model}, {t.steps} steps, one seed) these are statements about the start of "
+        "training of small models; they are what was observed, nothing more.\n"
     )
     from ..checkpoint import atomic_write_text
 

@@ -95,7 +95,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
     fts = [v.name for v in spec.variants if v.init_from is not None]
     lengths = [m * L for m in MULTIPLES]
     rope = by["rope"]
-    w = max(1, L // 8)
+    w = max(1, L // 4)  # smoothing window for per-position curves
     plots = []
 
     # 1. loss by evaluation length
