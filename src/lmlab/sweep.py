@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .checkpoint import atomic_write_text
+from .atomic import atomic_write_text
 
 RESULT_FILE = "result.json"  # a finished run: its row of the table
 START_FILE = "start.json"  # measurements taken at initialization, kept across resumes
@@ -612,10 +612,10 @@ def add_subcommands(subparsers) -> None:
         "sweep", help="train variants of a run config on an equal budget and tabulate them", formatter_class=_Formatter,
         description=__doc__.split("Out directory")[0].split("\n\n", 1)[1])
     s.add_argument("spec", help="sweep spec YAML: base config, variants (name + dotted overrides), seeds")
-    s.add_argument("--out", default=None, help="output directory (default: sweeps/<spec name>)")
+    s.add_argument("--out", default=None, help="output directory; sweeps/<spec name> when not given")
     s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
-    s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1 (default: the spec's seeds)")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1; the spec's seeds when not given")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
     s.set_defaults(func=cmd_sweep)
 
     e = subparsers.add_parser(
@@ -625,8 +625,8 @@ def add_subcommands(subparsers) -> None:
     e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
-    e.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the experiment's)")
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     e.set_defaults(func=cmd_experiment)
 

@@ -105,7 +105,7 @@ def verdict(ok: bool | None) -> str:
 
 
 def write_json(path: Path, data: Any) -> None:
-    from ..checkpoint import atomic_write_text
+    from ..atomic import atomic_write_text
     from ..sweep import _jsonable
 
     atomic_write_text(path, json.dumps(_jsonable(data)) + "\n")

@@ -205,7 +205,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"Balance: no-balancing max/mean load at least {COLLAPSE}× the auxiliary loss's, and both methods below it.\n\n"
         + "\n".join(lines) + "\n"
     )
-    from ..checkpoint import atomic_write_text
+    from ..atomic import atomic_write_text
 
     atomic_write_text(out / "report.md", text)
     write_json(out / "verdict.json", {"capacity": cap_ok, "fine_grained": fg_ok, "shared": sh_ok, "balance": bal_ok, "plots": plots})

@@ -285,7 +285,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"At this scale (d_model {cfg0.model.d_model}, {t.steps} steps, one seed) these are statements about the start of "
         "training of small models; they are what was observed, nothing more.\n"
     )
-    from ..checkpoint import atomic_write_text
+    from ..atomic import atomic_write_text
 
     atomic_write_text(out / "report.md", text)
     write_json(out / "verdict.json", {"gradients": grad_ok, "stability": stab_ok, "grad_top_bottom": ratio, "plots": plots})

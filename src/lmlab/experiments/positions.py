@@ -233,7 +233,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         "The claim that rotary encodes relative position \"at many scales\" is not tested directly here; what is measured is "
         "its consequence for extension.\n"
     )
-    from ..checkpoint import atomic_write_text
+    from ..atomic import atomic_write_text
 
     atomic_write_text(out / "report.md", text)
     # per-position curves at the longest length, small enough to commit
