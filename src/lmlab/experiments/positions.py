@@ -28,14 +28,15 @@ from . import figure, report_header, save, verdict, write_json
 
 MULTIPLES = (1, 2, 4, 8)
 METHODS = ("linear", "ntk", "yarn")
-EVAL_TOKENS = 16384  # validation tokens per evaluation length
+EVAL_WINDOWS = 256  # validation tokens per evaluation length = EVAL_WINDOWS x training length (16,384 at 64)
 TIE = 0.01  # nats
 NA_LEARNED = "n/a — learned table ends at {L}"
 
 
-def eval_at(model, data, seq_len: int) -> tuple[float, list[float]]:
-    bs = max(1, min(8, EVAL_TOKENS // (4 * seq_len)))
-    batches = max(1, math.ceil(EVAL_TOKENS / (bs * seq_len)))
+def eval_at(model, data, seq_len: int, tokens: int) -> tuple[float, list[float]]:
+    """Loss and loss at each position over about ``tokens`` validation tokens, in windows of ``seq_len``."""
+    bs = max(1, min(8, tokens // (4 * seq_len)))
+    batches = max(1, math.ceil(tokens / (bs * seq_len)))
     r = evaluate(model, data, batch_size=bs, seq_len=seq_len, max_batches=batches)
     return r.loss, r.per_position
 
@@ -58,7 +59,7 @@ class Hooks(SweepHooks):
         out: dict[str, Any] = {}
         for m in MULTIPLES:
             try:
-                loss, pp = eval_at(model, data, m * L)
+                loss, pp = eval_at(model, data, m * L, EVAL_WINDOWS * L)
             except ValueError as e:
                 if "learned" not in str(e):
                     raise
@@ -68,7 +69,7 @@ class Hooks(SweepHooks):
         if variant.name == "rope":  # zero-shot context extension of the trained model
             for method in METHODS:
                 for m in MULTIPLES[1:]:
-                    loss, pp = eval_at(rescaled(model, method, float(m), L), data, m * L)
+                    loss, pp = eval_at(rescaled(model, method, float(m), L), data, m * L, EVAL_WINDOWS * L)
                     out[f"zs_{method}_{m}x"] = loss
                     out[f"pp_zs_{method}_{m}x"] = pp
         return out
@@ -210,7 +211,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         "## What was measured\n\n"
         f"Six position schemes ({', '.join(schemes)}), each a {cfg0.model.n_layers}-layer, d_model {cfg0.model.d_model} "
         f"{cfg0.model.ffn}/{cfg0.model.activation} model trained at context {L} for {t.steps} steps of {t.batch_size}×{L} tokens "
-        f"({t.steps * t.batch_size * L:,} tokens, identical data order). Each was evaluated on up to {EVAL_TOKENS:,} validation "
+        f"({t.steps * t.batch_size * L:,} tokens, identical data order). Each was evaluated on up to {EVAL_WINDOWS * L:,} validation "
         f"tokens at {', '.join(map(str, lengths))} tokens (loss by evaluation length; loss at every position). "
         + (f"Rope was then fine-tuned at {ftc.seq_len} tokens for {ftc.train.steps} steps of {ftc.train.batch_size}×{ftc.seq_len} "
            f"tokens (lr {ftc.train.lr:g}) with each scaling at factor {ftc.model.rope.factor:g}, and once without scaling "
