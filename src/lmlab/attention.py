@@ -92,12 +92,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * hd, KV * hd, KV * hd], dim=-1)
-        q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
-        v = v.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
-        q, k = self.term.rotate(q, k, ctx)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # rotary tables are fp32; a bf16 model must stay bf16 for SDPA
+        qkv = self.qkv(x).view(B, T, H + 2 * KV, hd).transpose(1, 2)  # (B, H + 2KV, T, hd)
+        qk = self.term.rotate(qkv[:, : H + KV], ctx)  # queries and keys rotate in one call
+        q, k = qk.split([H, KV], dim=1)  # (B, H, T, hd), (B, KV, T, hd)
+        v = qkv[:, H + KV :]  # (B, KV, T, hd)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, S, hd)
         y = self.attend(q, k, v, ctx)  # (B, H, T, hd)

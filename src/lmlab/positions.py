@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -70,8 +70,9 @@ class AttentionTerm(nn.Module):
 
     sdpa_ok = True  # can the fused kernel compute this scheme's attention?
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def rotate(self, qk: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Queries and keys, stacked along the head axis (B, H + KV, T, hd), as attention scores them."""
+        return qk
 
     def score_bias(self, q: torch.Tensor, ctx: Context) -> torch.Tensor | None:
         """Additive term for the (B|1, H, T, S) pre-softmax scores, already in score units."""
@@ -82,26 +83,34 @@ class AttentionTerm(nn.Module):
         return None
 
 
+class RotaryState(NamedTuple):
+    """Per-forward rotary tables for the T new positions, each (T, hd)."""
+
+    cos: torch.Tensor  # [cos p·θ, cos p·θ]: both members of a pair share the angle
+    sin: torch.Tensor  # [sin p·θ, sin p·θ]
+    sin_half: torch.Tensor  # [-sin p·θ, sin p·θ]: the half layout's signs, folded in once per forward
+
+
 class RotaryTerm(AttentionTerm):
     def __init__(self, layout: str):
         super().__init__()
         self.rotate_one = rotate_half if layout == "half" else rotate_interleaved
 
-    def rotate(self, q, k, ctx):
-        cos, sin = ctx.state  # (T, hd) each
-        return self.rotate_one(q, cos, sin), self.rotate_one(k, cos, sin)
+    def rotate(self, qk, ctx):
+        # queries and keys in one call; the tables are fp32, a bf16 model stays bf16
+        return self.rotate_one(qk, ctx.state).to(qk.dtype)
 
 
-def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (j, j + d/2), the Hugging Face / GPT-NeoX layout. cos, sin: (T, d) as [f, f]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rotate_half(x: torch.Tensor, r: RotaryState) -> torch.Tensor:
+    """Pairs (j, j + d/2), the Hugging Face / GPT-NeoX layout:
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = x * cos + roll(x, d/2) * [-sin, sin]."""
+    return torch.addcmul(x * r.cos, x.roll(x.shape[-1] // 2, dims=-1), r.sin_half)
 
 
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (2j, 2j + 1), the paper's layout. cos, sin: (T, d) as [f, f] (first half used)."""
+def rotate_interleaved(x: torch.Tensor, r: RotaryState) -> torch.Tensor:
+    """Pairs (2j, 2j + 1), the paper's layout (first half of the tables used)."""
     d = x.shape[-1]
-    c, s = cos[..., : d // 2], sin[..., : d // 2]
+    c, s = r.cos[..., : d // 2], r.sin[..., : d // 2]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
@@ -316,20 +325,20 @@ class Rotary(PositionScheme):
         # 4096). Kept in fp32, one copy per device.
         self.inv_freq = inv_freq
         self.attention_factor = factor
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (cos, sin)
+        self._tables: dict[torch.device, RotaryState] = {}
 
-    def cos_sin(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> RotaryState:
         angle = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (T, d/2): p * theta_i
-        angle = torch.cat((angle, angle), dim=-1)  # (T, d), both halves of a pair share the angle
-        return angle.cos() * self.attention_factor, angle.sin() * self.attention_factor
+        cos, sin = angle.cos() * self.attention_factor, angle.sin() * self.attention_factor
+        return RotaryState(torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), torch.cat((-sin, sin), -1))
 
     def state(self, offset, T, device):
-        # cos/sin tables are computed once per device and grown by doubling, then sliced per step
-        cos, sin = self._tables.get(device, (None, None))
-        if cos is None or cos.shape[0] < offset + T:
-            n = max(offset + T, 2 * (0 if cos is None else cos.shape[0]), self.cfg.max_seq_len)
-            cos, sin = self._tables[device] = self.cos_sin(self.inv_freq, torch.arange(n, device=device))
-        return cos[offset : offset + T], sin[offset : offset + T]
+        # tables are computed once per device and grown by doubling, then sliced per forward
+        table = self._tables.get(device)
+        if table is None or table.cos.shape[0] < offset + T:
+            n = max(offset + T, 2 * (0 if table is None else table.cos.shape[0]), self.cfg.max_seq_len)
+            table = self._tables[device] = self.tables(self.inv_freq, torch.arange(n, device=device))
+        return RotaryState(*(t[offset : offset + T] for t in table))
 
     def attention_term(self):
         return RotaryTerm(self.cfg.rope.layout)
@@ -345,7 +354,7 @@ class DynamicRotary(Rotary):
 
     def state(self, offset, T, device):
         inv_freq = rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, offset + T)[0]
-        return self.cos_sin(inv_freq, torch.arange(offset, offset + T, device=device))
+        return self.tables(inv_freq, torch.arange(offset, offset + T, device=device))
 
 
 SCHEMES: dict[str, type[PositionScheme]] = {
