@@ -105,28 +105,17 @@ class SweepSpec:
         self.is_quick = quick
         self.configs = {}
         try:
-            base = override_run(RunConfig(), {**self.base, **(self.quick if quick else {})})
+            base = RunConfig().override({**self.base, **(self.quick if quick else {})})
         except ValueError as e:
             raise ValueError(f"{self.source}: base config: {_one_line(e)}") from None
         for v in self.variants:
             try:
-                self.configs[v.name] = override_run(base, {**v.overrides, **(v.quick if quick else {})})
+                self.configs[v.name] = base.override({**v.overrides, **(v.quick if quick else {})})
             except ValueError as e:
                 raise ValueError(f"{self.source}: variant {v.name!r}: {_one_line(e)}") from None
         if self.match_active_params:
             check_active_params(self)
         return self
-
-
-def override_run(cfg, changes: Mapping[str, Any]):
-    """``cfg.override(changes)``, except that model sizes derived from others (head_dim, d_ff) follow
-    a changed d_model / n_heads / ffn, as ``ModelConfig.override`` does: ``RunConfig.override``
-    alone keeps the old model's resolved sizes (d_model 64 would keep d_ff and head_dim of 128)."""
-    checked = cfg.override(changes)  # every key and value validated, errors named by their dotted path
-    model = {k[len("model."):]: v for k, v in changes.items() if k.startswith("model.")}
-    if not model:
-        return checked
-    return checked.override({"model": cfg.model.override(model)})
 
 
 def _one_line(e: BaseException) -> str:
