@@ -16,7 +16,6 @@ from lmlab.data import SEPARATOR, DataConfig, TokenData, encode_documents, prepa
 from lmlab.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
-    CharTokenizer,
     load_tokenizer,
     train_tokenizer,
 )

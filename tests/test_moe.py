@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import lmlab
 from lmlab import ModelConfig, MoEConfig, Transformer

@@ -15,7 +15,7 @@ import math
 from typing import Any, Literal
 
 from .moe import MOE_PRESETS, MoEConfig
-from .schema import Config, check_choice, check_positive, check_range, divisors, suggest
+from .schema import Config, check_positive, check_range, divisors, suggest
 
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -35,7 +34,7 @@ import torch
 
 from .schema import Config, check_choice, check_positive
 from .atomic import fsync_dir, write_atomic
-from .tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from .tokenizer import Tokenizer, train_tokenizer
 
 SEPARATOR = "\n\n"  # joins documents in the token stream
 TEXT_SUFFIXES = (".txt", ".md")

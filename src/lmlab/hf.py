@@ -390,18 +390,26 @@ def llama_config(hf: Mapping[str, Any], defaults: Mapping[str, Any] = LLAMA_DEFA
             f"config.json has attention_bias={attention_bias} and mlp_bias={mlp_bias}; lmlab has one `bias` "
             "switch for all linear layers, so it loads Llama checkpoints only when the two are equal"
         )
+    return llama_layout_config(hf, bias=attention_bias)
+
+
+def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0, **fields: Any) -> ModelConfig:
+    """The fields every Llama-layout family (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) maps the
+    same way: sizes, pre-norm RMSNorm, rotary, SwiGLU. ``fields`` add or override (bias, moe, ...)."""
     heads = hf["num_attention_heads"]
-    return model_config(
-        hf,
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=hf["num_key_value_heads"] or heads,
-        head_dim=hf["head_dim"] or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
-        activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-        rope=rope_from_hf(hf), bias=attention_bias, tie_embeddings=bool(hf["tie_word_embeddings"]),
-        norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
-    )
+    return model_config(hf, **{
+        **dict(
+            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=hf["num_key_value_heads"] or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
+            max_seq_len=hf["max_position_embeddings"],
+            norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
+            activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
+            rope=rope_from_hf(hf, default_theta=default_theta), bias=False, tie_embeddings=bool(hf["tie_word_embeddings"]),
+            norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
+        ),
+        **fields,
+    })
 
 
 def mistral_config(hf: Mapping[str, Any]) -> ModelConfig:

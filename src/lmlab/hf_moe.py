@@ -20,10 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from .config import ModelConfig
-from .hf import (
-    Family, HFTensors, LLAMA_IGNORE, activation_from_hf, llama_glu, llama_weights, model_config, register,
-    rope_from_hf, with_defaults,
-)
+from .hf import Family, HFTensors, LLAMA_IGNORE, llama_glu, llama_layout_config, llama_weights, register, with_defaults
 from .moe import MoEConfig
 
 
@@ -95,17 +92,8 @@ def mixtral_config(hf: Mapping[str, Any]) -> ModelConfig:
         raise _refuse(hf, "sliding_window", "lmlab has no sliding-window attention; only sliding_window null loads")
     if hf["router_jitter_noise"]:
         raise _refuse(hf, "router_jitter_noise", "lmlab's router has no multiplicative input jitter; use 0.0")
-    heads = hf["num_attention_heads"]
-    return model_config(
-        hf,
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=hf["num_key_value_heads"] or heads,
-        head_dim=hf["head_dim"] or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
-        activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-        rope=rope_from_hf(hf, default_theta=1e6), bias=False, tie_embeddings=bool(hf["tie_word_embeddings"]),
-        norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
+    return llama_layout_config(
+        hf, default_theta=1e6,
         moe=MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], normalize_top_k=True),
     )
 
@@ -142,20 +130,8 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
         raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention")
     if not hf["num_experts"]:
         raise _refuse(hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'")
-    heads, L = hf["num_attention_heads"], hf["num_hidden_layers"]
-    moe = _qwen2_moe_experts(hf, L)
-    return model_config(
-        hf,
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=L,
-        n_heads=heads, n_kv_heads=hf["num_key_value_heads"] or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
-        activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-        rope=rope_from_hf(hf), bias=False, qkv_bias=bool(hf["qkv_bias"]),  # q/k/v-only biases
-        tie_embeddings=bool(hf["tie_word_embeddings"]),
-        norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"], moe=moe,
-    )
+    moe = _qwen2_moe_experts(hf, hf["num_hidden_layers"])
+    return llama_layout_config(hf, qkv_bias=bool(hf["qkv_bias"]), moe=moe)  # biases on q, k, v only
 
 
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:

@@ -580,7 +580,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from .experiments import EXPERIMENTS, run_experiment
+    from .experiments import run_experiment
 
     set_threads(args.threads)
     try:

@@ -265,7 +265,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"Runs that did not diverge but ended within {STUCK} nats of the unigram loss: post {n_stuck['post']}, pre "
         f"{n_stuck['pre']}, DeepNorm {n_stuck['deepnorm']}.\n\n"
         "### Final validation loss (nats/token; `DIV` = diverged)\n\n" + markdown_table(table) + "\n"
-        f"![final loss vs depth](final_loss_vs_depth.png)\n\n![loss curves](loss_curves.png)\n\n"
+        "![final loss vs depth](final_loss_vs_depth.png)\n\n![loss curves](loss_curves.png)\n\n"
         "### Gradient norm per layer at initialization\n\n"
         "Norm of the gradient of the loss w.r.t. all parameters of each layer, on one fixed batch, before any update. "
         "Table: mean over the top quarter of layers / mean over the bottom quarter (> 1: grows toward the top).\n\n"
