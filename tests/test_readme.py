@@ -26,3 +26,9 @@ def test_readme_has_runnable_examples():
 def test_ci_runs_the_readme_test_command():
     command = re.search(r"^(python -m pip install .*pytest)$", README, flags=re.M).group(1)
     assert command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_quotes_the_two_norm_placement_lines_as_they_are_in_model_py():
+    model_py = (ROOT / "src" / "lmlab" / "model.py").read_text()
+    quoted = re.findall(r"^(?:pre|post)-norm \(\w+\):\s+(.*)$", README, flags=re.M)
+    assert len(quoted) == 2 and all(line in model_py for line in quoted)
