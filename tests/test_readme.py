@@ -30,5 +30,5 @@ def test_ci_runs_the_readme_test_command():
 
 def test_readme_quotes_the_two_norm_placement_lines_as_they_are_in_model_py():
     model_py = (ROOT / "src" / "lmlab" / "model.py").read_text()
-    quoted = re.findall(r"^(?:pre|post)-norm \(\w+\):\s+(.*)$", README, flags=re.M)
+    quoted = re.findall(r"^(?:pre|post)-norm\s+\(\w+\):\s+(.*)$", README, flags=re.M)
     assert len(quoted) == 2 and all(line in model_py for line in quoted)
