@@ -360,6 +360,25 @@ def test_transformer_updates_router_biases():
     assert bias.abs().max() == pytest.approx(1e-3)
 
 
+def test_router_bias_update_balances_on_the_all_reduced_load():
+    """Under DDP the trainer passes an in-place sum over processes; the sign is taken of the
+    global load, so a skew that exists only on another rank still moves the bias."""
+    cfg = ModelConfig.from_preset("deepseek-v3", d_model=64, n_heads=4, n_layers=2, vocab_size=64)
+    model = Transformer(cfg).train()
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
+    seen = []
+
+    def other_rank_sends_everything_to_expert_0(load):
+        seen.append(load.clone())
+        load[0] += 1e6
+
+    model.update_router_biases(other_rank_sends_everything_to_expert_0)
+    bias = model.blocks[1].ffn.router.score_bias
+    assert len(seen) == len(model.moe_layers) and all(s.sum() > 0 for s in seen)
+    assert bias[0] == pytest.approx(-1e-3) and (bias[1:] == pytest.approx(1e-3))
+
+
 # ============================================================== capacity and statistics
 @pytest.mark.parametrize("impl", ["reference", "fast"])
 def test_capacity_drops_exactly_the_overflow_tokens(impl):

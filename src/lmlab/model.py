@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -155,11 +156,12 @@ class Transformer(nn.Module):
         return [moe.stats for moe in self.moe_layers]
 
     @torch.no_grad()
-    def update_router_biases(self) -> None:
+    def update_router_biases(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3): nudge each MoE layer's selection bias by the
-        sign of its load error since the last call. The trainer calls this after every optimizer step."""
+        sign of its load error since the last call. The trainer calls this after every optimizer
+        step, passing an in-place sum over processes under DDP."""
         for moe in self.moe_layers:
-            moe.update_bias()
+            moe.update_bias(all_reduce)
 
     def set_attention_impl(self, impl: str) -> None:
         """Switch every layer between the fused ``sdpa`` path and the ``explicit`` reference."""

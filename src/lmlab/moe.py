@@ -606,9 +606,12 @@ class MoE(nn.Module):
 
     # ---- hooks used by the model
     @torch.no_grad()
-    def update_bias(self) -> None:
+    def update_bias(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
         """DeepSeek-V3 loss-free balancing: bias_e += gamma * sign(mean load - load_e), from the
-        load accumulated since the previous call. Called after each optimizer step."""
+        load accumulated since the previous call. Called after each optimizer step; with several
+        processes, ``all_reduce`` sums the load over them first so every rank's biases agree."""
+        if all_reduce is not None:
+            all_reduce(self.load)
         if self.bias_update_rate > 0:
             self.router.score_bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
         self.load.zero_()

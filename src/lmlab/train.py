@@ -656,9 +656,8 @@ class Trainer:
         grad_norm = clip_gradients(self.model.parameters(), t.grad_clip)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
-            for moe in self.model.moe_layers:  # balance on the global load, so every rank's biases agree
-                self.dist.all_reduce_sum(moe.load)
-            self.model.update_router_biases()
+            # balance on the load summed over processes, so every rank's biases agree
+            self.model.update_router_biases(self.dist.all_reduce_sum if self.dist.world > 1 else None)
             self.bad_steps = 0
         else:
             self.bad_steps += 1
