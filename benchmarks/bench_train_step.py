@@ -1,10 +1,10 @@
 """Training step speed: lmlab against transformers' ``LlamaForCausalLM``, plus lmlab's MFU.
 
 One step = forward, cross-entropy over every position, backward, AdamW step, zero_grad: what
-``lmlab.train.Trainer`` does per micro-batch. Both models have the same config and the same weights
+``lmlab.run.trainer.Trainer`` does per micro-batch. Both models have the same config and the same weights
 (a random HF Llama saved with ``save_pretrained`` and loaded with ``lmlab.from_hf``); the first
 step's losses are checked equal before timing. Both get the same loss function (cross-entropy on
-the logits, computed outside the model) and the same optimizer (fused AdamW, as ``lmlab.train``
+the logits, computed outside the model) and the same optimizer (fused AdamW, as ``lmlab.run.optim``
 uses), so the model code is the only difference.
 
 Rounds alternate between the libraries and the best of ``--repeats`` rounds is kept, so a busy

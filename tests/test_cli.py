@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmlab import checkpoint as ckpt
+from lmlab.run import checkpoint as ckpt
 from lmlab import cli
-from lmlab.runs import load_run
+from lmlab.run.load import load_run
 
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",

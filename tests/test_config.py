@@ -216,7 +216,7 @@ def test_unknown_preset_suggests_closest():
 
 
 def test_sizes_derived_in_a_nested_model_config_follow_an_override_through_the_parent():
-    from lmlab.train import RunConfig
+    from lmlab.run import RunConfig
 
     run = RunConfig().override({"model.d_model": 256, "model.n_heads": 4})
     assert (run.model.head_dim, run.model.d_ff) == (64, 704)

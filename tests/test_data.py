@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from lmlab import data as data_mod
-from lmlab.data import SEPARATOR, DataConfig, TokenData, encode_documents, prepare, read_corpus, split_sizes, token_dtype
-from lmlab.tokenizer import (
+from lmlab.run import data as data_mod
+from lmlab.run.data import SEPARATOR, DataConfig, TokenData, encode_documents, prepare, read_corpus, split_sizes, token_dtype
+from lmlab.run.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
     load_tokenizer,
     train_tokenizer,
 )
-from lmlab.atomic import write_atomic
+from lmlab.run.atomic import write_atomic
 
 TEXT = "Hello, wörld! 日本語 ✓ emoji 😀 tab\tnull\x00 end.\n" * 3
 DOCS = [

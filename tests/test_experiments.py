@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from lmlab import sweep
+from lmlab.experiments import sweep
 from lmlab.experiments import EXPERIMENTS, load_experiment_spec, run_experiment
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ from torch import nn
 
 import lmlab
 from lmlab.generate import candidates, generate, make_sampler, sample_text, top_k_filter, top_p_filter
-from lmlab.tokenizer import ByteTokenizer, CharTokenizer
+from lmlab.run.tokenizer import ByteTokenizer, CharTokenizer
 
 V = 64
 

@@ -10,10 +10,12 @@ import torch
 
 import lmlab
 from lmlab import ModelConfig, MoEConfig, Transformer
+from lmlab.config import MOE_PRESETS
 from lmlab.feedforward import GLU, MLP
+from lmlab.init import Init
 from lmlab.moe import (
-    MOE_PRESETS, MoE, Routing, device_balance_loss, expert_balance_loss, grouped_mm, grouped_mm_split,
-    _grouped_mm_kernel_ok, _probe_grouped_mm, load_balance_loss, z_loss,
+    MoE, Routing, device_balance_loss, expert_balance_loss, grouped_mm, grouped_mm_kernel_ok, grouped_mm_split,
+    load_balance_loss, probe_grouped_mm, z_loss,
 )
 
 D = 32  # d_model of the block-level tests
@@ -22,7 +24,7 @@ D = 32  # d_model of the block-level tests
 def make_moe(moe: dict, *, ffn="glu", activation="silu", bias=False, d_ff=48, seed=0) -> MoE:
     cfg = ModelConfig(d_model=D, n_heads=4, d_ff=d_ff, ffn=ffn, activation=activation, bias=bias, moe=MoEConfig(**moe))
     layer = MoE(cfg)
-    layer.init_params(torch.Generator().manual_seed(seed), std=0.3, out_std=0.3)
+    layer.init_params(Init(torch.Generator().manual_seed(seed), std=0.3, out_std=0.3))
     if bias:  # non-zero biases so that they are tested
         with torch.no_grad():
             for name, p in layer.named_parameters():
@@ -274,16 +276,16 @@ def test_grouped_mm_kernel_and_fallback_agree():
     want = torch.cat([x[:3] @ w[0].T, x[3:] @ w[3].T])
     gx_want, gw_want = torch.autograd.grad((want * want).sum(), (x, w))
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9):
-        assert _grouped_mm_kernel_ok(x, w)  # torch's CPU kernel exists from 2.9: the fast path uses it
+        assert grouped_mm_kernel_ok(x, w)  # torch's CPU kernel exists from 2.9: the fast path uses it
     for fn in (grouped_mm, grouped_mm_split):
         y = fn(x, w, offs)
         torch.testing.assert_close(y, want)
         gx, gw = torch.autograd.grad((y * y).sum(), (x, w))
         torch.testing.assert_close(gx, gx_want)
         torch.testing.assert_close(gw, gw_want)
-    assert not _grouped_mm_kernel_ok(x[:, :6].contiguous(), w[:, :, :6].contiguous())  # 24-byte strides: the kernel refuses
+    assert not grouped_mm_kernel_ok(x[:, :6].contiguous(), w[:, :, :6].contiguous())  # 24-byte strides: the kernel refuses
     with torch.inference_mode():  # a first call during generation must not record "no kernel" for good
-        assert _probe_grouped_mm.__wrapped__("cpu", torch.float32) == _probe_grouped_mm("cpu", torch.float32)
+        assert probe_grouped_mm.__wrapped__("cpu", torch.float32) == probe_grouped_mm("cpu", torch.float32)
 
 
 # ============================================================== balancing
@@ -548,7 +550,7 @@ def test_deepseek_v3_moe_layer_through_the_converter():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     from lmlab.hf import HFTensors
-    from lmlab.hf_moe import deepseek_v3_moe, deepseek_v3_moe_weights
+    from lmlab.hf.moe import deepseek_v3_moe, deepseek_v3_moe_weights
 
     hf_cfg = DeepseekV3Config(
         hidden_size=D, intermediate_size=64, moe_intermediate_size=8, n_routed_experts=16, num_experts_per_tok=3,

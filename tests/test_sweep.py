@@ -1,4 +1,4 @@
-"""lmlab.sweep: whole-spec validation, equal-budget accounting, resumption, tables."""
+"""lmlab.experiments.sweep: whole-spec validation, equal-budget accounting, resumption, tables."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from lmlab import sweep
-from lmlab.sweep import Hooks, SweepInterrupted, load_spec, parse_spec, run_sweep
-from lmlab.train import Trainer
+from lmlab import cli
+from lmlab.experiments import report, sweep
+from lmlab.experiments.sweep import Hooks, SweepInterrupted, load_spec, parse_spec, run_sweep
+from lmlab.run.trainer import Trainer
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(400))
 
@@ -67,7 +68,7 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     path = spec_file(tmp_path, corpus, variants=[{"name": "ok", "overrides": {}},
                                                  {"name": "wide", "overrides": {"model.n_heads": 3}}])
     out = tmp_path / "out"
-    assert sweep.main(["sweep", str(path), "--out", str(out)]) == 2
+    assert cli.main(["sweep", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "variant 'wide'" in err and "n_heads=3" in err
     assert not out.exists()  # nothing prepared, nothing trained
@@ -157,7 +158,7 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
         {"name": "ft", "init_from": "base", "overrides": {"train.steps": 2, "train.lr": 1e-4, "train.min_lr": 1e-5}},
     ])
     out = tmp_path / "out"
-    assert sweep.main(["sweep", str(path), "--out", str(out)]) == 0
+    assert cli.main(["sweep", str(path), "--out", str(out)]) == 0
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["variant"], r["seed"]) for r in rows] == [("base", "0"), ("base", "1"), ("ft", "0"), ("ft", "1")]
@@ -179,7 +180,7 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
     # the fine-tune started from base's final weights (2 small steps away), not from a fresh init
     from safetensors.torch import load_file
 
-    from lmlab import checkpoint as ckpt
+    from lmlab.run import checkpoint as ckpt
     from lmlab.model import Transformer
 
     def weights(run):
@@ -195,7 +196,7 @@ def test_divergence_threshold_and_unigram_loss(tmp_path, corpus):
     rows = run_sweep(spec, tmp_path / "out", log=lambda m: None)
     assert rows[0]["diverged"] and "above 0.500" in rows[0]["diverge_reason"]
     data = tmp_path / "out" / "data"
-    from lmlab.data import TokenData
+    from lmlab.run.data import TokenData
 
     train, val = np.asarray(TokenData(data, "train").tokens), np.asarray(TokenData(data, "val").tokens)
     counts = np.bincount(train, minlength=256) + 1.0
@@ -204,17 +205,15 @@ def test_divergence_threshold_and_unigram_loss(tmp_path, corpus):
 
 
 def test_mean_std_and_markdown():
-    assert sweep.mean_std([1.0, 2.0, 3.0]) == "2.0000 ± 1.0000"
-    assert sweep.mean_std([2.5]) == "2.5000"
-    assert sweep.mean_std([float("nan")]) == "nan"
-    assert sweep.markdown_table([{"a": 1234, "b": 0.5}]) == "| a | b |\n|---|---|\n| 1,234 | 0.5000 |\n"
+    assert report.mean_std([1.0, 2.0, 3.0]) == "2.0000 ± 1.0000"
+    assert report.mean_std([2.5]) == "2.5000"
+    assert report.mean_std([float("nan")]) == "nan"
+    assert report.markdown_table([{"a": 1234, "b": 0.5}]) == "| a | b |\n|---|---|\n| 1,234 | 0.5000 |\n"
 
 
 def test_subcommands_show_defaults_in_help(capsys):
-    with pytest.raises(SystemExit):
-        sweep.main(["experiment", "--help"])
+    assert cli.main(["experiment", "--help"]) == 0
     text = capsys.readouterr().out
     assert "norm" in text and "positions" in text and "moe" in text and "(default: None)" in text
-    with pytest.raises(SystemExit):
-        sweep.main(["sweep", "--help"])
+    assert cli.main(["sweep", "--help"]) == 0
     assert "--seeds" in capsys.readouterr().out

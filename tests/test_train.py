@@ -16,12 +16,11 @@ import torch
 import yaml
 
 import lmlab
-from lmlab import checkpoint as ckpt
-from lmlab.data import DataConfig
-from lmlab.train import (
-    RunConfig, TrainConfig, Trainer, TrainingDiverged, clip_gradients, forward_backward, learning_rate, load_config,
-    param_groups,
-)
+from lmlab.run import checkpoint as ckpt
+from lmlab.run.config import RunConfig, TrainConfig, load_config
+from lmlab.run.data import DataConfig
+from lmlab.run.optim import clip_gradients, learning_rate, param_groups
+from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
 
 TINY = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
@@ -47,7 +46,7 @@ def run_config(tmp_path: Path, model: dict | None = None, **train) -> RunConfig:
     )
 
 
-def train(cfg: RunConfig, run_dir: Path, callbacks=(), **kw) -> tuple[lmlab.train.TrainResult, list[dict], Trainer]:
+def train(cfg: RunConfig, run_dir: Path, callbacks=(), **kw) -> tuple[TrainResult, list[dict], Trainer]:
     records: list[dict] = []
     with Trainer(cfg, run_dir, quiet=True, callbacks=[lambda t, r: records.append(r), *callbacks], **kw) as trainer:
         result = trainer.fit()

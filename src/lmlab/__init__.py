@@ -1,9 +1,8 @@
 """lmlab: build, train and compare Transformer language models, from 2017 to today."""
 
 from .attention import KVCache
-from .config import PRESETS, ModelConfig, RopeConfig
+from .config import PRESETS, ModelConfig, MoEConfig, RopeConfig
 from .model import IGNORE_INDEX, LMOutput, SequenceClassifier, Transformer
-from .moe import MoEConfig
 
 __version__ = "0.1.0"
 
@@ -15,6 +14,6 @@ __all__ = [
 
 def from_hf(path, **kwargs):
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as an lmlab model."""
-    from .hf import from_hf as _from_hf
+    from . import hf  # on first use: the checkpoint readers are not needed to build or train models
 
-    return _from_hf(path, **kwargs)
+    return hf.from_hf(path, **kwargs)

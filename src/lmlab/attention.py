@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .init import Init, init_module
 from .positions import AttentionTerm, Context
 
 
@@ -52,7 +53,8 @@ class KVCache:
             )
 
 
-# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5; before, keys and values are copied per head
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5; on torch 2.4, the oldest supported,
+# keys and values are copied per query head instead (tests run both paths)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
@@ -88,6 +90,17 @@ class Attention(nn.Module):
             )
         self.attend = paths[impl]
         self.impl = impl
+
+    def init_params(self, init: Init) -> None:
+        """q, k, v ~ N(0, std); the output projection, which writes into the residual stream,
+        ~ N(0, out_std). DeepNorm: Xavier-normal with gain 1 for q and k and β for v and the output
+        (Wang et al. 2022, Algorithm 1). Biases 0; the position term initializes its own tables."""
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv_rows = (H * hd, KV * hd, KV * hd)
+        init.weight(self.qkv.weight, init.std, deepnorm_gain=(1.0, 1.0, init.beta), rows=qkv_rows)
+        init.weight(self.out.weight, init.out_std, deepnorm_gain=init.beta)
+        init.zeros(self.qkv.bias, self.out.bias)
+        init_module(self.term, init)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -1,9 +1,12 @@
-"""The ``lmlab`` command: prepare data, train, evaluate and sample.
+"""The ``lmlab`` command: every subcommand, one error path.
 
+    lmlab prepare my_corpus/ --tokenizer bpe --out data/mine
     lmlab train                                   # the demo: a small llama-style model, a few CPU minutes
     lmlab train --config run.yaml --model.n_layers 6 --train.lr 3e-4 --run-dir runs/deeper
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
+    lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
+    lmlab experiment norm --out results/norm
 
 Bad input (a missing file, an unknown config key, a checkpoint that does not match its config,
 ...) is one line on stderr and exit status 2, before anything is written. The library raises
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .run.errors import one_line
 from .schema import suggest
 
 EXIT_DIVERGED = 1  # training stopped by max_bad_steps consecutive non-finite steps
@@ -39,26 +43,26 @@ class UsageError(ValueError):
     pass
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default, and descriptions keep their line breaks."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _para(*paragraphs: str) -> str:
+def paragraphs(*paragraphs: str) -> str:
     return "\n\n".join(textwrap.fill(p, 92) for p in paragraphs)
 
 
 def _config_defaults() -> str:
     """The default run config, one wrapped line per section: what --SECTION.FIELD VALUE changes."""
-    from .train import RunConfig, _flatten
+    from .run.config import RunConfig, flatten
 
     lines = ["config fields and their defaults (lmlab train --print-config shows the resolved config):"]
     for section, values in RunConfig().to_dict().items():
-        items = " ".join(f"{k}={v}" for k, v in _flatten(values).items())
+        items = " ".join(f"{k}={v}" for k, v in flatten(values).items())
         lines.append(textwrap.fill(items, 92, initial_indent=f"  {section}: ", subsequent_indent=" " * (len(section) + 4)))
     return "\n".join(lines)
 
@@ -95,16 +99,22 @@ def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .data import DataConfig
 
-    parser = _Parser(prog="lmlab", description="Build, train and compare Transformer language models.",
-                     epilog=EXIT_CODES, formatter_class=_Formatter)
+    parser = Parser(prog="lmlab", description="Build, train and compare Transformer language models.",
+                    epilog=EXIT_CODES, formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"lmlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (add_prepare_parser, add_train_parser, add_eval_parser, add_generate_parser, add_sweep_parsers):
+        add(sub)
+    return parser
+
+
+def add_prepare_parser(sub) -> None:
+    from .run.data import DataConfig
 
     d = DataConfig()
-    p = sub.add_parser("prepare", help="tokenize text into train/val token shards", formatter_class=_Formatter,
-                       description=_para("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
+    p = sub.add_parser("prepare", help="tokenize text into train/val token shards", formatter_class=Formatter,
+                       description=paragraphs("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
                        "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards."),
                        epilog=EXIT_CODES)
     p.add_argument("source", nargs="?", default=d.source, help="text file, directory, JSONL file, hf:PATH or 'builtin'")
@@ -117,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="check that each split holds at least one context")
     p.add_argument("--overwrite", action="store_true", help="replace data prepared differently in --out")
 
-    t = sub.add_parser("train", help="train a model (no arguments: the built-in demo)", formatter_class=_Formatter,
-                       description=_para("Train the model of a run config. With no arguments, trains a small llama-style "
+
+def add_train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a model (no arguments: the built-in demo)", formatter_class=Formatter,
+                       description=paragraphs("Train the model of a run config. With no arguments, trains a small llama-style "
                        "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains with "
                        "DistributedDataParallel; the global batch stays batch_size x grad_accum.", OVERRIDES),
                        epilog=_config_defaults() + "\n\n" + EXIT_CODES)
@@ -130,11 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar or messages")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
-    e = sub.add_parser("eval", help="validation loss, perplexity and loss by position", formatter_class=_Formatter,
-                       description=_para("Evaluate a run's checkpoint. --seq-len may exceed the training length; with "
+
+def add_eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="validation loss, perplexity and loss by position", formatter_class=Formatter,
+                       description=paragraphs("Evaluate a run's checkpoint. --seq-len may exceed the training length; with "
                        "--model.rope.* overrides (e.g. --model.rope.scaling yarn --model.rope.factor 4) this "
                        "measures length extrapolation through the loss by position.", OVERRIDES), epilog=EXIT_CODES)
-    _run_args(e)
+    add_run_args(e)
     e.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the training length)")
     e.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
     e.add_argument("--max-batches", type=int, default=50, help="batches to evaluate (0 = the whole split)")
@@ -143,10 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--buckets", type=int, default=8, help="position ranges to report")
     e.add_argument("--json", action="store_true", help="print JSON, including the loss at every position")
 
-    g = sub.add_parser("generate", help="sample text from a run or a Hugging Face checkpoint", formatter_class=_Formatter,
-                       description=_para("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
+
+def add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="sample text from a run or a Hugging Face checkpoint", formatter_class=Formatter,
+                       description=paragraphs("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
                        "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES), epilog=EXIT_CODES)
-    _run_args(g)
+    add_run_args(g)
     g.add_argument("--prompt", default="The ", help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
@@ -154,19 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
 
-    from .sweep import add_subcommands  # sweep and experiment: many runs on an equal budget
 
-    add_subcommands(sub)
-    return parser
-
-
-def _run_args(p: argparse.ArgumentParser) -> None:
+def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN", help="run directory (or, for generate, a Hugging Face checkpoint directory)")
     p.add_argument("--checkpoint", default="best", help="best, latest or a step number")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
 
 
-SECTIONS = {"train": ("model", "data", "train"), "eval": ("model",), "generate": ("model",), "prepare": ()}
+SECTIONS = {"train": ("model", "data", "train"), "eval": ("model",), "generate": ("model",), "prepare": (),
+            "sweep": (), "experiment": ()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,14 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    from .train import TrainingDiverged
+    from .run.trainer import TrainingDiverged
 
     try:
-        if args.command in COMMANDS:
-            return COMMANDS[args.command](args, overrides, argv)
-        return args.func(args)  # sweep, experiment
+        return COMMANDS[args.command](args, overrides, argv)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except TrainingDiverged as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -203,13 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 # ============================================================== commands
 def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .data import DataConfig, prepare
+    from .run.data import DataConfig, prepare
 
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      val_fraction=args.val_fraction, text_field=args.text_field, errors=args.errors, dir=args.out)
@@ -220,7 +226,9 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
 
 
 def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .train import CONFIG_FILE, Trainer, load_config
+    from .run.config import load_config
+    from .run.directory import CONFIG_FILE
+    from .run.trainer import Trainer
 
     run_dir = Path(args.run_dir)
     if args.resume:
@@ -253,10 +261,10 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .data import TokenData
-    from .evaluate import evaluate
-    from .runs import is_hf_dir, load_run
-    from .train import resolve_device
+    from .run.data import TokenData
+    from .run.distributed import resolve_device
+    from .run.evaluate import evaluate
+    from .run.load import is_hf_dir, load_run
 
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
@@ -293,8 +301,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
 
 def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .generate import sample_text
-    from .runs import load_run
-    from .train import resolve_device
+    from .run.distributed import resolve_device
+    from .run.load import load_run
 
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is not valid; give a number >= 0")
@@ -319,7 +327,72 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate}
+def set_threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .experiments.sweep import SweepInterrupted, load_spec, run_sweep
+
+    set_threads(args.threads)
+    spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds)
+    out = Path(args.out or Path("sweeps") / spec.name)
+    print(f"sweep {spec.name}: {len(spec.variants)} variants x {len(spec.seeds)} seeds -> {out}", flush=True)
+    try:
+        run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True))
+    except SweepInterrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
+    print(f"wrote {out / 'results.csv'} and {out / 'summary.md'}")
+    return 0
+
+
+def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .experiments import run_experiment
+    from .experiments.sweep import SweepInterrupted
+
+    set_threads(args.threads)
+    command = " ".join(["lmlab", *argv]) if args.command_line is None else args.command_line
+    try:
+        report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command)
+    except SweepInterrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
+    print(f"wrote {report}")
+    return 0
+
+
+def add_sweep_parsers(sub) -> None:
+    """``sweep`` and ``experiment``: many runs on an equal budget."""
+    from .experiments import EXPERIMENTS
+    from .experiments import sweep
+
+    s = sub.add_parser(
+        "sweep", help="train variants of a run config on an equal budget and tabulate them", formatter_class=Formatter,
+        description=sweep.__doc__.split("Out directory")[0].split("\n\n", 1)[1], epilog=EXIT_CODES)
+    s.add_argument("spec", help="sweep spec YAML: base config, variants (name + dotted overrides), seeds")
+    s.add_argument("--out", default=None, help="output directory; sweeps/<spec name> when not given")
+    s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
+    s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1; the spec's seeds when not given")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
+
+    e = sub.add_parser(
+        "experiment", help="reproduce one of the design's claims: norm, positions or moe", formatter_class=Formatter,
+        description="Run a shipped experiment and write results.csv, PNG plots and report.md with a verdict on the "
+        "claim. Interrupted runs resume when the same command is run again.", epilog=EXIT_CODES)
+    e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
+    e.add_argument("--out", required=True, help="output directory")
+    e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
+    e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
+    e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
+            "sweep": cmd_sweep, "experiment": cmd_experiment}
 
 
 def _fmt(v: Any) -> str:

@@ -14,7 +14,6 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from .moe import MOE_PRESETS, MoEConfig
 from .schema import Config, check_positive, check_range, divisors, suggest
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -26,6 +25,10 @@ ResidualScaling = Literal["none", "gpt2", "deepnorm"]
 EmbedScale = Literal["none", "sqrt_d"]
 RopeScaling = Literal["none", "linear", "ntk", "dynamic", "yarn", "llama3"]
 RopeLayout = Literal["half", "interleaved"]
+Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2"]
+SecondExpert = Literal["always", "random"]
+SharedGate = Literal["none", "sigmoid"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -86,6 +89,128 @@ class RopeConfig(Config):
                         f"rope.{name}={value} only applies to rope.scaling='yarn', not {self.scaling!r}; "
                         f"leave rope.{name} unset or use scaling='yarn'"
                     )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MoEConfig(Config):
+    """A mixture-of-experts feed-forward; ``ModelConfig.moe``. Every balancing term is off (0) by default.
+
+    Fine-grained segmentation (DeepSeekMoE sec. 3.1) is one switch: ``granularity=m`` turns N experts
+    of width d into m*N experts of width d/m with m*K active, at the same compute and parameters.
+    """
+
+    # ---- experts
+    n_experts: int = 8  # routed experts, before segmentation
+    top_k: int = 2  # routed experts per token, before segmentation
+    granularity: int = 1  # m: m*n_experts experts of width d_expert/m, m*top_k of them active
+    n_shared: int = 0  # shared experts (width d_expert/m each), fused into one FFN every token goes through
+    d_expert: int | None = None  # expert hidden size before segmentation; None = the dense d_ff
+    shared_gate: SharedGate = "none"  # sigmoid: shared output scaled by sigmoid(x·g), as in Qwen2-MoE
+    # ---- which layers
+    every: int = 1  # layer l is MoE if l >= first_dense and (l - first_dense) % every == 0
+    first_dense: int = 0  # the first k layers stay dense (DeepSeekMoE 16B, DeepSeek-V3)
+    # ---- router
+    scoring: Scoring = "softmax"  # sigmoid: independent affinities (DeepSeek-V3 sec. 2.1.2)
+    normalize_top_k: bool = False  # rescale the K chosen weights to sum to 1 (GShard, Mixtral, V3)
+    routed_scale: float = 1.0  # multiply the routed output (DeepSeek-V3's routed_scaling_factor, 2.5)
+    n_groups: int = 1  # contiguous expert groups: devices of group-limited routing and the device loss
+    topk_groups: int | None = None  # route within the best topk_groups groups (DeepSeek-V2 sec. 2.2.2); None = all
+    group_score: GroupScore = "max"  # a group's score: its best expert (V2) or its best two summed (V3)
+    second_expert: SecondExpert = "always"  # random: send the 2nd expert with prob. min(1, 2 g2) (GShard)
+    capacity_factor: float | None = None  # None = dropless; else each expert takes ceil(cf*T*K/E) assignments
+    # ---- balancing, each with its own coefficient (0 = off)
+    load_balance_coef: float = 0.0  # Switch eq. 4 / GShard: E * sum_e f_e P_e over first choices
+    z_loss_coef: float = 0.0  # ST-MoE eq. 5: mean logsumexp(logits)^2
+    expert_balance_coef: float = 0.0  # DeepSeekMoE eq. 12-14: over all K choices
+    device_balance_coef: float = 0.0  # DeepSeekMoE eq. 15-17, with n_groups devices
+    bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
+
+    # ---- derived sizes
+    @property
+    def routed_experts(self) -> int:
+        return self.n_experts * self.granularity
+
+    @property
+    def active_experts(self) -> int:
+        return self.top_k * self.granularity
+
+    def expert_width(self, d_ff: int) -> int:
+        return (self.d_expert or d_ff) // self.granularity
+
+    @property
+    def group_limited(self) -> bool:
+        return self.topk_groups is not None and self.topk_groups < self.n_groups
+
+    # ---- validation
+    def validate(self) -> None:
+        for name in ("n_experts", "top_k", "granularity", "every", "n_groups"):
+            check_positive(f"moe.{name}", getattr(self, name))
+        for name in ("n_shared", "first_dense"):
+            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
+        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate"):
+            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
+        check_positive("moe.routed_scale", self.routed_scale)
+        if self.d_expert is not None:
+            check_positive("moe.d_expert", self.d_expert)
+        if self.capacity_factor is not None:
+            check_positive("moe.capacity_factor", self.capacity_factor)
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; choose top_k in [1, {self.n_experts}]"
+            )
+        E, K, G = self.routed_experts, self.active_experts, self.n_groups
+        if E % G:
+            raise ValueError(
+                f"moe.n_groups={G} does not divide the {E} routed experts (n_experts*granularity); "
+                f"choose n_groups in {divisors(E)}"
+            )
+        if self.topk_groups is not None:
+            check_positive("moe.topk_groups", self.topk_groups)
+            if self.topk_groups > G:
+                raise ValueError(
+                    f"moe.topk_groups={self.topk_groups} exceeds moe.n_groups={G}; choose topk_groups in [1, {G}]"
+                )
+            if self.topk_groups * (E // G) < K:
+                need = math.ceil(K / (E // G))
+                raise ValueError(
+                    f"moe.topk_groups={self.topk_groups} leaves {self.topk_groups * (E // G)} experts to choose "
+                    f"{K} (top_k*granularity) from; choose topk_groups >= {need}"
+                )
+            if self.group_limited and self.group_score == "top2" and E // G < 2:
+                raise ValueError(
+                    f"moe.group_score='top2' needs at least 2 experts per group, but n_groups={G} leaves {E // G}; "
+                    "use group_score='max' or fewer groups"
+                )
+        if self.second_expert == "random" and K != 2:
+            raise ValueError(
+                f"moe.second_expert='random' is GShard's top-2 rule and needs top_k*granularity=2, got {K}; "
+                "set top_k=2 or second_expert='always'"
+            )
+        if self.device_balance_coef > 0 and G == 1:
+            raise ValueError(
+                f"moe.device_balance_coef={self.device_balance_coef} needs n_groups > 1 (the devices); "
+                f"choose n_groups in {divisors(E)[1:]}"
+            )
+        if self.shared_gate != "none" and self.n_shared == 0:
+            raise ValueError(f"moe.shared_gate={self.shared_gate!r} needs shared experts; set moe.n_shared >= 1")
+
+    def check_against(self, *, n_layers: int, d_ff: int) -> None:
+        """Checks that need the model's sizes; ``ModelConfig`` calls this after resolving d_ff."""
+        if self.first_dense >= n_layers:
+            raise ValueError(
+                f"moe.first_dense={self.first_dense} leaves no MoE layer among n_layers={n_layers}; "
+                f"choose first_dense < {n_layers}"
+            )
+        width = self.d_expert or d_ff
+        if width % self.granularity:
+            name = "moe.d_expert" if self.d_expert else "d_ff (the expert width while moe.d_expert is unset)"
+            raise ValueError(
+                f"{name}={width} is not divisible by moe.granularity={self.granularity}; "
+                f"choose granularity in {divisors(width)} or set moe.d_expert"
+            )
+
+    def applies_to(self, layer: int) -> bool:
+        return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -236,5 +361,50 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_heads=8, n_kv_heads=2, bias=False, tie_embeddings=False,
     ),
 }
-# Mixture-of-experts presets live beside the MoE layer (moe.py); they are model presets too.
+
+# Model presets with a mixture-of-experts feed-forward: name -> ModelConfig fields (``moe`` as a dict).
+# Laptop-small bodies (d_model 256, 4 layers, llama-style) so the MoE choices are the only difference.
+_BODY = dict(d_model=256, n_layers=4, n_heads=8, norm="rmsnorm", norm_position="pre", positions="rope", bias=False)
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    # Switch Transformer (Fedus et al. 2022): top-1, ReLU experts in every other layer, capacity
+    # factor 1.25 and load-balancing loss alpha = 0.01 (sec. 2.2).
+    "switch": dict(
+        _BODY, ffn="mlp", activation="relu",
+        moe=dict(n_experts=8, top_k=1, every=2, capacity_factor=1.25, load_balance_coef=0.01),
+    ),
+    # GShard (Lepikhin et al. 2021, Algorithm 1): top-2 with normalized gates, the second expert sent
+    # with probability min(1, 2 g2), capacity 2T/E (factor 1 of T*K/E), every other layer.
+    "gshard": dict(
+        _BODY, ffn="mlp", activation="relu",
+        moe=dict(
+            n_experts=8, top_k=2, every=2, normalize_top_k=True, second_expert="random",
+            capacity_factor=1.0, load_balance_coef=0.01,
+        ),
+    ),
+    # Mixtral (Jiang et al. 2024): 8 SwiGLU experts, top-2, softmax then renormalized over the two,
+    # dropless. Mistral did not publish its balance coefficient; 0.01 is Switch's.
+    "mixtral": dict(
+        _BODY, n_kv_heads=2, ffn="glu", activation="silu",
+        moe=dict(n_experts=8, top_k=2, normalize_top_k=True, expert_balance_coef=0.01),
+    ),
+    # DeepSeekMoE's validation setup (Dai et al. 2024, sec. 4.1): 1 shared + 63 routed experts, 7 routed
+    # active, each a quarter of the dense FFN (d_expert = 704/4 for d_model 256), alpha1 = 0.01.
+    "deepseekmoe": dict(
+        _BODY, ffn="glu", activation="silu",
+        moe=dict(n_experts=63, top_k=7, n_shared=1, d_expert=176, expert_balance_coef=0.01),
+    ),
+    # DeepSeek-V3 (sec. 2.1.2) scaled down: sigmoid affinities normalized over the chosen experts and
+    # scaled by 2.5, 8 groups of which 4 are searched (group score = best two), loss-free balancing
+    # with gamma = 1e-3 plus a tiny balance loss (V3 uses alpha = 1e-4 per sequence; here per batch),
+    # one shared expert, the first layer dense.
+    "deepseek-v3": dict(
+        _BODY, ffn="glu", activation="silu",
+        moe=dict(
+            n_experts=32, top_k=4, n_shared=1, d_expert=128, first_dense=1,
+            scoring="sigmoid", normalize_top_k=True, routed_scale=2.5,
+            n_groups=8, topk_groups=4, group_score="top2",
+            bias_update_rate=1e-3, expert_balance_coef=1e-4,
+        ),
+    ),
+}
 PRESETS.update(MOE_PRESETS)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .init import Init
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -32,6 +33,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(self.up(x)))
 
+    def init_params(self, init: Init) -> None:
+        """up ~ N(0, std); down, which writes into the residual stream, ~ N(0, out_std); biases 0.
+        DeepNorm: Xavier-normal with gain β for both (Wang et al. 2022, Algorithm 1)."""
+        init.weight(self.up.weight, init.std, deepnorm_gain=init.beta)
+        init.weight(self.down.weight, init.out_std, deepnorm_gain=init.beta)
+        init.zeros(self.up.bias, self.down.bias)
+
 
 class GLU(nn.Module):
     """down(act(gate(x)) * up(x)); gate and up are one fused matmul, stored as [gate; up]."""
@@ -47,14 +55,12 @@ class GLU(nn.Module):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
+    def init_params(self, init: Init) -> None:
+        """As :meth:`MLP.init_params`, with gate and up two matrices that happen to be stored as one."""
+        init.weight(self.gate_up.weight, init.std, deepnorm_gain=init.beta, rows=(self.d_ff, self.d_ff))
+        init.weight(self.down.weight, init.out_std, deepnorm_gain=init.beta)
+        init.zeros(self.gate_up.bias, self.down.bias)
+
 
 FFNS = {"mlp": MLP, "glu": GLU}
 
-
-def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
-    """The feed-forward sublayer of block ``layer``: dense, or mixture-of-experts where configured."""
-    if cfg.is_moe_layer(layer):
-        from .moe import MoE
-
-        return MoE(cfg)
-    return FFNS[cfg.ffn](cfg)

@@ -19,7 +19,9 @@ from torch import nn
 
 from .attention import Attention, KVCache
 from .config import ModelConfig
-from .feedforward import build_ffn
+from .feedforward import FFNS
+from .init import Init, init_module
+from .moe import MoE
 from .norm import build_norm
 from .positions import Context, build_positions
 
@@ -63,6 +65,11 @@ class PostNormBlock(Block):
 
 
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock}
+
+
+def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward sublayer of block ``layer``: dense, or mixture-of-experts where configured."""
+    return MoE(cfg) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](cfg)
 
 
 def deepnorm_alpha(n_layers: int) -> float:
@@ -169,24 +176,30 @@ class Transformer(nn.Module):
             block.attn.set_impl(impl)
 
     # ---- accounting
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The parameters that represent tokens and positions rather than transform them: the token
+        embedding (which is also the head when tied), a learned position table, and every layer's
+        relative-position tables. Position representations are embeddings; Kaplan et al. (2020,
+        sec. 2.1) leave all of them out of the non-embedding count N. The one answer to "what is an
+        embedding": ``num_params``, ``flops_per_token`` and the optimizer's no-decay group use it."""
+        relative = (p for block in self.blocks for p in block.attn.term.parameters())
+        return [self.embed.weight, *self.positions.parameters(), *relative]
+
     def num_params(self) -> dict[str, int]:
-        """total: every distinct parameter. non_embedding: total less the token and position
-        embeddings and an untied output head (Kaplan et al. 2020). active: total less the routed
-        experts a token does not use."""
+        """total: every distinct parameter. non_embedding: total less ``embedding_parameters()``
+        and an untied output head (Kaplan et al. 2020). active: total less the routed experts a
+        token does not use."""
         total = sum(p.numel() for p in self.parameters())
-        embedding = self.embed.weight.numel()
-        if not self.config.tie_embeddings:
-            embedding += self.head.weight.numel()
-        embedding += sum(p.numel() for p in self.positions.parameters())
+        embedding = sum(p.numel() for p in self.embedding_parameters())
+        head = 0 if self.config.tie_embeddings else self.head.weight.numel()
         inactive = sum(moe.inactive_params() for moe in self.moe_layers)
-        return {"total": total, "non_embedding": total - embedding, "active": total - inactive}
+        return {"total": total, "non_embedding": total - embedding - head, "active": total - inactive}
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 N + 12 L H d_head T (PaLM, Chowdhery et al. 2022, app. B),
-        where N counts active matmul weights, including the output head but not embedding lookups."""
+        where N counts active matmul weights: the output head included, ``embedding_parameters()`` not."""
         cfg, T = self.config, seq_len or self.config.max_seq_len
-        counts = self.num_params()
-        n = counts["active"] - self.embed.weight.numel() - sum(p.numel() for p in self.positions.parameters())
+        n = self.num_params()["active"] - sum(p.numel() for p in self.embedding_parameters())
         n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
         return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
 
@@ -201,9 +214,8 @@ class SequenceClassifier(nn.Module):
         self.body = Transformer(config)
         self.pad_token_id = pad_token_id
         self.score = nn.Linear(config.d_model, n_classes, bias=False)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(config.init_seed + 1)
-            self.score.weight.copy_(_randn(self.score.weight.shape, g) * config.init_std)
+        head_init = Init(torch.Generator().manual_seed(config.init_seed + 1), config.init_std, config.init_std)
+        init_module(self.score, head_init)  # its own stream, so the body is exactly Transformer(config)
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.body.hidden(idx)  # (B, T, C)
@@ -215,74 +227,21 @@ class SequenceClassifier(nn.Module):
 
 
 # ============================================================== initialization
-RESIDUAL_OUTPUTS = ("attn.out.weight", "ffn.down.weight")  # projections that write into the residual stream
-
-
-def _randn(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-    """Draws on the CPU in fp32 whatever the default device and dtype, so the same seed gives the
-    same weights everywhere (and a CPU generator works inside ``with torch.device("cuda")``)."""
-    return torch.randn(shape, generator=g, device="cpu", dtype=torch.float32)
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """All initialization, in one place, as a pure function of ``cfg.init_seed``.
+    """All initialization, as a pure function of ``cfg.init_seed``: one generator, drawn in module order.
 
-    - linear and embedding weights ~ N(0, init_std); biases 0; norm gains 1, shifts 0;
-    - ``gpt2``: residual output projections ~ N(0, init_std / sqrt(2L)) (Radford et al. 2019, sec. 2.3);
-    - ``deepnorm``: Xavier-normal weights, with gain β = (8L)^(-1/4) for the value, output and
-      feed-forward projections (Wang et al. 2022, Table 1 and Algorithm 1).
-    Modules with their own parameters (relative tables, experts) implement ``init_params``.
+    - weights ~ N(0, init_std): linear layers, embeddings, relative-position tables, routers;
+      biases 0; norm gains 1, shifts 0;
+    - ``gpt2``: projections that write into the residual stream (attention output, feed-forward and
+      expert down projections) ~ N(0, init_std / sqrt(2L)) (Radford et al. 2019, sec. 2.3);
+    - ``deepnorm``: attention and feed-forward matrices (each expert's too) are Xavier-normal, with
+      gain β = (8L)^(-1/4) for the value, output and feed-forward projections and 1 for queries and
+      keys (Wang et al. 2022, Table 1 and Algorithm 1); routers and gates keep N(0, init_std).
+    Each module whose weights need more than the defaults says how in an ``init_params(init)`` hook
+    (attention, feed-forward, relative tables, experts); :func:`lmlab.init.init_module` applies the
+    hooks, and the defaults everywhere else.
     """
-    g = torch.Generator().manual_seed(cfg.init_seed)
-    std, L = cfg.init_std, cfg.n_layers
-    out_std = std / math.sqrt(2 * L) if cfg.residual_scaling == "gpt2" else std
-
-    def normal_(p: torch.Tensor, s: float) -> None:
-        p.copy_(_randn(p.shape, g) * s)
-
-    owned: list[str] = []  # modules that initialize themselves, whole subtree included
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in owned):
-            continue
-        if hasattr(module, "init_params"):
-            module.init_params(g, std=std, out_std=out_std)
-            owned.append(name)
-        elif isinstance(module, nn.Linear):
-            normal_(module.weight, out_std if name.endswith(("attn.out", "ffn.down")) else std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            normal_(module.weight, std)
-        elif isinstance(module, (nn.LayerNorm,)) or type(module).__name__ == "RMSNorm":
-            module.weight.fill_(1.0)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
-    for name, p in model.named_parameters():
-        if name.endswith(("rel_k", "rel_v")):
-            normal_(p, std)
-    if cfg.residual_scaling == "deepnorm":
-        _deepnorm_init(model, cfg, g)
-
-
-def _deepnorm_init(model: nn.Module, cfg: ModelConfig, g: torch.Generator) -> None:
-    beta = deepnorm_beta(cfg.n_layers)
-
-    def xavier_(w: torch.Tensor, gain: float) -> None:
-        fan_out, fan_in = w.shape
-        w.copy_(_randn(w.shape, g) * gain * math.sqrt(2.0 / (fan_in + fan_out)))
-
-    for block in model.blocks:
-        attn, H, KV, hd = block.attn, block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim
-        q, k, v = attn.qkv.weight.split([H * hd, KV * hd, KV * hd], dim=0)
-        xavier_(q, 1.0)
-        xavier_(k, 1.0)
-        xavier_(v, beta)
-        xavier_(attn.out.weight, beta)
-        for name, p in block.ffn.named_parameters():
-            # the feed-forward projections only: not biases, an MoE router or a shared-expert gate
-            if name.removesuffix(".weight").rsplit(".", 1)[-1] not in ("up", "gate_up", "down"):
-                continue
-            for matrix in p.unbind(0) if p.ndim == 3 else (p,):  # stacked experts: one matrix each
-                for w in matrix.chunk(2 if "gate_up" in name else 1, dim=0):  # fused [gate; up]: two matrices
-                    xavier_(w, beta)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.residual_scaling == "gpt2" else cfg.init_std
+    beta = deepnorm_beta(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else None
+    init_module(model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta))

@@ -11,6 +11,9 @@ al. 2022, arXiv:2202.08906); DeepSeekMoE (Dai et al. 2024, arXiv:2401.06066); De
 (arXiv:2405.04434) and V3 (arXiv:2412.19437); loss-free balancing (Wang et al. 2024,
 arXiv:2408.15664).
 
+The configuration, :class:`~lmlab.config.MoEConfig`, and the mixture-of-experts presets live in
+``config.py`` beside the other configs.
+
 Shape suffixes (torchtitan style) used for every tensor below:
     B batch, S sequence, D d_model
     T tokens, flattened B*S
@@ -24,191 +27,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .schema import Config, check_choice, check_positive, divisors
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
-
-Scoring = Literal["softmax", "sigmoid"]
-GroupScore = Literal["max", "top2"]
-SecondExpert = Literal["always", "random"]
-SharedGate = Literal["none", "sigmoid"]
-
-
-# ============================================================== configuration
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class MoEConfig(Config):
-    """A mixture-of-experts feed-forward; ``ModelConfig.moe``. Every balancing term is off (0) by default.
-
-    Fine-grained segmentation (DeepSeekMoE sec. 3.1) is one switch: ``granularity=m`` turns N experts
-    of width d into m*N experts of width d/m with m*K active, at the same compute and parameters.
-    """
-
-    # ---- experts
-    n_experts: int = 8  # routed experts, before segmentation
-    top_k: int = 2  # routed experts per token, before segmentation
-    granularity: int = 1  # m: m*n_experts experts of width d_expert/m, m*top_k of them active
-    n_shared: int = 0  # shared experts (width d_expert/m each), fused into one FFN every token goes through
-    d_expert: int | None = None  # expert hidden size before segmentation; None = the dense d_ff
-    shared_gate: SharedGate = "none"  # sigmoid: shared output scaled by sigmoid(x·g), as in Qwen2-MoE
-    # ---- which layers
-    every: int = 1  # layer l is MoE if l >= first_dense and (l - first_dense) % every == 0
-    first_dense: int = 0  # the first k layers stay dense (DeepSeekMoE 16B, DeepSeek-V3)
-    # ---- router
-    scoring: Scoring = "softmax"  # sigmoid: independent affinities (DeepSeek-V3 sec. 2.1.2)
-    normalize_top_k: bool = False  # rescale the K chosen weights to sum to 1 (GShard, Mixtral, V3)
-    routed_scale: float = 1.0  # multiply the routed output (DeepSeek-V3's routed_scaling_factor, 2.5)
-    n_groups: int = 1  # contiguous expert groups: devices of group-limited routing and the device loss
-    topk_groups: int | None = None  # route within the best topk_groups groups (DeepSeek-V2 sec. 2.2.2); None = all
-    group_score: GroupScore = "max"  # a group's score: its best expert (V2) or its best two summed (V3)
-    second_expert: SecondExpert = "always"  # random: send the 2nd expert with prob. min(1, 2 g2) (GShard)
-    capacity_factor: float | None = None  # None = dropless; else each expert takes ceil(cf*T*K/E) assignments
-    # ---- balancing, each with its own coefficient (0 = off)
-    load_balance_coef: float = 0.0  # Switch eq. 4 / GShard: E * sum_e f_e P_e over first choices
-    z_loss_coef: float = 0.0  # ST-MoE eq. 5: mean logsumexp(logits)^2
-    expert_balance_coef: float = 0.0  # DeepSeekMoE eq. 12-14: over all K choices
-    device_balance_coef: float = 0.0  # DeepSeekMoE eq. 15-17, with n_groups devices
-    bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
-
-    # ---- derived sizes
-    @property
-    def routed_experts(self) -> int:
-        return self.n_experts * self.granularity
-
-    @property
-    def active_experts(self) -> int:
-        return self.top_k * self.granularity
-
-    def expert_width(self, d_ff: int) -> int:
-        return (self.d_expert or d_ff) // self.granularity
-
-    @property
-    def group_limited(self) -> bool:
-        return self.topk_groups is not None and self.topk_groups < self.n_groups
-
-    # ---- validation
-    def validate(self) -> None:
-        for name in ("n_experts", "top_k", "granularity", "every", "n_groups"):
-            check_positive(f"moe.{name}", getattr(self, name))
-        for name in ("n_shared", "first_dense"):
-            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
-        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate"):
-            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
-        check_positive("moe.routed_scale", self.routed_scale)
-        if self.d_expert is not None:
-            check_positive("moe.d_expert", self.d_expert)
-        if self.capacity_factor is not None:
-            check_positive("moe.capacity_factor", self.capacity_factor)
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; choose top_k in [1, {self.n_experts}]"
-            )
-        E, K, G = self.routed_experts, self.active_experts, self.n_groups
-        if E % G:
-            raise ValueError(
-                f"moe.n_groups={G} does not divide the {E} routed experts (n_experts*granularity); "
-                f"choose n_groups in {divisors(E)}"
-            )
-        if self.topk_groups is not None:
-            check_positive("moe.topk_groups", self.topk_groups)
-            if self.topk_groups > G:
-                raise ValueError(
-                    f"moe.topk_groups={self.topk_groups} exceeds moe.n_groups={G}; choose topk_groups in [1, {G}]"
-                )
-            if self.topk_groups * (E // G) < K:
-                need = math.ceil(K / (E // G))
-                raise ValueError(
-                    f"moe.topk_groups={self.topk_groups} leaves {self.topk_groups * (E // G)} experts to choose "
-                    f"{K} (top_k*granularity) from; choose topk_groups >= {need}"
-                )
-            if self.group_limited and self.group_score == "top2" and E // G < 2:
-                raise ValueError(
-                    f"moe.group_score='top2' needs at least 2 experts per group, but n_groups={G} leaves {E // G}; "
-                    "use group_score='max' or fewer groups"
-                )
-        if self.second_expert == "random" and K != 2:
-            raise ValueError(
-                f"moe.second_expert='random' is GShard's top-2 rule and needs top_k*granularity=2, got {K}; "
-                "set top_k=2 or second_expert='always'"
-            )
-        if self.device_balance_coef > 0 and G == 1:
-            raise ValueError(
-                f"moe.device_balance_coef={self.device_balance_coef} needs n_groups > 1 (the devices); "
-                f"choose n_groups in {divisors(E)[1:]}"
-            )
-        if self.shared_gate != "none" and self.n_shared == 0:
-            raise ValueError(f"moe.shared_gate={self.shared_gate!r} needs shared experts; set moe.n_shared >= 1")
-
-    def check_against(self, *, n_layers: int, d_ff: int) -> None:
-        """Checks that need the model's sizes; ``ModelConfig`` calls this after resolving d_ff."""
-        if self.first_dense >= n_layers:
-            raise ValueError(
-                f"moe.first_dense={self.first_dense} leaves no MoE layer among n_layers={n_layers}; "
-                f"choose first_dense < {n_layers}"
-            )
-        width = self.d_expert or d_ff
-        if width % self.granularity:
-            name = "moe.d_expert" if self.d_expert else "d_ff (the expert width while moe.d_expert is unset)"
-            raise ValueError(
-                f"{name}={width} is not divisible by moe.granularity={self.granularity}; "
-                f"choose granularity in {divisors(width)} or set moe.d_expert"
-            )
-
-    def applies_to(self, layer: int) -> bool:
-        return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
-
-
-# Model presets with a mixture-of-experts feed-forward: name -> ModelConfig fields (``moe`` as a dict).
-# Laptop-small bodies (d_model 256, 4 layers, llama-style) so the MoE choices are the only difference.
-_BODY = dict(d_model=256, n_layers=4, n_heads=8, norm="rmsnorm", norm_position="pre", positions="rope", bias=False)
-MOE_PRESETS: dict[str, dict] = {
-    # Switch Transformer (Fedus et al. 2022): top-1, ReLU experts in every other layer, capacity
-    # factor 1.25 and load-balancing loss alpha = 0.01 (sec. 2.2).
-    "switch": dict(
-        _BODY, ffn="mlp", activation="relu",
-        moe=dict(n_experts=8, top_k=1, every=2, capacity_factor=1.25, load_balance_coef=0.01),
-    ),
-    # GShard (Lepikhin et al. 2021, Algorithm 1): top-2 with normalized gates, the second expert sent
-    # with probability min(1, 2 g2), capacity 2T/E (factor 1 of T*K/E), every other layer.
-    "gshard": dict(
-        _BODY, ffn="mlp", activation="relu",
-        moe=dict(
-            n_experts=8, top_k=2, every=2, normalize_top_k=True, second_expert="random",
-            capacity_factor=1.0, load_balance_coef=0.01,
-        ),
-    ),
-    # Mixtral (Jiang et al. 2024): 8 SwiGLU experts, top-2, softmax then renormalized over the two,
-    # dropless. Mistral did not publish its balance coefficient; 0.01 is Switch's.
-    "mixtral": dict(
-        _BODY, n_kv_heads=2, ffn="glu", activation="silu",
-        moe=dict(n_experts=8, top_k=2, normalize_top_k=True, expert_balance_coef=0.01),
-    ),
-    # DeepSeekMoE's validation setup (Dai et al. 2024, sec. 4.1): 1 shared + 63 routed experts, 7 routed
-    # active, each a quarter of the dense FFN (d_expert = 704/4 for d_model 256), alpha1 = 0.01.
-    "deepseekmoe": dict(
-        _BODY, ffn="glu", activation="silu",
-        moe=dict(n_experts=63, top_k=7, n_shared=1, d_expert=176, expert_balance_coef=0.01),
-    ),
-    # DeepSeek-V3 (sec. 2.1.2) scaled down: sigmoid affinities normalized over the chosen experts and
-    # scaled by 2.5, 8 groups of which 4 are searched (group score = best two), loss-free balancing
-    # with gamma = 1e-3 plus a tiny balance loss (V3 uses alpha = 1e-4 per sequence; here per batch),
-    # one shared expert, the first layer dense.
-    "deepseek-v3": dict(
-        _BODY, ffn="glu", activation="silu",
-        moe=dict(
-            n_experts=32, top_k=4, n_shared=1, d_expert=128, first_dense=1,
-            scoring="sigmoid", normalize_top_k=True, routed_scale=2.5,
-            n_groups=8, topk_groups=4, group_score="top2",
-            bias_update_rate=1e-3, expert_balance_coef=1e-4,
-        ),
-    ),
-}
+from .config import ModelConfig, MoEConfig
+from .feedforward import ACTIVATIONS
+from .init import Init, init_module
+from .schema import check_choice
 
 
 # ============================================================== router
@@ -262,6 +90,12 @@ class Router(nn.Module):
         self.group_score = GROUP_SCORES[moe.group_score]
         self.normalize = normalize_weights if moe.normalize_top_k else (lambda w_TK: w_TK)
         self.send = self.send_second_at_random if moe.second_expert == "random" else self.send_all
+
+    def init_params(self, init: Init) -> None:
+        """Centroids ~ N(0, std), never Xavier (DeepNorm scales the experts, not the router);
+        selection bias 0."""
+        init.normal(self.weight, init.std)
+        init.zeros(self.score_bias)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
@@ -336,12 +170,6 @@ def device_balance_loss(r: Routing, n_groups: int) -> torch.Tensor:
 
 
 # ============================================================== experts
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    from .feedforward import ACTIVATIONS  # feedforward imports config, which imports this module
-
-    return ACTIVATIONS[name]
-
-
 class Experts(nn.Module):
     """n FFNs stored as stacked tensors, in nn.Linear's (out, in) layout per expert:
     ``gate_up`` (n, 2F, D) = [gate; up] rows for GLU, or ``up`` (n, F, D) for MLP; ``down`` (n, D, F)."""
@@ -355,7 +183,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n, d_model, width))
         self.in_bias = nn.Parameter(torch.zeros(n, rows)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
-        self.act = _activation(activation)
+        self.act = ACTIVATIONS[activation]
         self.hidden = self.glu_hidden if ffn == "glu" else self.act
         self.weighted_down = self.gate_then_down if self.down_bias is None else self.down_then_gate
 
@@ -366,6 +194,15 @@ class Experts(nn.Module):
     def glu_hidden(self, z_NI: torch.Tensor) -> torch.Tensor:
         gate_NF, up_NF = z_NI.chunk(2, dim=-1)
         return self.act(gate_NF) * up_NF
+
+    def init_params(self, init: Init) -> None:
+        """Each expert as a dense FFN: input projections ~ N(0, std); down projections, which write
+        into the residual stream, ~ N(0, out_std); biases 0. DeepNorm: Xavier-normal with gain β for
+        each expert's matrices, [gate; up] as two (Wang et al. 2022)."""
+        rows = (self.width, self.width) if self.in_name == "gate_up" else None
+        init.weight(self.w_in_EID, init.std, deepnorm_gain=init.beta, rows=rows)
+        init.weight(self.down, init.out_std, deepnorm_gain=init.beta)
+        init.zeros(self.in_bias, self.down_bias)
 
     def params_per_expert(self) -> int:
         return sum(p[0].numel() for p in self.parameters())
@@ -417,9 +254,9 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 def grouped_mm(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows offs[e-1]:offs[e] of x times w[e]^T (nn.Linear layout), for every group e -> (A, O)."""
-    dtype = _compute_dtype(x_AI)
+    dtype = compute_dtype(x_AI)
     x_AI, w_EOI = x_AI.to(dtype), w_EOI.to(dtype)
-    if _grouped_mm_kernel_ok(x_AI, w_EOI):
+    if grouped_mm_kernel_ok(x_AI, w_EOI):
         return _GROUPED_MM(x_AI, w_EOI.transpose(-2, -1), offs=offs_E)
     return grouped_mm_split(x_AI, w_EOI, offs_E)
 
@@ -431,22 +268,17 @@ def grouped_mm_split(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tens
     return torch.cat([x_NI @ w_OI.T for x_NI, w_OI in zip(torch.split(x_AI, sizes), w_EOI.unbind(0))])
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast would use for a matmul (grouped_mm is not autocast-aware)."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would use for a matmul on x's device (grouped_mm is not autocast-aware)."""
     device = x.device.type
-    try:
-        if torch.is_autocast_enabled(device):
-            return torch.get_autocast_dtype(device)
-    except (TypeError, AttributeError):  # torch < 2.4 spells these per device
-        if device == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-    return x.dtype
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _grouped_mm_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # The kernels want 16-byte aligned data and strides (so D and F multiples of 4 in fp32); which
-    # devices and dtypes have one varies (CPU from torch 2.9, CUDA sm80+), so probe once.
-    return _aligned16(x) and _aligned16(w) and _probe_grouped_mm(str(x.device), x.dtype)
+def grouped_mm_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Can torch's grouped-matmul kernel take these operands? The kernels want 16-byte aligned data
+    and strides (so D and F multiples of 4 in fp32); which devices and dtypes have one varies (CPU
+    from torch 2.9, CUDA sm80+), so each (device, dtype) is probed once."""
+    return _aligned16(x) and _aligned16(w) and probe_grouped_mm(str(x.device), x.dtype)
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -455,7 +287,7 @@ def _aligned16(t: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
+def probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
     """Does torch's grouped matmul run, forward and backward, and agree with plain matmuls here?"""
     if _GROUPED_MM is None:
         return False
@@ -493,6 +325,11 @@ class GatedSharedExperts(SharedExperts):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x_TD, self.output_gate)) * super().forward(x_TD)
+
+    def init_params(self, init: Init) -> None:
+        """The shared experts as :meth:`Experts.init_params`; the gate ~ N(0, std), never Xavier."""
+        super().init_params(init)
+        init.normal(self.output_gate, init.std)
 
 
 class NoSharedExperts(nn.Module):
@@ -620,18 +457,11 @@ class MoE(nn.Module):
         """Routed-expert parameters a token does not use."""
         return (self.n_experts - self.top_k) * self.experts.params_per_expert()
 
-    @torch.no_grad()
-    def init_params(self, g: torch.Generator, *, std: float, out_std: float) -> None:
-        """Centroids and expert input projections ~ N(0, std); down projections (which write to
-        the residual stream) ~ N(0, out_std); biases 0; selection bias and load 0."""
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (out_std if name.endswith("down") else std))
-        self.router.score_bias.zero_()
-        self.load.zero_()
-
+    def init_params(self, init: Init) -> None:
+        """The router, the routed experts and the shared experts, each by its own hook; the load 0."""
+        for part in (self.router, self.experts, self.shared):
+            init_module(part, init)
+        init.zeros(self.load)
 
 def queue_position(queue_A: torch.Tensor, n_queues: int) -> torch.Tensor:
     """For each assignment, how many earlier assignments joined the same queue."""

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, RopeConfig
+from .init import Init
 
 
 @dataclasses.dataclass
@@ -132,6 +133,11 @@ class RelativeTerm(AttentionTerm):
         self.scale = cfg.head_dim**-0.5
         self.rel_k = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
         self.rel_v = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
+
+    def init_params(self, init: Init) -> None:
+        """a^K and a^V ~ N(0, std), as the other embeddings."""
+        init.normal(self.rel_k, init.std)
+        init.normal(self.rel_v, init.std)
 
     def score_bias(self, q, ctx):
         index = ctx.state  # (T, S) long in [0, k]

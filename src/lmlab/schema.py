@@ -58,6 +58,49 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _to_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ValueError(f"{name}={value!r} is not a boolean; use true or false")
+
+
+def _to_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name}={value!r} is not an integer")
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name}={value!r} is not a number")
+
+
+def _to_str(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"{name}={value!r} is not a string")
+
+
+SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}  # declared type -> coercion
+
+
 def _coerce(name: str, tp: Any, value: Any) -> Any:
     """Turn a JSON/YAML/command-line value into the field's declared type, or raise ValueError."""
     inner, optional = _unwrap_optional(tp)
@@ -80,38 +123,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
                     value = c
         check_choice(name, value, choices)
         return value
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ValueError(f"{name}={value!r} is not a boolean; use true or false")
-    if inner is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} is not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{name}={value!r} is not an integer")
-    if inner is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{name}={value!r} is not a number")
-    if inner is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"{name}={value!r} is not a string")
+    if inner in SCALARS:
+        return SCALARS[inner](name, value)
     origin = typing.get_origin(inner)
     if origin in (tuple, list):
         if isinstance(value, str):

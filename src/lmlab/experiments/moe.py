@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ..sweep import Hooks as SweepHooks
-from ..sweep import markdown_table, read_curve, run_dir_of
-from . import figure, report_header, save, verdict, write_json
+from ..run.atomic import atomic_write_text
+from .sweep import Hooks as SweepHooks
+from .sweep import read_curve, run_dir_of
+from .report import figure, markdown_table, report_header, save, verdict, write_json
 
 TIE = 0.02  # nats: differences smaller than this are within one-seed noise here
 COLLAPSE = 1.5
@@ -205,8 +206,6 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"Balance: no-balancing max/mean load at least {COLLAPSE}× the auxiliary loss's, and both methods below it.\n\n"
         + "\n".join(lines) + "\n"
     )
-    from ..atomic import atomic_write_text
-
     atomic_write_text(out / "report.md", text)
     write_json(out / "verdict.json", {"capacity": cap_ok, "fine_grained": fg_ok, "shared": sh_ok, "balance": bal_ok, "plots": plots})
     return out / "report.md"

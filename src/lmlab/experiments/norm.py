@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ..sweep import Hooks as SweepHooks
-from ..sweep import markdown_table, read_curve, run_dir_of, unigram_loss
-from . import figure, report_header, save, verdict, write_json
+from ..run.atomic import atomic_write_text
+from .sweep import Hooks as SweepHooks
+from .sweep import read_curve, run_dir_of, unigram_loss
+from .report import figure, markdown_table, report_header, save, verdict, write_json
 
 UPDATE_STEPS = 50  # steps over which the relative parameter change is recorded
 GRAD_GROWS = 2.0  # post-norm's top/bottom gradient ratio must exceed this
@@ -285,8 +286,6 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         f"At this scale (d_model {cfg0.model.d_model}, {t.steps} steps, one seed) these are statements about the start of "
         "training of small models; they are what was observed, nothing more.\n"
     )
-    from ..atomic import atomic_write_text
-
     atomic_write_text(out / "report.md", text)
     write_json(out / "verdict.json", {"gradients": grad_ok, "stability": stab_ok, "grad_top_bottom": ratio, "plots": plots})
     return out / "report.md"

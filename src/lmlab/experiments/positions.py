@@ -20,11 +20,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..evaluate import evaluate
 from ..model import Transformer
-from ..sweep import Hooks as SweepHooks
-from ..sweep import markdown_table
-from . import figure, report_header, save, verdict, write_json
+from ..run.evaluate import evaluate
+from ..run.atomic import atomic_write_text
+from .sweep import Hooks as SweepHooks
+from .report import figure, markdown_table, report_header, save, verdict, write_json
 
 MULTIPLES = (1, 2, 4, 8)
 METHODS = ("linear", "ntk", "yarn")
@@ -234,8 +234,6 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -
         "The claim that rotary encodes relative position \"at many scales\" is not tested directly here; what is measured is "
         "its consequence for extension.\n"
     )
-    from ..atomic import atomic_write_text
-
     atomic_write_text(out / "report.md", text)
     # per-position curves at the longest length, small enough to commit
     lines = ["variant,eval_len,position,loss"]

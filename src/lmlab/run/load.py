@@ -1,8 +1,7 @@
-"""Reading a run back: its config, a checkpoint's model, its tokenizer and its metrics.
+"""Reading a run back: its config, a checkpoint's model and its tokenizer (metrics: ``metrics.read_metrics``).
 
     run = load_run("runs/default", checkpoint="best")            # or a Hugging Face checkpoint directory
     run.model, run.tokenizer, run.config, run.checkpoint
-    records = read_metrics("runs/default")
 """
 
 from __future__ import annotations
@@ -14,9 +13,12 @@ from typing import Any, Mapping
 
 import torch
 
+from ..hf import from_hf
+from ..model import Transformer
 from . import checkpoint as ckpt
-from .model import Transformer
-from .train import CHECKPOINTS, CONFIG_FILE, METRICS_FILE, RunConfig, load_config
+from .config import RunConfig, load_config
+from .directory import CHECKPOINTS, CONFIG_FILE
+from .tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -53,16 +55,12 @@ def load_run(
     model = Transformer(cfg.model)
     ckpt.load_weights(model, where / ckpt.WEIGHTS)
     data_dir = path / cfg.data.dir
-    from .tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(data_dir)
     step = int(where.name.split("_")[-1])
     return LoadedRun(model.to(device).eval(), tokenizer, cfg, where, step, data_dir)
 
 
 def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torch.device) -> LoadedRun:
-    from . import from_hf
-
     model_overrides = {}
     for key, value in (overrides or {}).items():
         if not key.startswith("model."):
@@ -100,11 +98,3 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """A run's metrics.jsonl as a list of records (train records have "loss", evaluations "val_loss")."""
-    p = Path(path) / METRICS_FILE
-    if not p.is_file():
-        raise FileNotFoundError(f"{str(p)!r} does not exist")
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -1,7 +1,8 @@
 """Hugging Face mixture-of-experts checkpoints: Mixtral, Qwen2-MoE, and DeepSeek-V3's MoE layers.
 
-Registers three ``model_type`` families in :data:`lmlab.hf.FAMILIES` (``hf.py`` imports this
-module at its bottom). Expert weights are read in either published layout:
+Registers three ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
+``dense.py`` with their own per-layer feed-forward part. Expert weights are read in either
+published layout:
 
 - per expert, as on the Hub and as ``save_pretrained`` writes them
   (Mixtral ``block_sparse_moe.experts.{j}.w1/w3/w2``, Qwen2-MoE and DeepSeek
@@ -19,9 +20,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .config import ModelConfig
-from .hf import Family, HFTensors, LLAMA_IGNORE, llama_glu, llama_layout_config, llama_weights, register, with_defaults
-from .moe import MoEConfig
+from ..config import ModelConfig, MoEConfig
+from .dense import LLAMA_IGNORE, llama_glu, llama_layout_config, llama_weights
+from .registry import Family, HFTensors, register, with_defaults
 
 
 # ============================================================== shared pieces
@@ -238,7 +239,7 @@ def _mla_error(hf: Mapping[str, Any]) -> ValueError:
     return ValueError(
         f"config.json (model_type {hf.get('model_type')!r}) uses multi-head latent attention ({ranks}), which "
         "lmlab's attention does not support (it has no low-rank compressed keys and values), so the checkpoint "
-        "cannot be loaded; its MoE layers alone map with lmlab.hf_moe.deepseek_v3_moe and deepseek_v3_moe_weights"
+        "cannot be loaded; its MoE layers alone map with lmlab.hf.moe.deepseek_v3_moe and deepseek_v3_moe_weights"
     )
 
 

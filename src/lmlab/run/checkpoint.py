@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .atomic import atomic_write, atomic_write_text, fsync_dir  # noqa: F401 (atomic_write_text re-exported)
+from .atomic import atomic_write, atomic_write_text, fsync_dir
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"

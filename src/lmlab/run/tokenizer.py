@@ -221,7 +221,7 @@ TOKENIZERS: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer, "char": CharTok
 
 
 def _tokenizer_class(kind: str) -> type[Tokenizer]:
-    from .schema import check_choice
+    from ..schema import check_choice
 
     check_choice("tokenizer", kind, TOKENIZERS)
     return TOKENIZERS[kind]

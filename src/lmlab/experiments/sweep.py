@@ -41,22 +41,29 @@ latest checkpoint, and the rest start.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
 import dataclasses
 import itertools
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .atomic import atomic_write_text
+from ..model import Transformer
+from ..run import checkpoint as ckpt
+from ..run.atomic import atomic_write_text
+from ..run.config import RunConfig
+from ..run.data import TokenData, prepare
+from ..run.directory import CHECKPOINTS
+from ..run.errors import one_line
+from ..run.metrics import jsonable
+from ..run.trainer import Trainer, TrainingDiverged
+from ..schema import suggest
+from .report import figure, fmt, markdown_table, mean_std, write_csv
 
 RESULT_FILE = "result.json"  # a finished run: its row of the table
 START_FILE = "start.json"  # measurements taken at initialization, kept across resumes
@@ -100,26 +107,20 @@ class SweepSpec:
     def resolve(self, *, quick: bool = False) -> "SweepSpec":
         """Build and validate every variant's RunConfig (and the equal-compute check) before any
         training. A bad override raises one line naming the spec, the variant and the field."""
-        from .train import RunConfig
-
         self.is_quick = quick
         self.configs = {}
         try:
             base = RunConfig().override({**self.base, **(self.quick if quick else {})})
         except ValueError as e:
-            raise ValueError(f"{self.source}: base config: {_one_line(e)}") from None
+            raise ValueError(f"{self.source}: base config: {one_line(e)}") from None
         for v in self.variants:
             try:
                 self.configs[v.name] = base.override({**v.overrides, **(v.quick if quick else {})})
             except ValueError as e:
-                raise ValueError(f"{self.source}: variant {v.name!r}: {_one_line(e)}") from None
+                raise ValueError(f"{self.source}: variant {v.name!r}: {one_line(e)}") from None
         if self.match_active_params:
             check_active_params(self)
         return self
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def _flat_overrides(data: Any, where: str) -> dict[str, Any]:
@@ -145,8 +146,6 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
         raise ValueError(f"{where} must be a mapping with a name, e.g. {{name: deep, overrides: {{model.n_layers: 8}}}}")
     unknown = [k for k in raw if k not in VARIANT_KEYS]
     if unknown:
-        from .schema import suggest
-
         raise ValueError(f"{where} ({raw['name']!r}) has unknown key {unknown[0]!r}{suggest(unknown[0], VARIANT_KEYS)}; "
                          f"valid keys: {', '.join(VARIANT_KEYS)}")
     name = str(raw["name"])
@@ -158,8 +157,6 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
 
 def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
     """A spec from its parsed YAML (see the module docstring); raises a one-line ValueError."""
-    from .schema import suggest
-
     if not isinstance(data, Mapping):
         raise ValueError(f"{source}: a sweep spec is a mapping with base: and variants: (or grid:)")
     unknown = [k for k in data if k not in SPEC_KEYS]
@@ -234,8 +231,6 @@ def load_spec(path: str | Path, *, quick: bool = False, seeds: int | None = None
 # ============================================================== accounting
 def model_accounting(model_cfg, seq_len: int) -> dict[str, float]:
     """Total and active parameters and training FLOPs per token of a model config (built on the CPU)."""
-    from .model import Transformer
-
     model = Transformer(model_cfg)
     n = model.num_params()
     return {"total_params": n["total"], "active_params": n["active"], "flops_per_token": model.flops_per_token(seq_len)}
@@ -260,8 +255,6 @@ def check_active_params(spec: SweepSpec) -> dict[str, dict[str, float]]:
 def unigram_loss(data_dir: str | Path) -> float:
     """Cross-entropy (nats/token) of the training split's token frequencies on the validation split:
     the loss of a model that learned nothing but which tokens are common."""
-    from .data import TokenData
-
     train, val = TokenData(data_dir, "train"), TokenData(data_dir, "val")
     vocab = max(int(train.meta["vocab_size"]), int(max(train.tokens.max(), val.tokens.max())) + 1)
     counts = np.bincount(np.asarray(train.tokens), minlength=vocab).astype(np.float64) + 1.0  # add-one smoothing
@@ -329,8 +322,6 @@ class SweepInterrupted(Exception):
 
 def prepare_shared_data(spec: SweepSpec, out: Path) -> dict[str, Path]:
     """Prepare each distinct data config once (normally one) under out/data; returns variant -> data dir."""
-    from .data import prepare
-
     dirs: dict[str, Path] = {}
     by_config: dict[str, Path] = {}
     for name, cfg in spec.configs.items():
@@ -350,9 +341,6 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Train every variant x seed of a resolved ``spec`` in ``out`` (resuming what is there), then
     write results.csv, summary.md and loss_curves.png. Returns the rows."""
-    from . import checkpoint as ckpt
-    from .train import CHECKPOINTS, Trainer, TrainingDiverged
-
     if not spec.configs:
         spec.resolve(quick=spec.is_quick)
     trainer_cls = trainer_cls or Trainer
@@ -370,7 +358,7 @@ def run_sweep(
         tag = f"[{i}/{total}] {variant.name} seed {seed}"
         if done.is_file():
             rows.append(json.loads(done.read_text()))
-            log(f"{tag}: done earlier (val loss {_fmt(rows[-1]['final_val_loss'])})")
+            log(f"{tag}: done earlier (val loss {fmt(rows[-1]['final_val_loss'])})")
             continue
         cfg = spec.configs[variant.name].override({"train.seed": seed, "data.dir": str(data_dirs[variant.name])})
         resume = (run_dir / "config.yaml").is_file()
@@ -387,15 +375,15 @@ def run_sweep(
             try:
                 result = trainer.fit()
             except TrainingDiverged as e:
-                reason = f"non-finite loss/gradient: {_one_line(e)[:120]}"
+                reason = f"non-finite loss/gradient: {one_line(e)[:120]}"
             if result is not None and result.stopped_by is not None:
                 raise SweepInterrupted(f"{tag} stopped at step {trainer.step}; rerun the same command to resume")
             row = _row(spec, variant, seed, cfg, trainer, result, reason, curve, threshold[data_dirs[variant.name]])
             row.update(start)
             row.update(hooks.after_fit(trainer, variant, seed, run_dir))
-        atomic_write_text(done, json.dumps(_jsonable(row), indent=1) + "\n")
+        atomic_write_text(done, json.dumps(jsonable(row), indent=1) + "\n")
         rows.append(row)
-        log(f"{tag}: val loss {_fmt(row['final_val_loss'])}{' DIVERGED' if row['diverged'] else ''} "
+        log(f"{tag}: val loss {fmt(row['final_val_loss'])}{' DIVERGED' if row['diverged'] else ''} "
             f"({time.perf_counter() - t0:.0f} s)")
     write_tables(spec, rows, out)
     with contextlib.suppress(ImportError):
@@ -409,7 +397,7 @@ def _start_measurements(trainer, hooks: Hooks, variant: Variant, seed: int, run_
         return json.loads(path.read_text())
     if getattr(trainer, "step", 0) != 0:  # resumed without measurements: they cannot be taken any more
         return {}
-    start = _jsonable(hooks.before_fit(trainer, variant, seed, run_dir))
+    start = jsonable(hooks.before_fit(trainer, variant, seed, run_dir))
     atomic_write_text(path, json.dumps(start) + "\n")
     return start
 
@@ -442,21 +430,6 @@ def _row(spec, variant, seed, cfg, trainer, result, reason, curve, threshold) ->
     return row
 
 
-def _fmt(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, float) and math.isfinite(x) else str(x)
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    return x
-
 
 # ============================================================== tables and plots
 def scalar_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -468,28 +441,6 @@ def scalar_columns(rows: list[dict[str, Any]]) -> list[str]:
                 extra.append(k)
     labels = [k for k in extra if all(isinstance(r.get(k), str) for r in rows)]
     return COLUMNS[:1] + labels + COLUMNS[1:] + [k for k in extra if k not in labels]
-
-
-def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str] | None = None) -> None:
-    columns = list(columns or scalar_columns(rows))
-    import io
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in columns})
-    atomic_write_text(path, buf.getvalue())
-
-
-def mean_std(values: Sequence[float]) -> str:
-    """"2.134 ± 0.012" over seeds ("2.134" for one seed; "nan" when none is finite)."""
-    v = [x for x in values if isinstance(x, (int, float)) and math.isfinite(x)]
-    if not v:
-        return "nan"
-    digits = 0 if max(abs(x) for x in v) >= 100 else 4
-    m = statistics.fmean(v)
-    return f"{m:.{digits}f}" if len(v) == 1 else f"{m:.{digits}f} ± {statistics.stdev(v):.{digits}f}"
 
 
 def summarize(rows: list[dict[str, Any]], columns: Sequence[str] = SUMMARY_COLUMNS) -> list[dict[str, Any]]:
@@ -507,22 +458,8 @@ def summarize(rows: list[dict[str, Any]], columns: Sequence[str] = SUMMARY_COLUM
     return out
 
 
-def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    if not rows:
-        return "(no rows)\n"
-    columns = list(columns or rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c, "")
-            cells.append(f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else _fmt(v) if isinstance(v, float) else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None:
-    write_csv(rows, out / "results.csv")
+    write_csv(rows, out / "results.csv", scalar_columns(rows))
     summary = summarize(rows)
     text = (f"# Sweep {spec.name}\n\n{spec.description}\n\nMean ± std over seeds {spec.seeds}. "
             f"diverged: runs whose loss went non-finite or ended above {spec.diverged_above}.\n\n" + markdown_table(summary))
@@ -532,11 +469,7 @@ def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None
 def plot_loss_curves(spec: SweepSpec, out: Path, path: Path, variants: Sequence[str] | None = None,
                      x: str = "tokens", title: str | None = None) -> None:
     """Validation loss against training tokens (or wall_s) for every variant (first seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in variants or [v.name for v in spec.variants]:
         curve = [r for r in read_curve(run_dir_of(out, name, spec.seeds[0])) if r.get("val_loss") is not None]
@@ -551,91 +484,3 @@ def plot_loss_curves(spec: SweepSpec, out: Path, path: Path, variants: Sequence[
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# ============================================================== command line
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
-
-def set_threads(n: int | None) -> None:
-    if n:
-        import torch
-
-        torch.set_num_threads(n)
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    set_threads(args.threads)
-    spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds)
-    out = Path(args.out or Path("sweeps") / spec.name)
-    print(f"sweep {spec.name}: {len(spec.variants)} variants x {len(spec.seeds)} seeds -> {out}", flush=True)
-    try:
-        run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True))
-    except SweepInterrupted as e:
-        print(str(e), file=sys.stderr)
-        return 130
-    print(f"wrote {out / 'results.csv'} and {out / 'summary.md'}")
-    return 0
-
-
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from .experiments import run_experiment
-
-    set_threads(args.threads)
-    try:
-        report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds,
-                                command=" ".join(["lmlab", *sys.argv[1:]]) if args.command_line is None else args.command_line)
-    except SweepInterrupted as e:
-        print(str(e), file=sys.stderr)
-        return 130
-    print(f"wrote {report}")
-    return 0
-
-
-def add_subcommands(subparsers) -> None:
-    """Add ``sweep`` and ``experiment`` to the ``lmlab`` command's subparsers; each sets ``func(args) -> exit code``."""
-    from .experiments import EXPERIMENTS
-
-    s = subparsers.add_parser(
-        "sweep", help="train variants of a run config on an equal budget and tabulate them", formatter_class=_Formatter,
-        description=__doc__.split("Out directory")[0].split("\n\n", 1)[1])
-    s.add_argument("spec", help="sweep spec YAML: base config, variants (name + dotted overrides), seeds")
-    s.add_argument("--out", default=None, help="output directory; sweeps/<spec name> when not given")
-    s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
-    s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1; the spec's seeds when not given")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
-    s.set_defaults(func=cmd_sweep)
-
-    e = subparsers.add_parser(
-        "experiment", help="reproduce one of the design's claims: norm, positions or moe", formatter_class=_Formatter,
-        description="Run a shipped experiment and write results.csv, PNG plots and report.md with a verdict on the "
-        "claim. Interrupted runs resume when the same command is run again.")
-    e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
-    e.add_argument("--out", required=True, help="output directory")
-    e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
-    e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
-    e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
-    e.set_defaults(func=cmd_experiment)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lmlab.sweep sweep|experiment ...`` (the same as ``lmlab sweep|experiment ...``)."""
-    parser = argparse.ArgumentParser(prog="lmlab", formatter_class=_Formatter)
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"lmlab {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    # run the lmlab.sweep module, not this __main__ copy, so exception classes are the library's
-    from lmlab.sweep import main as _main
-
-    sys.exit(_main())

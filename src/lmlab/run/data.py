@@ -32,7 +32,7 @@ from typing import Iterator, Literal
 import numpy as np
 import torch
 
-from .schema import Config, check_choice, check_positive
+from ..schema import Config, check_choice, check_positive
 from .atomic import fsync_dir, write_atomic
 from .tokenizer import Tokenizer, train_tokenizer
 
@@ -340,7 +340,7 @@ def prepare(cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None,
         raise ValueError(f"corpus {cfg.source!r} has {len(tokens)} token(s); it needs at least 2 to split; use more text")
     n_train, n_val = split_sizes(len(tokens), cfg.val_fraction)
     dtype = token_dtype(tokenizer.vocab_size)
-    from . import __version__
+    from .. import __version__
 
     meta = {
         "format_version": FORMAT_VERSION,

@@ -1,0 +1,223 @@
+"""Load Hugging Face ``transformers`` checkpoints as lmlab models.
+
+    model = lmlab.from_hf("path/to/checkpoint")        # config.json + model.safetensors (or shards)
+    cfg = config_from_hf(json.loads(text))              # config.json as a dict -> ModelConfig
+    sd = state_dict_from_hf(cfg, hf_model.state_dict()) # HF tensor names -> lmlab names
+
+Only safetensors are read. A pickled ``pytorch_model.bin`` can run arbitrary code when it is
+loaded, so it is refused with a hint to convert it. Every feature of a checkpoint that lmlab
+cannot express exactly (sliding windows, partial rotary, mixed biases, ...) is refused with one
+ValueError naming it, rather than loaded approximately.
+
+Families: a registry keyed by config.json's ``model_type``
+---------------------------------------------------------
+``FAMILIES[model_type]`` is a :class:`Family` with three parts:
+
+- ``config(hf: Mapping[str, Any]) -> ModelConfig`` maps config.json (a dict, possibly missing
+  keys that equal the transformers class defaults) to the exact ModelConfig, and raises
+  ValueError naming any key whose value lmlab cannot express. Helpers: :func:`with_defaults`,
+  :func:`rope_from_hf`, :func:`activation_from_hf`, :func:`model_config` (wraps ModelConfig
+  errors so they name config.json).
+- ``weights(cfg: ModelConfig, t: HFTensors) -> dict[str, Tensor | None]`` builds the lmlab state
+  dict. It reads every HF tensor through ``t.take(name)`` (or ``t.cat``, ``t.take_optional``,
+  :func:`tied_head`); a tensor it asks for that is absent comes back as None and is reported as
+  missing, a tensor it never takes is reported as unexpected. Helpers (in ``dense.py``):
+  :func:`llama_weights` (with a pluggable per-layer ``ffn`` part), :func:`llama_attention`,
+  :func:`llama_glu`.
+- ``ignore``: regular expressions of HF names that are not weights (buffers older versions saved).
+
+The package's modules import one way, registry <- dense <- moe <- this file:
+
+- ``registry.py``: :class:`HFTensors`, :class:`Family`, ``register`` and the config helpers;
+- ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
+- ``moe.py``: mixtral, qwen2_moe and deepseek_v3, on the Llama layout;
+- this file: the entry points and the checkpoint files. It imports ``dense`` and ``moe``, which
+  register their families. A new family is a config function, a weights function and one
+  ``register("name", Family(...))`` line in a module imported here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Transformer
+from . import dense, moe  # noqa: F401  (importing them registers their families)
+from .dense import half_to_interleaved, interleaved_to_half
+from .registry import FAMILIES, Family, HFTensors, Tensors, family_for, register
+
+__all__ = [
+    "FAMILIES", "Family", "HFTensors", "config_from_hf", "detect_model_type", "family_for", "from_hf",
+    "half_to_interleaved", "interleaved_to_half", "read_config", "read_safetensors", "register", "state_dict_from_hf",
+]
+
+
+# ============================================================== public entry points
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """The lmlab ModelConfig for a Hugging Face config.json (as a dict, e.g. ``config.to_dict()``)."""
+    if not isinstance(hf, Mapping):
+        raise ValueError(f"config_from_hf expects config.json as a dict, got {type(hf).__name__}")
+    if "model_type" not in hf:
+        raise ValueError("config.json has no 'model_type'; it must name the architecture, e.g. \"llama\" or \"gpt2\"")
+    return family_for(hf["model_type"]).config(hf)
+
+
+def state_dict_from_hf(
+    cfg: ModelConfig, hf_tensors: Tensors, model_type: str | None = None, *, source: str = "the checkpoint"
+) -> dict[str, torch.Tensor]:
+    """lmlab state dict (names as in ``Transformer(cfg).state_dict()``) from Hugging Face tensors.
+
+    ``model_type`` is config.json's; None picks the one registered family whose tensor names
+    match ``hf_tensors`` exactly. Tensors are renamed, fused and transposed, not copied where
+    that is avoidable. Raises ValueError listing every missing and unexpected HF tensor name."""
+    if model_type is None:
+        model_type = detect_model_type(cfg, hf_tensors)
+    family = family_for(model_type)
+    t = HFTensors(hf_tensors, family.ignore)
+    sd = family.weights(cfg, t)
+    if t.missing or t.unexpected:
+        raise ValueError(
+            f"{source} does not match its config (model_type {model_type!r}): {_problems(t)}. "
+            "Check that config.json belongs to these weights"
+        )
+    return {k: v for k, v in sd.items() if v is not None}
+
+
+def detect_model_type(cfg: ModelConfig, hf_tensors: Tensors) -> str:
+    """The registered model_type whose weight mapping uses exactly these tensor names (run on
+    meta tensors, so nothing is computed)."""
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in hf_tensors.items()}
+    found: dict[tuple, str] = {}  # one entry per distinct weight mapping (llama and mistral share one)
+    closest: tuple[int, str, HFTensors] | None = None
+    for name, family in FAMILIES.items():
+        t = HFTensors(meta, family.ignore)
+        try:
+            family.weights(cfg, t)
+        except (ValueError, RuntimeError):
+            continue
+        if not t.missing and not t.unexpected:
+            found.setdefault((family.weights, family.ignore), name)
+        n_problems = len(t.missing) + len(t.unexpected)
+        if closest is None or n_problems < closest[0]:
+            closest = (n_problems, name, t)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if found:
+        why = f"several families match ({', '.join(found.values())})"
+    else:
+        why = "no registered family uses exactly these tensor names"
+        why += f"; the closest, {closest[1]!r}, finds {_problems(closest[2])}" if closest else ""
+    raise ValueError(f"cannot tell the model_type from the tensor names: {why}. Pass model_type= one of {sorted(FAMILIES)}")
+
+
+def _problems(t: HFTensors) -> str:
+    parts = [f"missing tensors {_names(t.missing)}"] if t.missing else []
+    parts += [f"unexpected tensors {_names(t.unexpected)}"] if t.unexpected else []
+    return "; ".join(parts)
+
+
+def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Transformer:
+    """A Transformer with the weights of a Hugging Face checkpoint directory, in eval mode.
+
+    ``path`` holds config.json and model.safetensors, or model.safetensors.index.json and its
+    shards. ``dtype``: None = float32 (lmlab's convention: fp32 weights, autocast for bf16);
+    "auto" = as stored in the checkpoint; or a torch dtype / its name ("bfloat16")."""
+    path = Path(path)
+    hf = read_config(path)
+    cfg = config_from_hf(hf)
+    target = _resolve_dtype(dtype) if dtype != "auto" else None
+    tensors = read_safetensors(path)
+    if target is None:  # "auto": the stored dtype
+        target = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    sd = state_dict_from_hf(cfg, tensors, hf["model_type"], source=f"checkpoint {str(path)!r}")
+    model = Transformer(cfg)
+    _check_shapes(model, sd, path)
+    model.load_state_dict(sd)
+    return model.to(target).eval()
+
+
+# ============================================================== files
+def read_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is a file; pass the checkpoint directory that holds config.json")
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(
+            f"{str(file)!r} not found: from_hf needs a Hugging Face checkpoint directory with config.json "
+            "and model.safetensors"
+        )
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{str(file)!r} must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "consolidated.00.pth")
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(single)
+    if not index.is_file():
+        pickles = [name for name in PICKLES if (path / name).is_file()]
+        if pickles:
+            raise ValueError(
+                f"{str(path)!r} holds {pickles[0]}, a pickle; lmlab never loads pickles because unpickling can run "
+                "arbitrary code. Convert it to model.safetensors first (for a checkpoint you trust: load it with "
+                "transformers and call save_pretrained, which writes safetensors)"
+            )
+        raise ValueError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json; from_hf reads safetensors weights")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{str(index)!r} is not a safetensors index: it needs a JSON object with a 'weight_map'") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        file = path / shard
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(f"shard {shard!r} listed in {str(index)!r} is not a file name inside the checkpoint directory")
+        if not file.is_file():
+            raise ValueError(f"shard {shard!r} listed in {str(index)!r} does not exist in {str(path)!r}")
+        tensors.update(load_file(file))
+    absent = sorted(set(weight_map) - set(tensors))
+    if absent:
+        raise ValueError(f"{str(index)!r} lists tensors that its shards do not hold: {_names(absent)}")
+    return tensors
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not valid; use None (float32), 'auto', or a floating torch dtype such as 'bfloat16'")
+    return resolved
+
+
+def _check_shapes(model: Transformer, sd: Tensors, path: Path) -> None:
+    expected = model.state_dict()
+    absent = sorted(set(expected) - set(sd))
+    if absent:
+        raise ValueError(f"converting {str(path)!r} produced no value for {_names(absent)} (a converter bug)")
+    wrong = [f"{k}: {tuple(sd[k].shape)} in the checkpoint, {tuple(v.shape)} from config.json"
+             for k, v in expected.items() if sd[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"checkpoint {str(path)!r} disagrees with its config.json on shapes: {'; '.join(wrong[:5])}")
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}, ... {len(names) - limit} more]" if len(names) > limit else f"[{shown}]"

@@ -1,0 +1,209 @@
+"""Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, plus the Llama layout that the
+mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
+:func:`llama_weights` with a pluggable per-layer feed-forward part), and conversions between the
+two rotary layouts of q/k projection rows."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..config import ModelConfig
+from .registry import (
+    Family, HFTensors, activation_from_hf, model_config, register, rope_from_hf, tied_head, with_defaults,
+)
+
+
+# ============================================================== Llama (and Mistral)
+# transformers' LlamaConfig / MistralConfig defaults, for keys an older config.json leaves out.
+LLAMA_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048,
+    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+)
+MISTRAL_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+    sliding_window=4096,
+)
+
+
+def llama_config(hf: Mapping[str, Any], defaults: Mapping[str, Any] = LLAMA_DEFAULTS) -> ModelConfig:
+    """Llama: pre-norm RMSNorm, rotary (half layout), SwiGLU, grouped-query attention."""
+    hf = with_defaults(hf, defaults)
+    attention_bias, mlp_bias = bool(hf["attention_bias"]), bool(hf["mlp_bias"])
+    if attention_bias != mlp_bias:
+        raise ValueError(
+            f"config.json has attention_bias={attention_bias} and mlp_bias={mlp_bias}; lmlab has one `bias` "
+            "switch for all linear layers, so it loads Llama checkpoints only when the two are equal"
+        )
+    return llama_layout_config(hf, bias=attention_bias)
+
+
+def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0, **fields: Any) -> ModelConfig:
+    """The fields every Llama-layout family (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) maps the
+    same way: sizes, pre-norm RMSNorm, rotary, SwiGLU. ``fields`` add or override (bias, moe, ...)."""
+    heads = hf["num_attention_heads"]
+    return model_config(hf, **{
+        **dict(
+            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=hf["num_key_value_heads"] or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
+            max_seq_len=hf["max_position_embeddings"],
+            norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
+            activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
+            rope=rope_from_hf(hf, default_theta=default_theta), bias=False, tie_embeddings=bool(hf["tie_word_embeddings"]),
+            norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
+        ),
+        **fields,
+    })
+
+
+def mistral_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Mistral is Llama without biases, plus a sliding attention window that lmlab lacks."""
+    window = with_defaults(hf, MISTRAL_DEFAULTS)["sliding_window"]
+    if window is not None:
+        raise ValueError(
+            f"config.json has sliding_window={window}: lmlab has no sliding-window attention, so only "
+            "Mistral checkpoints with sliding_window null can be loaded"
+        )
+    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, MISTRAL_DEFAULTS)
+
+
+def llama_attention(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    """q/k/v/o projections under HF prefix ``hf`` ("model.layers.3.self_attn.") -> lmlab ``ours``
+    ("blocks.3.attn."). HF Llama checkpoints already use the half rotary layout."""
+    sd = {}
+    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        sd[f"{ours}qkv.{kind}"] = t.cat([f"{hf}{p}_proj.{kind}" for p in "qkv"])
+    for kind in ("weight", "bias") if cfg.bias else ("weight",):
+        sd[f"{ours}out.{kind}"] = t.take(f"{hf}o_proj.{kind}")
+    return sd
+
+
+def llama_glu(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    """gate/up/down under ``hf`` ("model.layers.3.mlp.") -> lmlab's fused [gate; up] under ``ours``."""
+    sd = {}
+    for kind in ("weight", "bias") if cfg.bias else ("weight",):
+        sd[f"{ours}gate_up.{kind}"] = t.cat([f"{hf}gate_proj.{kind}", f"{hf}up_proj.{kind}"])
+        sd[f"{ours}down.{kind}"] = t.take(f"{hf}down_proj.{kind}")
+    return sd
+
+
+FFNWeights = Callable[[ModelConfig, HFTensors, str, str], dict]
+
+
+def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu) -> dict[str, torch.Tensor | None]:
+    """Llama-layout checkpoints; ``ffn`` maps each layer's "mlp." part (mixture-of-experts
+    families pass their own)."""
+    sd = {"embed.weight": t.take("model.embed_tokens.weight")}
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        sd[f"{ours}norm1.weight"] = t.take(f"{hf}input_layernorm.weight")
+        sd[f"{ours}norm2.weight"] = t.take(f"{hf}post_attention_layernorm.weight")
+        sd.update(llama_attention(cfg, t, f"{hf}self_attn.", f"{ours}attn."))
+        sd.update(ffn(cfg, t, f"{hf}mlp.", f"{ours}ffn."))
+    sd["final_norm.weight"] = t.take("model.norm.weight")
+    sd["head.weight"] = tied_head(cfg, t, "lm_head.weight", sd["embed.weight"])
+    return sd
+
+
+LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before transformers 4.31 saved
+
+register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE))
+register("mistral", Family(mistral_config, llama_weights, LLAMA_IGNORE))
+
+# transformers' Qwen2Config defaults (5.x), for keys an older config.json leaves out.
+QWEN2_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, vocab_size=151936, hidden_size=4096, intermediate_size=22016, max_position_embeddings=32768,
+    use_sliding_window=False, layer_types=None,
+)
+
+
+def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False)."""
+    hf = with_defaults(hf, QWEN2_DEFAULTS)
+    if hf["use_sliding_window"] or "sliding_attention" in (hf["layer_types"] or ()):
+        raise ValueError(
+            "config.json enables sliding-window attention (use_sliding_window / layer_types): lmlab has no "
+            "sliding-window attention, so only Qwen2 checkpoints with full attention in every layer load"
+        )
+    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS).replace(qkv_bias=True)
+
+
+register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE))
+
+
+# ============================================================== GPT-2
+GPT2_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+    activation_function="gelu_new", layer_norm_epsilon=1e-5, initializer_range=0.02, scale_attn_weights=True,
+    scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True,
+)
+
+
+def gpt2_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """GPT-2: pre-norm LayerNorm, learned positions, tanh-GELU MLP, biases, tied head.
+    ``reorder_and_upcast_attn`` only changes rounding, so it is accepted."""
+    hf = with_defaults(hf, GPT2_DEFAULTS)
+    refused = {
+        "scale_attn_by_inverse_layer_idx": (True, "lmlab scales every layer's attention by 1/sqrt(head_dim) only"),
+        "scale_attn_weights": (False, "lmlab always scales attention scores by 1/sqrt(head_dim)"),
+        "add_cross_attention": (True, "lmlab models are decoder-only, without cross-attention"),
+    }
+    for key, (bad, why) in refused.items():
+        if bool(hf[key]) == bad:
+            raise ValueError(f"config.json has {key}={str(bad).lower()}, which lmlab does not support: {why}")
+    d = hf["n_embd"]
+    return model_config(
+        hf,
+        vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["n_layer"], n_heads=hf["n_head"],
+        d_ff=hf["n_inner"] or 4 * d, max_seq_len=hf["n_positions"],
+        norm="layernorm", norm_position="pre", positions="learned", ffn="mlp",
+        activation=activation_from_hf(hf["activation_function"], "activation_function"),
+        residual_scaling="gpt2", bias=True, tie_embeddings=bool(hf["tie_word_embeddings"]),
+        norm_eps=hf["layer_norm_epsilon"], init_std=hf["initializer_range"],
+    )
+
+
+def _transposed(w: torch.Tensor | None) -> torch.Tensor | None:
+    return None if w is None else w.t()  # GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in)
+
+
+def gpt2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    """GPT-2 checkpoints: from GPT2LMHeadModel ("transformer." prefix) or GPT2Model (none)."""
+    p = "transformer." if t.has_prefix("transformer.") else ""
+    sd = {"embed.weight": t.take(f"{p}wte.weight"), "positions.table.weight": t.take(f"{p}wpe.weight")}
+    linears = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.out", "mlp.c_fc": "ffn.up", "mlp.c_proj": "ffn.down"}
+    for i in range(cfg.n_layers):
+        hf, ours = f"{p}h.{i}.", f"blocks.{i}."
+        for theirs, mine in (("ln_1", "norm1"), ("ln_2", "norm2")):
+            sd[f"{ours}{mine}.weight"] = t.take(f"{hf}{theirs}.weight")
+            sd[f"{ours}{mine}.bias"] = t.take(f"{hf}{theirs}.bias")
+        for theirs, mine in linears.items():  # c_attn's columns are [q | k | v], as our qkv rows
+            sd[f"{ours}{mine}.weight"] = _transposed(t.take(f"{hf}{theirs}.weight"))
+            sd[f"{ours}{mine}.bias"] = t.take(f"{hf}{theirs}.bias")
+    sd["final_norm.weight"] = t.take(f"{p}ln_f.weight")
+    sd["final_norm.bias"] = t.take(f"{p}ln_f.bias")
+    sd["head.weight"] = tied_head(cfg, t, "lm_head.weight", sd["embed.weight"])
+    return sd
+
+
+# causal-mask buffers that checkpoints written before transformers 4.x's non-persistent buffers hold
+register("gpt2", Family(gpt2_config, gpt2_weights, (r"(^|\.)h\.\d+\.attn\.(masked_)?bias$",)))
+
+
+# ============================================================== rotary layouts
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q or k projection (weight or bias) from the interleaved rotary layout, pairs
+    (2j, 2j+1) as in Meta's original Llama checkpoints, to the half layout, pairs (j, j + d/2),
+    as in Hugging Face checkpoints and lmlab's default. Per head, rows [a0 b0 a1 b1 ...] become
+    [a0 a1 ... b0 b1 ...]; this is ``permute`` in transformers' convert_llama_weights_to_hf.py."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`interleaved_to_half`."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,188 @@
+"""The registry of Hugging Face families and what every family's mapping shares.
+
+A family is registered under config.json's ``model_type`` as a :class:`Family`: how its
+config.json becomes a :class:`~lmlab.config.ModelConfig`, and how its tensors become an lmlab
+state dict, read through :class:`HFTensors` so that every missing and unexpected name can be
+reported at once. The helpers below are shared by the families of ``dense.py`` and ``moe.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from ..config import ModelConfig, RopeConfig
+from ..schema import suggest
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+# ============================================================== the registry
+class HFTensors:
+    """Hugging Face tensors by name. Records what a family's ``weights`` took and what it asked
+    for that was absent, so one error can list every missing and every unexpected name."""
+
+    def __init__(self, tensors: Tensors, ignore: Iterable[str] = ()):
+        patterns = [re.compile(p) for p in ignore]
+        self.tensors = {k: v for k, v in tensors.items() if not any(p.search(k) for p in patterns)}
+        self.taken: set[str] = set()
+        self.missing: list[str] = []
+
+    def take(self, name: str) -> torch.Tensor | None:
+        if name not in self.tensors:
+            self.missing.append(name)
+            return None
+        self.taken.add(name)
+        return self.tensors[name]
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        """A tensor that may be present or not (a tied head repeated in ``state_dict()``)."""
+        return self.take(name) if name in self.tensors else None
+
+    def cat(self, names: Iterable[str], dim: int = 0) -> torch.Tensor | None:
+        """Several HF tensors fused into one lmlab tensor ([q; k; v], [gate; up])."""
+        parts = [self.take(n) for n in names]
+        return None if any(p is None for p in parts) else torch.cat(parts, dim=dim)
+
+    def has_prefix(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self.tensors)
+
+    @property
+    def unexpected(self) -> list[str]:
+        return sorted(set(self.tensors) - self.taken)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one Hugging Face ``model_type`` maps onto lmlab (see the :mod:`lmlab.hf` docstring)."""
+
+    config: Callable[[Mapping[str, Any]], ModelConfig]
+    weights: Callable[[ModelConfig, HFTensors], dict[str, torch.Tensor | None]]
+    ignore: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(model_type: str, family: Family) -> None:
+    if model_type in FAMILIES and FAMILIES[model_type] is not family:
+        raise ValueError(f"model_type {model_type!r} is already registered in lmlab.hf.FAMILIES")
+    FAMILIES[model_type] = family
+
+
+def family_for(model_type: Any) -> Family:
+    if model_type not in FAMILIES:
+        names = sorted(FAMILIES)
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by lmlab.from_hf"
+            f"{suggest(str(model_type), names)}; supported model types: {', '.join(names)}"
+        )
+    return FAMILIES[model_type]
+
+
+# ============================================================== helpers the families share
+def with_defaults(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json over the transformers class defaults: old or hand-written config.json files
+    leave out keys whose value is the default."""
+    return {**defaults, **hf}
+
+
+def model_config(hf: Mapping[str, Any], **fields: Any) -> ModelConfig:
+    """ModelConfig(**fields), with errors that say they come from config.json."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"config.json (model_type {hf.get('model_type')!r}) maps to an invalid lmlab config: {e}") from None
+
+
+# HF ``hidden_act`` / ``activation_function`` -> lmlab activation; the functions are identical.
+ACTIVATIONS = {
+    "silu": "silu", "swish": "silu",
+    "gelu": "gelu",  # erf form
+    "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",  # tanh approximation (GPT-2)
+    "relu": "relu",
+}
+
+
+def activation_from_hf(name: Any, key: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"config.json has {key}={name!r}, which lmlab does not support; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> RopeConfig:
+    """RopeConfig from config.json, in either published form:
+
+    - older: ``rope_theta`` at top level and ``rope_scaling`` = {"type" or "rope_type": ..., ...};
+    - newer (transformers >= 4.57): ``rope_parameters`` = {"rope_type": ..., "rope_theta": ..., ...}.
+
+    Mirrors ``transformers.modeling_rope_utils`` (``standardize_rope_params`` and the
+    ``_compute_*_parameters`` functions): ``rope_scaling`` wins over ``rope_parameters``,
+    "default" means no scaling, a missing ``original_max_position_embeddings`` means
+    ``max_position_embeddings``, and ``dynamic`` scales relative to ``max_position_embeddings``."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError(
+            "config.json has per-layer-type rope parameters; lmlab uses one rotary scheme for every layer"
+        )
+    base = params.get("rope_theta")
+    base = base if base is not None else hf.get("rope_theta")
+    base = base if base is not None else default_theta
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise ValueError(
+            f"config.json has partial_rotary_factor={partial}: lmlab rotates every dimension of each head, "
+            "so partial rotary embeddings are not supported"
+        )
+    kind = params.get("rope_type", params.get("type", "default"))
+    max_pos = hf["max_position_embeddings"]
+    original = hf.get("original_max_position_embeddings", params.get("original_max_position_embeddings")) or max_pos
+
+    def need(key: str) -> Any:
+        if params.get(key) is None:
+            raise ValueError(f"config.json's rope type {kind!r} needs {key!r} in rope_scaling / rope_parameters")
+        return params[key]
+
+    if kind == "default":
+        return RopeConfig(base=base)
+    if kind in ("linear", "dynamic"):
+        return RopeConfig(base=base, scaling=kind, factor=need("factor"))
+    if kind == "yarn":
+        factor = params.get("factor")
+        return RopeConfig(
+            base=base, scaling="yarn",
+            factor=factor if factor is not None else max_pos / original,  # DeepSeek-V3 style
+            original_max_seq_len=original,
+            beta_fast=params.get("beta_fast") or 32.0,
+            beta_slow=params.get("beta_slow") or 1.0,
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            truncate=bool(params.get("truncate", True)),
+        )
+    if kind == "llama3":
+        return RopeConfig(
+            base=base, scaling="llama3", factor=need("factor"), original_max_seq_len=original,
+            low_freq_factor=need("low_freq_factor"), high_freq_factor=need("high_freq_factor"),
+        )
+    raise ValueError(
+        f"config.json has rope type {kind!r}, which lmlab does not support; supported rope types: "
+        "default, linear, dynamic, yarn, llama3"
+    )
+
+
+def tied_head(cfg: ModelConfig, t: HFTensors, name: str, embed: torch.Tensor | None) -> torch.Tensor | None:
+    """The output head: its own tensor, or the embedding when tied. A tied head may still appear
+    (``state_dict()`` lists it); it must then equal the embedding."""
+    if not cfg.tie_embeddings:
+        return t.take(name)
+    head = t.take_optional(name)
+    if head is not None and embed is not None and not head.is_meta and not torch.equal(head, embed):
+        raise ValueError(
+            f"config.json ties the output head to the embedding (tie_word_embeddings=true) but {name} differs "
+            "from the embedding; set tie_word_embeddings to false in config.json if the head is separate"
+        )
+    return embed

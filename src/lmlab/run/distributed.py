@@ -1,0 +1,103 @@
+"""Processes and devices: this process's place under ``torchrun``, the device to use, peak FLOP/s.
+
+Without ``torchrun`` a run is rank 0 of 1 and nothing here talks to other processes. Under it,
+:class:`Dist` joins the process group (NCCL on CUDA, gloo on CPU) and offers the few collectives
+the trainer needs: a sum, a barrier, and "run this on rank 0 and give every rank the outcome".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import torch
+
+@dataclasses.dataclass
+class Dist:
+    """This process's place under ``torchrun`` (rank 0 of 1 without it)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> "Dist":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        import torch.distributed as dist
+
+        owns = not dist.is_initialized()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL object collectives use the current device
+        if owns:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 only and give every rank its result, or its ValueError/FileNotFoundError."""
+        outcome: list[Any] = [None]
+        if self.main:
+            try:
+                outcome = [("ok", fn())]
+            except (ValueError, FileNotFoundError) as e:
+                outcome = [(type(e).__name__, str(e))]
+                if self.world == 1:
+                    raise
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(outcome, src=0)
+        kind, value = outcome[0]
+        if kind != "ok":
+            raise (ValueError if kind == "ValueError" else FileNotFoundError)(value)
+        return value
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+# peak dense bf16 tensor-core FLOP/s, for MFU on known accelerators (vendor data sheets)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
+              "4090": 165e12, "3090": 71e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)

@@ -1,0 +1,57 @@
+"""The optimizer and the schedule: AdamW with decay on matrices only, warmup then cosine decay."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: weight matrices decay; norms, biases, token and position embeddings do not.
+
+    Decaying a gain or bias pulls it to 0, which is not a simpler function; decaying an embedding
+    shrinks rare tokens' vectors just for being rare. A tied output head is the embedding. What
+    counts as an embedding is the model's answer (``embedding_parameters``), the same one its
+    parameter accounting uses."""
+    embeddings = {id(p) for p in model.embedding_parameters()}
+    decay: dict[str, nn.Parameter] = {}
+    no_decay: dict[str, nn.Parameter] = {}
+    for name, p in model.named_parameters():  # tied parameters appear once
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or id(p) in embeddings else decay)[name] = p
+    return [
+        {"params": list(decay.values()), "names": list(decay), "weight_decay": weight_decay},
+        {"params": list(no_decay.values()), "names": list(no_decay), "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    # the fused kernel (CUDA, and CPU since torch 2.4) is one pass over each tensor: ~6x faster
+    # than the foreach path on CPU for a few-million-parameter model
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        fused=True if device.type in ("cpu", "cuda") else None,
+    )
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """lr for 0-based ``step``: linear warmup to ``lr`` over ``warmup_steps`` (reaching it at step
+    warmup_steps - 1), then cosine decay reaching ``min_lr`` at the last step, steps - 1."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = cfg.steps - 1 - cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps) if decay_steps > 0 else 1.0
+    min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Scale gradients to global L2 norm <= ``max_norm`` (0 = leave them); return the norm before
+    clipping, which is non-finite when any gradient is."""
+    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm if max_norm > 0 else float("inf"))
+    return float(norm)

@@ -1,0 +1,27 @@
+"""The package surface: the names ``lmlab`` exports, where the moved ones live, and the typing marker."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import lmlab
+import lmlab.config
+import lmlab.hf
+
+
+def test_public_names_are_exported():
+    assert set(lmlab.__all__) == {
+        "IGNORE_INDEX", "KVCache", "LMOutput", "ModelConfig", "MoEConfig", "PRESETS", "RopeConfig",
+        "SequenceClassifier", "Transformer", "__version__", "from_hf",
+    }
+    assert all(hasattr(lmlab, name) for name in lmlab.__all__)
+    assert lmlab.MoEConfig is lmlab.config.MoEConfig  # the MoE config lives with the other configs
+    assert set(lmlab.config.MOE_PRESETS) <= set(lmlab.PRESETS)
+
+
+def test_hf_families_register_on_import():
+    assert set(lmlab.hf.FAMILIES) == {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "deepseek_v3"}
+
+
+def test_package_ships_its_typing_marker():
+    assert resources.files("lmlab").joinpath("py.typed").is_file()  # PEP 561; pyproject lists it as package data
