@@ -136,13 +136,9 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
-    d_expert, d_shared = hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]
-    if d_shared <= 0 or d_shared % d_expert:
-        raise _refuse(
-            hf, "shared_expert_intermediate_size",
-            f"lmlab builds the shared expert from whole experts of width moe_intermediate_size={d_expert}; "
-            "it must be a positive multiple of that",
-        )
+    d_shared = hf["shared_expert_intermediate_size"]
+    if not d_shared or d_shared <= 0:
+        raise _refuse(hf, "shared_expert_intermediate_size", "lmlab maps Qwen2-MoE's gated shared expert only with a positive width")
     # layer l is sparse iff l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0
     step, dense_only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
     sparse = [l not in dense_only and (l + 1) % step == 0 for l in range(n_layers)]
@@ -154,9 +150,9 @@ def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
             "expresses only 'every n-th layer after the first k'",
         )
     every, first_dense = layout
-    return MoEConfig(
-        n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=d_expert,
-        n_shared=d_shared // d_expert, shared_gate="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
+    return MoEConfig(  # one gated shared expert of its own width, as the checkpoint holds it
+        n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+        n_shared=1, shared_d_ff=d_shared, shared_gate="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
         every=every, first_dense=first_dense,
     )
 
