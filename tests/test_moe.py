@@ -515,6 +515,7 @@ def check_logits(hf_model, tmp_path) -> lmlab.Transformer:
     sd = state_dict_from_hf(ours.config, hf_model.state_dict())
     for name, value in ours.state_dict().items():
         torch.testing.assert_close(sd[name], value, msg=name)
+    assert all(not layer.load.any() for layer in ours.moe_layers)  # the one buffer no checkpoint holds
     return ours
 
 

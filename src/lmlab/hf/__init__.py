@@ -134,10 +134,25 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     if target is None:  # "auto": the stored dtype
         target = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     sd = state_dict_from_hf(cfg, tensors, hf["model_type"], source=f"checkpoint {str(path)!r}")
-    model = Transformer(cfg)
+    model = uninitialized(cfg)
     _check_shapes(model, sd, path)
     model.load_state_dict(sd)
     return model.to(target).eval()
+
+
+def uninitialized(cfg: ModelConfig) -> Transformer:
+    """A Transformer whose weights are about to be loaded, built without initializing them: on the
+    meta device (no memory, no random draws), then given empty CPU memory. The one
+    buffer no checkpoint holds, each MoE layer's load counted since its last bias update, is zeroed.
+    Every parameter and saved buffer must then be loaded (``load_state_dict`` is strict)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    if cfg.tie_embeddings:  # moving off the meta device makes new parameters; tie them again
+        model.head.weight = model.embed.weight
+    for layer in model.moe_layers:
+        layer.load.zero_()
+    return model
 
 
 # ============================================================== files
