@@ -13,9 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import lmlab
-from lmlab import ModelConfig, MoEConfig, Transformer
-from lmlab.config import MOE_PRESETS
-from lmlab.hf import config_from_hf, read_safetensors, to_hf
+from lmlab import ModelConfig, Transformer
+from lmlab.hf import config_from_hf, hf_config, hf_tensors, read_safetensors, to_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -245,6 +244,18 @@ def test_hf_checkpoint_through_lmlab_comes_back_identical(tmp_path, case):
     assert torch.equal(logits(load_hf(done.path), idx), logits(original, idx))
 
 
+def test_config_and_tensors_without_writing(tmp_path):
+    """hf_config and hf_tensors: what to_hf writes, in memory (e.g. to build a transformers model)."""
+    model, _ = lmlab_case("qwen2_moe_shared_any_width")
+    done = to_hf(model, tmp_path / "out")
+    written = read_safetensors(done.path)
+    tensors = hf_tensors(model)
+    assert sorted(tensors) == sorted(written) and all(torch.equal(tensors[k], written[k]) for k in written)
+    assert hf_config(model.config) == json.loads((done.path / "config.json").read_text())
+    config = transformers.Qwen2MoeConfig.from_dict(hf_config(model.config))
+    assert (config.decoder_sparse_step, config.mlp_only_layers, config.shared_expert_intermediate_size) == (1, [1], 24)
+
+
 def test_router_options_both_ways(tmp_path):
     """norm_topk_prob <-> moe.normalize_top_k (above); router_aux_loss_coef and output_router_logits
     only set transformers' training loss, which pools router statistics over all layers (no lmlab
@@ -391,6 +402,7 @@ def test_sharded_export_loads_in_transformers_and_lmlab(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert not (done.path / "model.safetensors").exists()
+    assert sorted(done.files) == sorted(p.name for p in done.path.iterdir())
     sizes = [sum(t.numel() * 4 for t in load_file(done.path / s).values()) for s in shards]
     assert sum(sizes) == index["metadata"]["total_size"] and max(sizes[:-1]) <= 40_000
     idx = tokens(20)

@@ -161,7 +161,7 @@ def to_hf(
     tensors = target.weights(cfg, model.state_dict())
     stored = _resolve_dtype(dtype, tensors)
     limit = parse_size(max_shard_size)
-    bos, eos = (getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)) if tokenizer is not None else (None, None)
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
     config = hf_config(cfg, model_type, bos_id=bos, eos_id=eos, dtype=stored)
     texts = {
         "config.json": _json(config),
@@ -170,7 +170,7 @@ def to_hf(
     }
     _check_out(out, overwrite)
     shards = plan_shards(tensors, stored, limit)
-    files = [*texts, *shards]
+    files = [*texts, *shards, *(["model.safetensors.index.json"] if len(shards) > 1 else [])]
     _install(out, lambda tmp: _write(tmp, texts, shards, tensors, stored), overwrite)
     return Exported(out, model_type, files)
 
@@ -197,7 +197,10 @@ def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
         raise ValueError(f"the tokenizer's tokenizer.json does not load back ({e})") from None
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {size} ids but the model's vocab_size is {cfg.vocab_size}; export the tokenizer it was trained with")
+        raise ValueError(
+            f"the tokenizer has {size} ids but the model's vocab_size is {cfg.vocab_size}; "
+            "export the tokenizer it was trained with"
+        )
     if "tokenizer_config.json" not in files:
         special = {name: _token(tok, getattr(tokenizer, f"{name}_id", None)) for name in ("bos", "eos")}
         files["tokenizer_config.json"] = _json({
@@ -259,7 +262,9 @@ def _resolve_dtype(dtype: torch.dtype | str | None, tensors: Tensors) -> torch.d
     return resolved
 
 
-def _write(tmp: Path, texts: Mapping[str, str], shards: Mapping[str, list[str]], tensors: Tensors, dtype: torch.dtype) -> None:
+def _write(
+    tmp: Path, texts: Mapping[str, str], shards: Mapping[str, list[str]], tensors: Tensors, dtype: torch.dtype
+) -> None:
     from safetensors.torch import save_file
 
     for name, text in texts.items():

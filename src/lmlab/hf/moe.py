@@ -6,15 +6,13 @@ ways; DeepSeek-V3 checkpoints use multi-head latent attention, which lmlab lacks
 refused, and lmlab's DeepSeek-V3-style layers (sigmoid affinities, correction bias, group-limited
 top-k, routed scaling, shared experts, first layers dense) leave as GLM-4-MoE, which computes the
 same router and experts with standard grouped-query attention. Expert weights are read in either
-published layout:
+published layout, and written in the first, which every transformers version reads:
 
 - per expert, as on the Hub and as ``save_pretrained`` writes them
   (Mixtral ``block_sparse_moe.experts.{j}.w1/w3/w2``, Qwen2-MoE and DeepSeek
   ``mlp.experts.{j}.gate_proj/up_proj/down_proj``);
 - stacked, as transformers >= 5 holds them in memory (``mlp.experts.gate_up_proj`` (E, 2F, D),
   ``mlp.experts.down_proj`` (E, D, F)), which is lmlab's layout too.
-
-and written in the first, which every transformers version reads.
 
 Balancing coefficients are training choices, not part of a checkpoint: loaded models have them
 at 0 (set them with ``cfg.override({"moe.expert_balance_coef": ...})`` to train further), and
@@ -110,7 +108,7 @@ def moe_to_hf(
         out.update({f"{hf}experts.{j}.{gate}.weight": g, f"{hf}experts.{j}.{up}.weight": u,
                     f"{hf}experts.{j}.{down}.weight": down_j})
     if shared is not None:  # one fused FFN, stored like a stack of 1
-        fused = {f"{ours}shared.gate_up.weight": sd[f"{ours}shared.gate_up"][0], f"{ours}shared.down.weight": sd[f"{ours}shared.down"][0]}
+        fused = {f"{ours}shared.{part}.weight": sd[f"{ours}shared.{part}"][0] for part in ("gate_up", "down")}
         out.update(llama_glu_to_hf(cfg.replace(bias=False), fused, f"{ours}shared.", f"{hf}{shared}."))
     if shared_gate is not None:
         out[f"{hf}{shared_gate}.weight"] = sd[f"{ours}shared.output_gate"]
@@ -128,6 +126,7 @@ def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]
 
 
 def all_experts_refusal(cfg: ModelConfig, name: str) -> str | None:
+    """Group-limited routing, for an architecture ``name`` whose router ranks all experts at once."""
     moe = cfg.moe
     if moe.group_limited:
         return f"moe.topk_groups={moe.topk_groups} of moe.n_groups={moe.n_groups} ({name} routes among all experts)"
