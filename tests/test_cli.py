@@ -300,6 +300,8 @@ def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
 def test_export_a_run_and_load_it_with_transformers(trained, capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
+    code, out, _ = run(capsys, "export", "--help")
+    assert code == 0 and "(default: 5GB)" in " ".join(out.split()) and "exit status" in out
     code, out, _ = run(capsys, "export", trained / "run", "--out", tmp_path / "hf", "--checkpoint", "latest")
     assert code == 0 and "(step_0000012) as llama to" in out and "tokenizer: byte tokenizer as tokenizer.json" in out
     loaded = load_run(trained / "run", checkpoint="latest")
