@@ -294,3 +294,60 @@ def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
     assert "has no tokenizer.json" in err
     err = bad_input(capsys, "eval", tmp_path / "hf")
     assert "is a Hugging Face checkpoint; give prepared data" in err
+
+
+# ============================================================== export to transformers
+def test_export_a_run_and_load_it_with_transformers(trained, capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    code, out, _ = run(capsys, "export", "--help")
+    assert code == 0 and "(default: 5GB)" in " ".join(out.split()) and "exit status" in out
+    code, out, _ = run(capsys, "export", trained / "run", "--out", tmp_path / "hf", "--checkpoint", "latest")
+    assert code == 0 and "(step_0000012) as llama to" in out and "tokenizer: byte tokenizer as tokenizer.json" in out
+    loaded = load_run(trained / "run", checkpoint="latest")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("the model learns")["input_ids"]
+    assert ids == loaded.tokenizer.encode("the model learns")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(torch.tensor([ids])).logits, loaded.model(torch.tensor([ids])).logits,
+                                   rtol=1e-4, atol=1e-4)
+    # the exported directory serves lmlab too: greedy text as from the run itself
+    greedy = ["--prompt", "the ", "--max-new-tokens", "12", "--temperature", "0"]
+    assert run(capsys, "generate", trained / "run", "--checkpoint", "latest", *greedy)[1] == \
+        run(capsys, "generate", tmp_path / "hf", *greedy)[1]
+    # one checkpoint directory of the run; and an exported directory exported again, unchanged
+    code, out, _ = run(capsys, "export", trained / "run" / "checkpoints" / "step_0000006", "--out", tmp_path / "six")
+    assert code == 0 and "(step_0000006)" in out
+    assert run(capsys, "export", tmp_path / "hf", "--out", tmp_path / "again")[0] == 0
+    assert snapshot(tmp_path / "again") == snapshot(tmp_path / "hf")
+
+
+def test_export_bad_input_is_one_line_exit_2_and_writes_nothing(trained, capsys, tmp_path):
+    import shutil
+
+    import yaml
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    err = bad_input(capsys, "export", trained / "run", "--out", tmp_path / "full")
+    assert "exists and is not empty; pass --overwrite" in err
+    untrained = tmp_path / "untrained"
+    untrained.mkdir()
+    shutil.copy(trained / "run" / "config.yaml", untrained)
+    assert "no checkpoint in" in bad_input(capsys, "export", untrained, "--out", tmp_path / "o1")
+    alibi = tmp_path / "alibi"  # same weights (ALiBi has no parameters), a position scheme transformers lacks
+    shutil.copytree(trained / "run", alibi)
+    config = yaml.safe_load((alibi / "config.yaml").read_text())
+    config["model"]["positions"] = "alibi"
+    (alibi / "config.yaml").write_text(yaml.safe_dump(config))
+    err = bad_input(capsys, "export", alibi, "--out", tmp_path / "o2")
+    assert "positions='alibi' has no exact transformers architecture" in err
+    err = bad_input(capsys, "export", trained / "run", "--out", tmp_path / "o3", "--architecture", "gpt2")
+    assert "cannot export as 'gpt2'" in err
+    loose = tmp_path / "loose" / "checkpoints" / "step_0000006"  # a checkpoint copied out of its run
+    shutil.copytree(trained / "run" / "checkpoints" / "step_0000006", loose)
+    assert "is not inside a run directory" in bad_input(capsys, "export", loose, "--out", tmp_path / "o4")
+    assert "does not exist" in bad_input(capsys, "export", tmp_path / "nothing", "--out", tmp_path / "o5")
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"

@@ -289,6 +289,25 @@ def test_state_dict_from_hf_reports_the_closest_family_when_none_matches():
         "unexpected tensors [model.layers.0.mlp.router.weight]" in str(err.value)
 
 
+def test_from_hf_builds_the_model_without_initializing_it(tmp_path, monkeypatch):
+    """No random draw and no default init: the model is built on the meta device and every value
+    comes from the checkpoint (ties, rotary frequencies and MoE load counters still right)."""
+    import lmlab.init
+
+    hf = hf_llama(tie_word_embeddings=True, rope_theta=50000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    path = saved(hf, tmp_path)
+    draws = []
+    monkeypatch.setattr(lmlab.init.Init, "draw", lambda self, shape: draws.append(shape) or torch.zeros(shape))
+    ours = lmlab.from_hf(path)
+    assert draws == []
+    assert ours.head.weight is ours.embed.weight and ours.num_params()["total"] == sum(p.numel() for p in hf.parameters())
+    assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers(), ours.positions.inv_freq])
+    idx = tokens(T)
+    assert_parity(logits(ours, idx), logits(hf, idx))
+    lmlab.Transformer(ours.config)
+    assert draws  # the check above can fail: a plain construction draws
+
+
 @pytest.mark.parametrize("dtype, expected", [(None, torch.float32), ("bfloat16", torch.bfloat16), ("auto", torch.float16)])
 def test_dtype(tmp_path, dtype, expected):
     hf = hf_llama().to(torch.float16)

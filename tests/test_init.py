@@ -12,7 +12,7 @@ import lmlab.hf
 def test_public_names_are_exported():
     assert set(lmlab.__all__) == {
         "IGNORE_INDEX", "KVCache", "LMOutput", "ModelConfig", "MoEConfig", "PRESETS", "RopeConfig",
-        "SequenceClassifier", "Transformer", "__version__", "from_hf",
+        "SequenceClassifier", "Transformer", "__version__", "from_hf", "to_hf",
     }
     assert all(hasattr(lmlab, name) for name in lmlab.__all__)
     assert lmlab.MoEConfig is lmlab.config.MoEConfig  # the MoE config lives with the other configs
@@ -20,7 +20,11 @@ def test_public_names_are_exported():
 
 
 def test_hf_families_register_on_import():
-    assert set(lmlab.hf.FAMILIES) == {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "deepseek_v3"}
+    assert set(lmlab.hf.FAMILIES) == {
+        "llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe",
+    }
+    writes = [name for name, family in lmlab.hf.FAMILIES.items() if family.export is not None]
+    assert writes == ["llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe"]  # preference order
 
 
 def test_package_ships_its_typing_marker():

@@ -515,6 +515,7 @@ def check_logits(hf_model, tmp_path) -> lmlab.Transformer:
     sd = state_dict_from_hf(ours.config, hf_model.state_dict())
     for name, value in ours.state_dict().items():
         torch.testing.assert_close(sd[name], value, msg=name)
+    assert all(not layer.load.any() for layer in ours.moe_layers)  # the one buffer no checkpoint holds
     return ours
 
 
@@ -541,8 +542,55 @@ def test_from_hf_qwen2_moe_logits_match(tmp_path, qkv_bias):
     ours = check_logits(random_hf_model(Qwen2MoeForCausalLM, cfg, seed=1), tmp_path)
     assert (ours.config.qkv_bias, ours.config.bias) == (qkv_bias, False)
     moe = ours.config.moe
-    assert (moe.n_shared, moe.shared_gate, moe.every, moe.first_dense) == (2, "sigmoid", 2, 1)
+    assert (moe.n_shared, moe.shared_d_ff, moe.shared_gate, moe.every, moe.first_dense) == (1, 32, "sigmoid", 2, 1)
     assert [ours.config.is_moe_layer(i) for i in range(3)] == [False, True, False]
+
+
+@pytest.mark.parametrize("step, mlp_only", [(1, [0]), (2, []), (1, [0, 2]), (3, [])])
+def test_from_hf_qwen2_moe_shared_expert_of_any_width_and_dense_layers(tmp_path, step, mlp_only):
+    """shared_expert_intermediate_size 24 is no multiple of moe_intermediate_size 16 (refused before
+    shared_d_ff); decoder_sparse_step and mlp_only_layers place the dense layers."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, decoder_sparse_step=step, mlp_only_layers=mlp_only, norm_topk_prob=True,
+    )
+    ours = check_logits(random_hf_model(Qwen2MoeForCausalLM, cfg, seed=2), tmp_path)
+    sparse = [l not in mlp_only and (l + 1) % step == 0 for l in range(3)]
+    assert [ours.config.is_moe_layer(l) for l in range(3)] == sparse
+    moe = ours.config.moe
+    assert (moe.n_shared, moe.shared_d_ff, moe.normalize_top_k) == (1, 24, True)
+    layer = ours.moe_layers[0]
+    assert tuple(layer.shared.gate_up.shape) == (1, 48, 32) and tuple(layer.experts.gate_up.shape) == (4, 32, 32)
+
+
+@pytest.mark.parametrize("n_shared, shared_d_ff", [(0, None), (2, None), (1, 24), (3, 20)])
+def test_parameter_and_flop_accounting_with_shared_experts_of_any_width(n_shared, shared_d_ff):
+    """Closed form: every MoE layer holds a router (E x D), E experts of width F and n_shared shared
+    experts of width shared_d_ff (F when None), each 3 D w parameters (SwiGLU); a token uses K experts."""
+    V, D, F, E, K, L = 64, 32, 16, 6, 2, 3
+    moe = MoEConfig(n_experts=E, top_k=K, d_expert=F, n_shared=n_shared, shared_d_ff=shared_d_ff, first_dense=1)
+    cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=4, d_ff=40, moe=moe)
+    model = Transformer(cfg)
+    w = shared_d_ff or F
+    attention = 4 * D * D + 2 * D  # q, k, v, out; two norms
+    dense_layer, moe_layer = attention + 3 * D * 40, attention + E * D + E * 3 * D * F + n_shared * 3 * D * w
+    total = 2 * V * D + D + dense_layer + 2 * moe_layer  # untied embedding and head, final norm
+    counts = model.num_params()
+    assert counts["total"] == total
+    assert counts["active"] == total - 2 * (E - K) * 3 * D * F
+    assert counts["non_embedding"] == total - 2 * V * D
+    assert model.flops_per_token(16) == 6 * (counts["active"] - V * D) + 12 * L * 4 * 8 * 16
+    assert model.moe_layers[0].shared(torch.zeros(1, D)).shape == (1, D)
+
+
+def test_shared_d_ff_needs_shared_experts():
+    with pytest.raises(ValueError, match="moe.shared_d_ff=24 sets the width of shared experts; set moe.n_shared >= 1"):
+        MoEConfig(shared_d_ff=24)
+    with pytest.raises(ValueError, match="moe.shared_d_ff=0 is not valid"):
+        MoEConfig(n_shared=1, shared_d_ff=0)
 
 
 def test_deepseek_v3_moe_layer_through_the_converter():
@@ -593,7 +641,7 @@ def test_deepseek_v3_checkpoint_names_multi_head_latent_attention(tmp_path):
     [
         ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window"),
         ("qwen2_moe", dict(mlp_only_layers=[2]), "mlp_only_layers"),  # MoE layers 0, 1: not a pattern
-        ("qwen2_moe", dict(shared_expert_intermediate_size=24), "shared_expert_intermediate_size"),
+        ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
         ("mixtral", dict(sliding_window=4096), "sliding_window"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("mixtral", dict(num_experts_per_tok=5), "moe.top_k"),

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX", "KVCache", "LMOutput", "ModelConfig", "MoEConfig", "PRESETS", "RopeConfig",
-    "SequenceClassifier", "Transformer", "__version__", "from_hf",
+    "SequenceClassifier", "Transformer", "__version__", "from_hf", "to_hf",
 ]
 
 
@@ -17,3 +17,11 @@ def from_hf(path, **kwargs):
     from . import hf  # on first use: the checkpoint readers are not needed to build or train models
 
     return hf.from_hf(path, **kwargs)
+
+
+def to_hf(model, out, tokenizer=None, **kwargs):
+    """Write an lmlab model (and its tokenizer) as a Hugging Face checkpoint directory that
+    ``transformers`` loads with the same logits; see :func:`lmlab.hf.to_hf`."""
+    from . import hf
+
+    return hf.to_hf(model, out, tokenizer, **kwargs)

@@ -5,6 +5,7 @@
     lmlab train --config run.yaml --model.n_layers 6 --train.lr 3e-4 --run-dir runs/deeper
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
+    lmlab export runs/default --out exported/      # a Hugging Face transformers checkpoint
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
 
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     epilog=EXIT_CODES, formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"lmlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (add_prepare_parser, add_train_parser, add_eval_parser, add_generate_parser, add_sweep_parsers):
+    for add in (add_prepare_parser, add_train_parser, add_eval_parser, add_generate_parser, add_export_parser,
+                add_sweep_parsers):
         add(sub)
     return parser
 
@@ -171,6 +173,27 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
 
 
+def add_export_parser(sub) -> None:
+    from .hf.export import DEFAULT_SHARD_SIZE
+
+    x = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face transformers checkpoint",
+                       formatter_class=Formatter, epilog=EXIT_CODES, description=paragraphs(
+                           "Write config.json, safetensors weights (sharded past --max-shard-size), "
+                           "generation_config.json and the tokenizer (tokenizer.json) into --out, so that "
+                           "transformers' AutoModelForCausalLM / AutoTokenizer load the model with the same logits. "
+                           "The architecture (llama, mistral, qwen2, gpt2, mixtral, qwen2_moe, glm4_moe) is the first "
+                           "that computes the model exactly; a model none computes exactly is refused, naming the "
+                           "config field. The directory appears whole or not at all."))
+    x.add_argument("run", metavar="RUN_OR_CHECKPOINT",
+                   help="run directory, one of its checkpoints/step_N directories, or a Hugging Face checkpoint directory")
+    x.add_argument("--out", required=True, help="output directory; must not exist or be empty, unless --overwrite")
+    x.add_argument("--checkpoint", default="best", help="best, latest or a step number (for a run directory)")
+    x.add_argument("--architecture", default=None, help="the transformers model_type to write; default: the first that fits")
+    x.add_argument("--dtype", default=None, help="stored dtype (float32, bfloat16, float16); default: as trained")
+    x.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest weights file, e.g. 500MB or 5GB")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN", help="run directory (or, for generate, a Hugging Face checkpoint directory)")
     p.add_argument("--checkpoint", default="best", help="best, latest or a step number")
@@ -178,7 +201,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 SECTIONS = {"train": ("model", "data", "train"), "eval": ("model",), "generate": ("model",), "prepare": (),
-            "sweep": (), "experiment": ()}
+            "export": (), "sweep": (), "experiment": ()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -327,6 +350,27 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
     return 0
 
 
+def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .hf import to_hf
+    from .run.directory import CHECKPOINTS, CONFIG_FILE
+    from .run.load import load_run
+
+    source, checkpoint = Path(args.run), args.checkpoint
+    if source.name.startswith("step_") and source.parent.name == CHECKPOINTS:  # one checkpoint of a run
+        source, checkpoint = source.parent.parent, source.name.removeprefix("step_")
+        if not (source / CONFIG_FILE).is_file():
+            raise ValueError(f"checkpoint {args.run!r} is not inside a run directory (no {source / CONFIG_FILE}); "
+                             "export the run directory that holds its config")
+    run = load_run(source, checkpoint=checkpoint)
+    done = to_hf(run.model, args.out, run.tokenizer, architecture=args.architecture, dtype=args.dtype,
+                 max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    print(f"exported {args.run} ({run.checkpoint.name}) as {done.model_type} to {done.path}: {', '.join(done.files)}")
+    kind = getattr(run.tokenizer, "kind", "") or "the checkpoint's"
+    print(f"tokenizer: {kind} tokenizer as tokenizer.json; transformers.AutoTokenizer.from_pretrained({str(done.path)!r}) "
+          "encodes and decodes as lmlab does")
+    return 0
+
+
 def set_threads(n: int | None) -> None:
     if n:
         import torch
@@ -392,7 +436,7 @@ def add_sweep_parsers(sub) -> None:
 
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-            "sweep": cmd_sweep, "experiment": cmd_experiment}
+            "export": cmd_export, "sweep": cmd_sweep, "experiment": cmd_experiment}
 
 
 def _fmt(v: Any) -> str:

@@ -104,6 +104,7 @@ class MoEConfig(Config):
     top_k: int = 2  # routed experts per token, before segmentation
     granularity: int = 1  # m: m*n_experts experts of width d_expert/m, m*top_k of them active
     n_shared: int = 0  # shared experts (width d_expert/m each), fused into one FFN every token goes through
+    shared_d_ff: int | None = None  # width of each shared expert; None = the routed width d_expert/m (DeepSeekMoE)
     d_expert: int | None = None  # expert hidden size before segmentation; None = the dense d_ff
     shared_gate: SharedGate = "none"  # sigmoid: shared output scaled by sigmoid(x·g), as in Qwen2-MoE
     # ---- which layers
@@ -137,6 +138,11 @@ class MoEConfig(Config):
     def expert_width(self, d_ff: int) -> int:
         return (self.d_expert or d_ff) // self.granularity
 
+    def shared_width(self, d_ff: int) -> int:
+        """The width of each shared expert: ``shared_d_ff`` where a checkpoint gives its own (Qwen2-MoE's
+        ``shared_expert_intermediate_size``), else the routed experts' width (DeepSeekMoE sec. 3.2)."""
+        return self.shared_d_ff or self.expert_width(d_ff)
+
     @property
     def group_limited(self) -> bool:
         return self.topk_groups is not None and self.topk_groups < self.n_groups
@@ -152,6 +158,10 @@ class MoEConfig(Config):
         check_positive("moe.routed_scale", self.routed_scale)
         if self.d_expert is not None:
             check_positive("moe.d_expert", self.d_expert)
+        if self.shared_d_ff is not None:
+            check_positive("moe.shared_d_ff", self.shared_d_ff)
+            if self.n_shared == 0:
+                raise ValueError(f"moe.shared_d_ff={self.shared_d_ff} sets the width of shared experts; set moe.n_shared >= 1")
         if self.capacity_factor is not None:
             check_positive("moe.capacity_factor", self.capacity_factor)
         if self.top_k > self.n_experts:

@@ -38,6 +38,8 @@ class Init:
 
     @torch.no_grad()
     def normal(self, p: torch.Tensor, std: float) -> None:
+        if p.is_meta:  # a model built on the meta device holds no values: nothing to draw (from_hf, counting)
+            return
         p.copy_(self.draw(p.shape) * std)
 
     def xavier(self, w: torch.Tensor, gain: float) -> None:

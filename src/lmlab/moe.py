@@ -307,7 +307,8 @@ def probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
 
 # ============================================================== shared experts
 class SharedExperts(Experts):
-    """n_shared experts fused into one FFN of width n_shared*F, applied to every token."""
+    """n_shared experts fused into one FFN of width n_shared * width, applied to every token; ``width``
+    is ``MoEConfig.shared_width``: the routed F, or a checkpoint's own shared width."""
 
     def __init__(self, n_shared: int, d_model: int, width: int, ffn: str, activation: str, bias: bool):
         super().__init__(1, d_model, n_shared * width, ffn, activation, bias)
@@ -358,7 +359,7 @@ class MoE(nn.Module):
             self.shared = NoSharedExperts()
         else:
             shared = GatedSharedExperts if moe.shared_gate == "sigmoid" else SharedExperts
-            self.shared = shared(moe.n_shared, cfg.d_model, width, cfg.ffn, cfg.activation, cfg.bias)
+            self.shared = shared(moe.n_shared, cfg.d_model, moe.shared_width(cfg.d_ff), cfg.ffn, cfg.activation, cfg.bias)
         self.capacity_factor = moe.capacity_factor
         limited = moe.capacity_factor is not None or moe.second_expert == "random"
         self.assign = self.assign_limited if limited else self.assign_all

@@ -326,7 +326,8 @@ def _llama3(rope: RopeConfig, inv_freq: torch.Tensor, original: int) -> torch.Te
 class Rotary(PositionScheme):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        inv_freq, factor = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_seq_len, cfg.max_seq_len)
+        with torch.device("cpu"):  # real values even for a model built on the meta device (from_hf)
+            inv_freq, factor = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_seq_len, cfg.max_seq_len)
         # Not a buffer: model.to(bfloat16) would round the frequencies (cos off by ~1.5 at position
         # 4096). Kept in fp32, one copy per device.
         self.inv_freq = inv_freq

@@ -1,8 +1,9 @@
-"""Load Hugging Face ``transformers`` checkpoints as lmlab models.
+"""Hugging Face ``transformers`` checkpoints, both ways: load them as lmlab models, write lmlab models as them.
 
     model = lmlab.from_hf("path/to/checkpoint")        # config.json + model.safetensors (or shards)
     cfg = config_from_hf(json.loads(text))              # config.json as a dict -> ModelConfig
     sd = state_dict_from_hf(cfg, hf_model.state_dict()) # HF tensor names -> lmlab names
+    lmlab.to_hf(model, "out/", tokenizer)               # the other way (``export.py``)
 
 Only safetensors are read. A pickled ``pytorch_model.bin`` can run arbitrary code when it is
 loaded, so it is refused with a hint to convert it. Every feature of a checkpoint that lmlab
@@ -25,15 +26,23 @@ Families: a registry keyed by config.json's ``model_type``
   :func:`llama_weights` (with a pluggable per-layer ``ffn`` part), :func:`llama_attention`,
   :func:`llama_glu`.
 - ``ignore``: regular expressions of HF names that are not weights (buffers older versions saved).
+- ``export``: an :class:`Export` where lmlab also writes the family: ``refuse(cfg)`` (why this
+  architecture cannot compute ``cfg`` exactly, naming the field and value, or None),
+  ``config(cfg)`` (config.json's keys) and ``weights(cfg, state_dict)`` (tensors under the names
+  ``save_pretrained`` writes). :func:`to_hf` takes the first registered family that can hold the
+  model, so the choice follows what the config needs, never a model's name.
 
-The package's modules import one way, registry <- dense <- moe <- this file:
+The package's modules import one way, registry <- dense <- moe <- export <- this file:
 
-- ``registry.py``: :class:`HFTensors`, :class:`Family`, ``register`` and the config helpers;
+- ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
+  config helpers of both directions;
 - ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
-- ``moe.py``: mixtral, qwen2_moe and deepseek_v3, on the Llama layout;
-- this file: the entry points and the checkpoint files. It imports ``dense`` and ``moe``, which
-  register their families. A new family is a config function, a weights function and one
-  ``register("name", Family(...))`` line in a module imported here.
+- ``moe.py``: mixtral, qwen2_moe, glm4_moe and deepseek_v3 (read for its MoE layers only), on
+  the Llama layout;
+- ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
+- this file: the reading entry points and the checkpoint files. A new family is a config function,
+  a weights function (and their inverses) and one ``register("name", Family(...))`` line in a
+  module imported here.
 """
 
 from __future__ import annotations
@@ -48,11 +57,13 @@ from ..config import ModelConfig
 from ..model import Transformer
 from . import dense, moe  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
-from .registry import FAMILIES, Family, HFTensors, Tensors, family_for, register
+from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
+from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register
 
 __all__ = [
-    "FAMILIES", "Family", "HFTensors", "config_from_hf", "detect_model_type", "family_for", "from_hf",
-    "half_to_interleaved", "interleaved_to_half", "read_config", "read_safetensors", "register", "state_dict_from_hf",
+    "Export", "Exported", "FAMILIES", "Family", "HFTensors", "choose_architecture", "config_from_hf",
+    "detect_model_type", "family_for", "from_hf", "half_to_interleaved", "hf_config", "hf_tensors",
+    "interleaved_to_half", "read_config", "read_safetensors", "register", "state_dict_from_hf", "to_hf",
 ]
 
 
@@ -134,10 +145,25 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     if target is None:  # "auto": the stored dtype
         target = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     sd = state_dict_from_hf(cfg, tensors, hf["model_type"], source=f"checkpoint {str(path)!r}")
-    model = Transformer(cfg)
+    model = uninitialized(cfg)
     _check_shapes(model, sd, path)
     model.load_state_dict(sd)
     return model.to(target).eval()
+
+
+def uninitialized(cfg: ModelConfig) -> Transformer:
+    """A Transformer whose weights are about to be loaded, built without initializing them: on the
+    meta device (no memory, no random draws), then given empty CPU memory. The one
+    buffer no checkpoint holds, each MoE layer's load counted since its last bias update, is zeroed.
+    Every parameter and saved buffer must then be loaded (``load_state_dict`` is strict)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    if cfg.tie_embeddings:  # moving off the meta device makes new parameters; tie them again
+        model.head.weight = model.embed.weight
+    for layer in model.moe_layers:
+        layer.load.zero_()
+    return model
 
 
 # ============================================================== files

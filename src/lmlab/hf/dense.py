@@ -1,7 +1,8 @@
-"""Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, plus the Llama layout that the
-mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
-:func:`llama_weights` with a pluggable per-layer feed-forward part), and conversions between the
-two rotary layouts of q/k projection rows."""
+"""Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, in both directions, plus the
+Llama layout that the mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
+:func:`llama_weights` with a pluggable per-layer feed-forward part, and their inverses
+:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), and
+conversions between the two rotary layouts of q/k projection rows."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from ..config import ModelConfig
 from .registry import (
-    Family, HFTensors, activation_from_hf, model_config, register, rope_from_hf, tied_head, with_defaults,
+    ACTIVATION_NAMES, Export, Family, HFTensors, Tensors, activation_from_hf, model_config, refusal, register,
+    rope_from_hf, rope_refusal, rope_to_hf, tied_head, with_defaults,
 )
 
 
@@ -110,8 +112,106 @@ def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu) -
 
 LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before transformers 4.31 saved
 
-register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE))
-register("mistral", Family(mistral_config, llama_weights, LLAMA_IGNORE))
+
+# ---- the other direction: lmlab -> the Llama layout
+def llama_layout_refusal(cfg: ModelConfig, name: str) -> str | None:
+    """What a Llama-layout architecture ``name`` cannot compute: it is pre-norm (checked for every
+    architecture in ``export.py``) RMSNorm, rotary, gated feed-forward."""
+    return refusal(cfg, {
+        "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"),
+        "positions": ("rope", f"{name} uses rotary positions"),
+        "ffn": ("glu", f"{name}'s feed-forward is gated, W2 (act(Wg x) * W1 x)"),
+    }) or rope_refusal(cfg)
+
+
+def llama_layout_to_hf(cfg: ModelConfig, **extra_rope: Any) -> dict[str, Any]:
+    """config.json keys every Llama-layout family writes the same way (inverse of
+    :func:`llama_layout_config`). head_dim is left out where it is d_model / n_heads (Qwen2 reads
+    a null head_dim as a size). Dropout only acts in training and these architectures have no
+    residual dropout, so none is written."""
+    keys = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        hidden_act=ACTIVATION_NAMES[cfg.activation], max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=0.0, **rope_to_hf(cfg, **extra_rope),
+    )
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        keys["head_dim"] = cfg.head_dim
+    return keys
+
+
+def llama_attention_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    """lmlab's fused [q; k; v] under ``ours`` ("blocks.3.attn.") -> q/k/v/o under ``hf``, with q and k
+    rows in the half rotary layout that transformers rotates."""
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    to_half = interleaved_to_half if cfg.rope.layout == "interleaved" else (lambda w, n: w)
+    out = {}
+    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        q, k, v = sd[f"{ours}qkv.{kind}"].split([H * hd, KV * hd, KV * hd])
+        out.update({f"{hf}q_proj.{kind}": to_half(q, H), f"{hf}k_proj.{kind}": to_half(k, KV), f"{hf}v_proj.{kind}": v})
+    for kind in ("weight", "bias") if cfg.bias else ("weight",):
+        out[f"{hf}o_proj.{kind}"] = sd[f"{ours}out.{kind}"]
+    return out
+
+
+def llama_glu_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    """lmlab's fused [gate; up] under ``ours`` ("blocks.3.ffn.") -> gate/up/down under ``hf``."""
+    out = {}
+    for kind in ("weight", "bias") if cfg.bias else ("weight",):
+        gate, up = sd[f"{ours}gate_up.{kind}"].chunk(2)
+        out.update({f"{hf}gate_proj.{kind}": gate, f"{hf}up_proj.{kind}": up, f"{hf}down_proj.{kind}": sd[f"{ours}down.{kind}"]})
+    return out
+
+
+FFNToHF = Callable[[ModelConfig, Tensors, str, str], dict]
+
+
+def llama_weights_to_hf(cfg: ModelConfig, sd: Tensors, ffn: FFNToHF = llama_glu_to_hf) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`llama_weights`: HF names as ``save_pretrained`` writes them; a tied
+    head is left out, as transformers leaves it out."""
+    out = {"model.embed_tokens.weight": sd["embed.weight"]}
+    for i in range(cfg.n_layers):
+        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        out[f"{hf}input_layernorm.weight"] = sd[f"{ours}norm1.weight"]
+        out[f"{hf}post_attention_layernorm.weight"] = sd[f"{ours}norm2.weight"]
+        out.update(llama_attention_to_hf(cfg, sd, f"{ours}attn.", f"{hf}self_attn."))
+        out.update(ffn(cfg, sd, f"{ours}ffn.", f"{hf}mlp."))
+    out["model.norm.weight"] = sd["final_norm.weight"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["head.weight"]
+    return out
+
+
+def llama_refusal(cfg: ModelConfig) -> str | None:
+    if cfg.bias != cfg.qkv_bias:
+        return (
+            f"qkv_bias={cfg.qkv_bias} with bias={cfg.bias} (Llama's attention_bias puts biases on q, k, v and the "
+            "output together, and mlp_bias on the feed-forward)"
+        )
+    return llama_layout_refusal(cfg, "Llama")
+
+
+def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**llama_layout_to_hf(cfg), "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+
+
+def mistral_refusal(cfg: ModelConfig) -> str | None:
+    return refusal(cfg, {
+        "bias": (False, "Mistral has no biases"), "qkv_bias": (False, "Mistral has no biases"),
+    }) or llama_layout_refusal(cfg, "Mistral")
+
+
+def mistral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**llama_layout_to_hf(cfg), "sliding_window": None}
+
+
+register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE, Export(
+    "LlamaForCausalLM", moe=False, refuse=llama_refusal, config=llama_to_hf, weights=llama_weights_to_hf,
+)))
+register("mistral", Family(mistral_config, llama_weights, LLAMA_IGNORE, Export(
+    "MistralForCausalLM", moe=False, refuse=mistral_refusal, config=mistral_to_hf, weights=llama_weights_to_hf,
+)))
 
 # transformers' Qwen2Config defaults (5.x), for keys an older config.json leaves out.
 QWEN2_DEFAULTS: dict[str, Any] = dict(
@@ -131,7 +231,19 @@ def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
     return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS).replace(qkv_bias=True)
 
 
-register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE))
+def qwen2_refusal(cfg: ModelConfig) -> str | None:
+    return refusal(cfg, {
+        "qkv_bias": (True, "Qwen2 has biases on q, k and v"), "bias": (False, "Qwen2 has biases on q, k and v only"),
+    }) or llama_layout_refusal(cfg, "Qwen2")
+
+
+def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**llama_layout_to_hf(cfg), "use_sliding_window": False, "sliding_window": None}
+
+
+register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE, Export(
+    "Qwen2ForCausalLM", moe=False, refuse=qwen2_refusal, config=qwen2_to_hf, weights=llama_weights_to_hf,
+)))
 
 
 # ============================================================== GPT-2
@@ -189,8 +301,56 @@ def gpt2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | Non
     return sd
 
 
+def gpt2_refusal(cfg: ModelConfig) -> str | None:
+    if cfg.n_kv_heads != cfg.n_heads or cfg.head_dim * cfg.n_heads != cfg.d_model:
+        return (
+            f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "
+            f"d_model / n_heads for queries, keys and values alike)"
+        )
+    return refusal(cfg, {
+        "norm": ("layernorm", "GPT-2 normalizes with LayerNorm"),
+        "positions": ("learned", "GPT-2 learns absolute positions"),
+        "ffn": ("mlp", "GPT-2's feed-forward is W2 act(W1 x)"),
+        "bias": (True, "every GPT-2 linear layer and LayerNorm has a bias"),
+        "qkv_bias": (True, "every GPT-2 linear layer has a bias"),
+    })
+
+
+def gpt2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """GPT-2's config.json; its three dropouts are where lmlab's one dropout acts (embeddings,
+    attention probabilities, each residual branch)."""
+    return dict(
+        vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+        n_inner=cfg.d_ff if cfg.d_ff != 4 * cfg.d_model else None,  # None: 4 d_model
+        n_positions=cfg.max_seq_len,
+        activation_function="gelu_new" if cfg.activation == "gelu_tanh" else ACTIVATION_NAMES[cfg.activation],
+        layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, add_cross_attention=False,
+    )
+
+
+def gpt2_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`gpt2_weights`, with GPT2LMHeadModel's names ("transformer." prefix)."""
+    p = "transformer."
+    out = {f"{p}wte.weight": sd["embed.weight"], f"{p}wpe.weight": sd["positions.table.weight"]}
+    linears = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.out", "mlp.c_fc": "ffn.up", "mlp.c_proj": "ffn.down"}
+    for i in range(cfg.n_layers):
+        hf, ours = f"{p}h.{i}.", f"blocks.{i}."
+        for theirs, mine in (("ln_1", "norm1"), ("ln_2", "norm2"), *linears.items()):
+            weight = sd[f"{ours}{mine}.weight"]
+            out[f"{hf}{theirs}.weight"] = weight.t() if theirs in linears else weight  # Conv1D: (in, out)
+            out[f"{hf}{theirs}.bias"] = sd[f"{ours}{mine}.bias"]
+    out[f"{p}ln_f.weight"], out[f"{p}ln_f.bias"] = sd["final_norm.weight"], sd["final_norm.bias"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["head.weight"]
+    return out
+
+
 # causal-mask buffers that checkpoints written before transformers 4.x's non-persistent buffers hold
-register("gpt2", Family(gpt2_config, gpt2_weights, (r"(^|\.)h\.\d+\.attn\.(masked_)?bias$",)))
+register("gpt2", Family(gpt2_config, gpt2_weights, (r"(^|\.)h\.\d+\.attn\.(masked_)?bias$",), Export(
+    "GPT2LMHeadModel", moe=False, refuse=gpt2_refusal, config=gpt2_to_hf, weights=gpt2_weights_to_hf,
+)))
 
 
 # ============================================================== rotary layouts

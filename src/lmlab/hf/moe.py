@@ -1,8 +1,12 @@
-"""Hugging Face mixture-of-experts checkpoints: Mixtral, Qwen2-MoE, and DeepSeek-V3's MoE layers.
+"""Hugging Face mixture-of-experts checkpoints: Mixtral, Qwen2-MoE, GLM-4-MoE, and DeepSeek-V3's MoE layers.
 
-Registers three ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
-``dense.py`` with their own per-layer feed-forward part. Expert weights are read in either
-published layout:
+Registers four ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
+``dense.py`` with their own per-layer feed-forward part. Mixtral, Qwen2-MoE and GLM-4-MoE go both
+ways; DeepSeek-V3 checkpoints use multi-head latent attention, which lmlab lacks, so they are
+refused, and lmlab's DeepSeek-V3-style layers (sigmoid affinities, correction bias, group-limited
+top-k, routed scaling, shared experts, first layers dense) leave as GLM-4-MoE, which computes the
+same router and experts with standard grouped-query attention. Expert weights are read in either
+published layout, and written in the first, which every transformers version reads:
 
 - per expert, as on the Hub and as ``save_pretrained`` writes them
   (Mixtral ``block_sparse_moe.experts.{j}.w1/w3/w2``, Qwen2-MoE and DeepSeek
@@ -11,18 +15,26 @@ published layout:
   ``mlp.experts.down_proj`` (E, D, F)), which is lmlab's layout too.
 
 Balancing coefficients are training choices, not part of a checkpoint: loaded models have them
-at 0 (set them with ``cfg.override({"moe.expert_balance_coef": ...})`` to train further).
+at 0 (set them with ``cfg.override({"moe.expert_balance_coef": ...})`` to train further), and
+exported configs leave ``router_aux_loss_coef`` at the transformers default with
+``output_router_logits`` false. transformers' balance loss pools the router statistics of all
+layers before multiplying them, which no lmlab coefficient reproduces, so neither is mapped.
+Mixtral's ``router_jitter_noise`` (a training-time input noise lmlab lacks) is refused unless 0.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import torch
 
 from ..config import ModelConfig, MoEConfig
-from .dense import LLAMA_IGNORE, llama_glu, llama_layout_config, llama_weights
-from .registry import Family, HFTensors, register, with_defaults
+from .dense import (
+    LLAMA_IGNORE, llama_glu, llama_glu_to_hf, llama_layout_config, llama_layout_refusal, llama_layout_to_hf,
+    llama_weights, llama_weights_to_hf,
+)
+from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
 
 
 # ============================================================== shared pieces
@@ -75,6 +87,56 @@ def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
     return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
 
 
+def moe_to_hf(
+    cfg: ModelConfig, sd: Tensors, ours: str, hf: str, *, names: tuple[str, str, str], arch: str,
+    shared: str | None = None, shared_gate: str | None = None, score_bias: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`moe_weights`: one MoE layer, one tensor per expert (the Hub layout).
+    A non-zero selection bias where ``arch`` has none (``score_bias`` None) is refused."""
+    gate, up, down = names
+    out = {f"{hf}gate.weight": sd[f"{ours}router.weight"]}
+    bias = sd[f"{ours}router.score_bias"]
+    if score_bias is not None:
+        out[f"{hf}{score_bias}"] = bias
+    elif bool(bias.any()):
+        raise ValueError(
+            f"{ours}router.score_bias is not zero (moe.bias_update_rate={cfg.moe.bias_update_rate} trained it): "
+            f"{arch}'s router has no selection bias, so it cannot compute this model exactly"
+        )
+    for j, (gate_up_j, down_j) in enumerate(zip(sd[f"{ours}experts.gate_up"], sd[f"{ours}experts.down"])):
+        g, u = gate_up_j.chunk(2)
+        out.update({f"{hf}experts.{j}.{gate}.weight": g, f"{hf}experts.{j}.{up}.weight": u,
+                    f"{hf}experts.{j}.{down}.weight": down_j})
+    if shared is not None:  # one fused FFN, stored like a stack of 1
+        fused = {f"{ours}shared.{part}.weight": sd[f"{ours}shared.{part}"][0] for part in ("gate_up", "down")}
+        out.update(llama_glu_to_hf(cfg.replace(bias=False), fused, f"{ours}shared.", f"{hf}{shared}."))
+    if shared_gate is not None:
+        out[f"{hf}{shared_gate}.weight"] = sd[f"{ours}shared.output_gate"]
+    return out
+
+
+def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]]) -> str | None:
+    """What a Llama-layout MoE architecture ``name`` cannot compute: biases (no transformers MoE
+    has expert biases), the layout, then the family's own router and layer ``needs``."""
+    return (
+        refusal(cfg, {"bias": (False, f"{name} has no biases outside attention")})
+        or llama_layout_refusal(cfg, name)
+        or refusal(cfg, needs)
+    )
+
+
+def all_experts_refusal(cfg: ModelConfig, name: str) -> str | None:
+    """Group-limited routing, for an architecture ``name`` whose router ranks all experts at once."""
+    moe = cfg.moe
+    if moe.group_limited:
+        return f"moe.topk_groups={moe.topk_groups} of moe.n_groups={moe.n_groups} ({name} routes among all experts)"
+    return None
+
+
+def _shared_total(cfg: ModelConfig) -> int:
+    return cfg.moe.n_shared * cfg.moe.shared_width(cfg.d_ff)
+
+
 # ============================================================== Mixtral
 # transformers' MixtralConfig defaults (5.x), for keys an older config.json leaves out.
 MIXTRAL_DEFAULTS: dict[str, Any] = dict(
@@ -109,7 +171,41 @@ def mixtral_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | 
     return llama_weights(cfg, t, ffn=mixtral_ffn)
 
 
-register("mixtral", Family(mixtral_config, mixtral_weights, LLAMA_IGNORE))
+def mixtral_refusal(cfg: ModelConfig) -> str | None:
+    return moe_refusal(cfg, "Mixtral", {
+        "qkv_bias": (False, "Mixtral has no biases"),
+        "moe.scoring": ("softmax", "Mixtral's router is a softmax"),
+        "moe.normalize_top_k": (True, "Mixtral renormalizes the chosen weights"),
+        "moe.routed_scale": (1.0, "Mixtral does not scale the routed output"),
+        "moe.n_shared": (0, "Mixtral has no shared experts"),
+        "moe.every": (1, "every Mixtral layer is a mixture"),
+        "moe.first_dense": (0, "every Mixtral layer is a mixture"),
+    }) or all_experts_refusal(cfg, "Mixtral")
+
+
+def mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """Mixtral's intermediate_size is the expert width: every layer is a mixture, so lmlab's d_ff
+    (the dense width) has no use there."""
+    moe = cfg.moe
+    return {
+        **llama_layout_to_hf(cfg), "intermediate_size": moe.expert_width(cfg.d_ff),
+        "num_local_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
+        "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False,
+    }
+
+
+def mixtral_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    hf = hf.removesuffix("mlp.") + "block_sparse_moe."
+    return moe_to_hf(cfg, sd, ours, hf, names=("w1", "w3", "w2"), arch="Mixtral")
+
+
+def mixtral_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    return llama_weights_to_hf(cfg, sd, ffn=mixtral_ffn_to_hf)
+
+
+register("mixtral", Family(mixtral_config, mixtral_weights, LLAMA_IGNORE, Export(
+    "MixtralForCausalLM", moe=True, refuse=mixtral_refusal, config=mixtral_to_hf, weights=mixtral_weights_to_hf,
+)))
 
 
 # ============================================================== Qwen2-MoE
@@ -136,13 +232,9 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
-    d_expert, d_shared = hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]
-    if d_shared <= 0 or d_shared % d_expert:
-        raise _refuse(
-            hf, "shared_expert_intermediate_size",
-            f"lmlab builds the shared expert from whole experts of width moe_intermediate_size={d_expert}; "
-            "it must be a positive multiple of that",
-        )
+    d_shared = hf["shared_expert_intermediate_size"]
+    if not d_shared or d_shared <= 0:
+        raise _refuse(hf, "shared_expert_intermediate_size", "lmlab maps Qwen2-MoE's gated shared expert only with a positive width")
     # layer l is sparse iff l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0
     step, dense_only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
     sparse = [l not in dense_only and (l + 1) % step == 0 for l in range(n_layers)]
@@ -154,9 +246,9 @@ def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
             "expresses only 'every n-th layer after the first k'",
         )
     every, first_dense = layout
-    return MoEConfig(
-        n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=d_expert,
-        n_shared=d_shared // d_expert, shared_gate="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
+    return MoEConfig(  # one gated shared expert of its own width, as the checkpoint holds it
+        n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+        n_shared=1, shared_d_ff=d_shared, shared_gate="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
         every=every, first_dense=first_dense,
     )
 
@@ -186,7 +278,56 @@ def qwen2_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor 
     return llama_weights(cfg, t, ffn=qwen2_moe_ffn)
 
 
-register("qwen2_moe", Family(qwen2_moe_config, qwen2_moe_weights, LLAMA_IGNORE))
+def qwen2_moe_refusal(cfg: ModelConfig) -> str | None:
+    if cfg.moe.n_shared == 0:
+        return "moe.n_shared=0 (Qwen2-MoE always has a gated shared expert)"
+    return moe_refusal(cfg, "Qwen2-MoE", {
+        "moe.scoring": ("softmax", "Qwen2-MoE's router is a softmax"),
+        "moe.routed_scale": (1.0, "Qwen2-MoE does not scale the routed output"),
+        "moe.shared_gate": ("sigmoid", "Qwen2-MoE gates its shared expert by sigmoid(x·g)"),
+    }) or all_experts_refusal(cfg, "Qwen2-MoE")
+
+
+def qwen2_moe_layers(cfg: ModelConfig) -> tuple[int, list[int]]:
+    """(decoder_sparse_step, mlp_only_layers) that make exactly lmlab's MoE layers sparse: the step
+    is ``moe.every`` where its layers cover them, else 1, and the other layers are listed dense."""
+    L = cfg.n_layers
+    sparse = [cfg.is_moe_layer(l) for l in range(L)]
+    for step in dict.fromkeys((cfg.moe.every, 1)):
+        stepped = [(l + 1) % step == 0 for l in range(L)]
+        if all(t or not s for s, t in zip(sparse, stepped)):
+            return step, [l for l in range(L) if stepped[l] and not sparse[l]]
+    raise AssertionError("step 1 covers every layer")
+
+
+def qwen2_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    step, dense = qwen2_moe_layers(cfg)
+    return {
+        **llama_layout_to_hf(cfg), "qkv_bias": cfg.qkv_bias, "num_experts": moe.routed_experts,
+        "num_experts_per_tok": moe.active_experts, "moe_intermediate_size": moe.expert_width(cfg.d_ff),
+        "shared_expert_intermediate_size": _shared_total(cfg), "norm_topk_prob": moe.normalize_top_k,
+        "decoder_sparse_step": step, "mlp_only_layers": dense, "use_sliding_window": False,
+        "output_router_logits": False,
+    }
+
+
+def qwen2_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu_to_hf(cfg, sd, ours, hf)
+    return moe_to_hf(
+        cfg, sd, ours, hf, names=("gate_proj", "up_proj", "down_proj"), arch="Qwen2-MoE", shared="shared_expert",
+        shared_gate="shared_expert_gate",
+    )
+
+
+def qwen2_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    return llama_weights_to_hf(cfg, sd, ffn=qwen2_moe_ffn_to_hf)
+
+
+register("qwen2_moe", Family(qwen2_moe_config, qwen2_moe_weights, LLAMA_IGNORE, Export(
+    "Qwen2MoeForCausalLM", moe=True, refuse=qwen2_moe_refusal, config=qwen2_moe_to_hf, weights=qwen2_moe_weights_to_hf,
+)))
 
 
 # ============================================================== DeepSeek-V3
@@ -244,3 +385,120 @@ def _mla_error(hf: Mapping[str, Any]) -> ValueError:
 
 
 register("deepseek_v3", Family(deepseek_v3_config, deepseek_v3_weights))
+
+
+# ============================================================== GLM-4-MoE
+# transformers' Glm4MoeConfig defaults (5.x); partial_rotary_factor 0.5 is set in its __post_init__.
+GLM4_MOE_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46, num_attention_heads=96,
+    num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072, initializer_range=0.02,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, moe_intermediate_size=1408,
+    num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
+    topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False, partial_rotary_factor=0.5,
+)
+
+
+def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """GLM-4-MoE (GLM-4.5): DeepSeek-V3's router and experts (sigmoid affinities plus correction bias,
+    group-limited top-k with a group's score its best two, routed scaling, shared experts, the first
+    k layers dense) with grouped-query attention (biases on q, k, v with attention_bias). Only full
+    rotary (partial_rotary_factor 1) and no q/k norms map exactly; GLM-4.5's own use both."""
+    hf = with_defaults(hf, GLM4_MOE_DEFAULTS)
+    if hf["use_qk_norm"]:
+        raise _refuse(hf, "use_qk_norm", "lmlab does not normalize queries and keys")
+    groups = hf["n_group"] or 1
+    moe = MoEConfig(
+        n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+        n_shared=hf["n_shared_experts"] or 0, scoring="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
+        routed_scale=hf["routed_scaling_factor"], n_groups=groups, topk_groups=hf["topk_group"] or groups,
+        group_score="top2", first_dense=hf["first_k_dense_replace"],
+    )
+    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe)
+
+
+GLM4_MOE_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def glm4_moe_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu(cfg, t, hf, ours)
+    if cfg.moe.n_shared == 0:  # transformers still builds (and saves) a shared FFN of width 0
+        for name in GLM4_MOE_NAMES:
+            t.take_optional(f"{hf}shared_experts.{name}.weight")
+    return moe_weights(
+        cfg, t, hf, ours, names=GLM4_MOE_NAMES, shared="shared_experts" if cfg.moe.n_shared else None,
+        score_bias="gate.e_score_correction_bias",
+    )
+
+
+def glm4_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.moe is None:
+        raise ValueError("a GLM-4-MoE checkpoint needs a config with moe set")
+    for name in t.tensors:  # multi-token-prediction layers after the last decoder layer: not part of the LM
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer and int(layer.group(1)) >= cfg.n_layers:
+            t.taken.add(name)
+    return llama_weights(cfg, t, ffn=glm4_moe_ffn)
+
+
+def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
+    moe = cfg.moe
+    width = moe.expert_width(cfg.d_ff)
+    why = moe_refusal(cfg, "GLM-4-MoE", {
+        "moe.scoring": ("sigmoid", "GLM-4-MoE scores experts with a sigmoid"),
+        "moe.shared_gate": ("none", "GLM-4-MoE's shared experts are not gated"),
+        "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
+    })
+    if why is None and _shared_total(cfg) % width:
+        why = f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of moe_intermediate_size={width})"
+    if why is None and moe.group_limited and moe.group_score != "top2":
+        why = f"moe.group_score={moe.group_score!r} (GLM-4-MoE scores a group by its best two experts)"
+    if why is None and moe.routed_experts < 2:
+        why = f"moe.n_experts={moe.n_experts} (GLM-4-MoE's router needs at least two experts)"
+    return why
+
+
+def glm4_moe_groups(moe: MoEConfig) -> tuple[int, int]:
+    """(n_group, topk_group): lmlab's where the routing is group-limited; else groups that keep every
+    expert (transformers always ranks groups by their best two, so each needs two experts)."""
+    if moe.group_limited:
+        return moe.n_groups, moe.topk_groups
+    groups = moe.n_groups if moe.routed_experts // moe.n_groups >= 2 else 1
+    return groups, groups
+
+
+def glm4_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    width = moe.expert_width(cfg.d_ff)
+    n_group, topk_group = glm4_moe_groups(moe)
+    return {
+        **llama_layout_to_hf(cfg, partial_rotary_factor=1.0), "attention_bias": cfg.qkv_bias,
+        "n_routed_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
+        "moe_intermediate_size": width, "n_shared_experts": _shared_total(cfg) // width,
+        "routed_scaling_factor": moe.routed_scale, "n_group": n_group, "topk_group": topk_group,
+        "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.normalize_top_k, "use_qk_norm": False,
+        "num_nextn_predict_layers": 0, "output_router_logits": False,
+    }
+
+
+def glm4_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu_to_hf(cfg, sd, ours, hf)
+    out = moe_to_hf(
+        cfg, sd, ours, hf, names=GLM4_MOE_NAMES, arch="GLM-4-MoE", shared="shared_experts" if cfg.moe.n_shared else None,
+        score_bias="gate.e_score_correction_bias",
+    )
+    if not cfg.moe.n_shared:  # the width-0 shared FFN transformers builds
+        D = cfg.d_model
+        out.update({f"{hf}shared_experts.{n}.weight": torch.zeros((D, 0) if n == "down_proj" else (0, D))
+                    for n in GLM4_MOE_NAMES})
+    return out
+
+
+def glm4_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    return llama_weights_to_hf(cfg, sd, ffn=glm4_moe_ffn_to_hf)
+
+
+register("glm4_moe", Family(glm4_moe_config, glm4_moe_weights, LLAMA_IGNORE, Export(
+    "Glm4MoeForCausalLM", moe=True, refuse=glm4_moe_refusal, config=glm4_moe_to_hf, weights=glm4_moe_weights_to_hf,
+)))

@@ -3,7 +3,9 @@
 A family is registered under config.json's ``model_type`` as a :class:`Family`: how its
 config.json becomes a :class:`~lmlab.config.ModelConfig`, and how its tensors become an lmlab
 state dict, read through :class:`HFTensors` so that every missing and unexpected name can be
-reported at once. The helpers below are shared by the families of ``dense.py`` and ``moe.py``.
+reported at once; and, for families lmlab also writes, its :class:`Export` side: which lmlab
+configs it holds exactly, and their config.json and tensors. The helpers below are shared by
+the families of ``dense.py`` and ``moe.py``, in both directions.
 """
 
 from __future__ import annotations
@@ -56,12 +58,29 @@ class HFTensors:
 
 
 @dataclasses.dataclass(frozen=True)
+class Export:
+    """How lmlab models leave as one ``model_type`` (see :mod:`lmlab.hf.export`).
+
+    ``refuse(cfg)`` says why this architecture cannot compute ``cfg``'s model exactly, naming the
+    field and its value (None: it can); ``config(cfg)`` gives config.json's architecture keys;
+    ``weights(cfg, state_dict)`` gives the tensors under the names ``save_pretrained`` writes,
+    raising ValueError for a weight the architecture has no place for."""
+
+    architecture: str  # the transformers class, config.json's "architectures"
+    moe: bool  # holds mixture-of-experts models (else dense ones)
+    refuse: Callable[[ModelConfig], str | None]
+    config: Callable[[ModelConfig], dict[str, Any]]
+    weights: Callable[[ModelConfig, Tensors], dict[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """How one Hugging Face ``model_type`` maps onto lmlab (see the :mod:`lmlab.hf` docstring)."""
 
     config: Callable[[Mapping[str, Any]], ModelConfig]
     weights: Callable[[ModelConfig, HFTensors], dict[str, torch.Tensor | None]]
     ignore: tuple[str, ...] = ()
+    export: Export | None = None  # None: lmlab reads this family but does not write it
 
 
 FAMILIES: dict[str, Family] = {}
@@ -105,6 +124,10 @@ ACTIVATIONS = {
     "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",  # tanh approximation (GPT-2)
     "relu": "relu",
 }
+
+
+# lmlab activation -> the name config.json gives it (Llama layout; GPT-2 writes gelu_tanh as "gelu_new")
+ACTIVATION_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
 def activation_from_hf(name: Any, key: str) -> str:
@@ -172,6 +195,60 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> Ro
         f"config.json has rope type {kind!r}, which lmlab does not support; supported rope types: "
         "default, linear, dynamic, yarn, llama3"
     )
+
+
+def rope_to_hf(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+    """config.json's rotary keys for ``cfg.rope``, the inverse of :func:`rope_from_hf`, written in
+    both published forms so that every transformers version reads the same rotation: top-level
+    ``rope_theta`` + ``rope_scaling`` (transformers < 4.57, vLLM, llama.cpp's converter) and
+    ``rope_parameters`` (transformers >= 4.57). ``extra`` joins ``rope_parameters`` (GLM's
+    ``partial_rotary_factor``). Static NTK scaling is a larger base: base * factor^(d/(d-2)).
+    Call :func:`rope_refusal` first."""
+    rope, d = cfg.rope, cfg.head_dim
+    original = rope.original_max_seq_len or cfg.max_seq_len
+    theta = rope.base * rope.factor ** (d / (d - 2)) if rope.scaling == "ntk" else rope.base
+    scaling: dict[str, Any] | None = None
+    if rope.scaling in ("linear", "dynamic"):
+        scaling = {"rope_type": rope.scaling, "factor": rope.factor}
+    elif rope.scaling == "yarn":
+        scaling = {"rope_type": "yarn", "factor": rope.factor, "original_max_position_embeddings": original}
+        optional = {  # written where they differ from transformers' defaults (older versions lack truncate)
+            "beta_fast": (rope.beta_fast, 32.0), "beta_slow": (rope.beta_slow, 1.0), "truncate": (rope.truncate, True),
+            "attention_factor": (rope.attention_factor, None), "mscale": (rope.mscale, None),
+            "mscale_all_dim": (rope.mscale_all_dim, None),
+        }
+        scaling.update({k: v for k, (v, default) in optional.items() if v != default})
+    elif rope.scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3", "factor": rope.factor, "original_max_position_embeddings": original,
+            "low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor,
+        }
+    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": theta, **extra}
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": parameters, **extra}
+
+
+def rope_refusal(cfg: ModelConfig) -> str | None:
+    """What of ``cfg.rope`` transformers' rotary embeddings cannot compute (the layout is converted
+    by permuting q/k rows, so both layouts export)."""
+    rope = cfg.rope
+    if rope.scaling == "dynamic" and rope.original_max_seq_len not in (None, cfg.max_seq_len):
+        return (
+            f"rope.original_max_seq_len={rope.original_max_seq_len} with rope.scaling='dynamic': transformers' "
+            f"dynamic scaling starts at max_position_embeddings (max_seq_len={cfg.max_seq_len})"
+        )
+    return None
+
+
+def refusal(cfg: ModelConfig, needs: Mapping[str, tuple[Any, str]]) -> str | None:
+    """The first field of ``cfg`` (dotted for nested ones) whose value differs from the one an
+    architecture needs: ``{"norm": ("rmsnorm", "Llama normalizes with RMSNorm")}``."""
+    for field, (value, why) in needs.items():
+        actual = cfg
+        for part in field.split("."):
+            actual = getattr(actual, part)
+        if actual != value:
+            return f"{field}={actual!r} ({why})"
+    return None
 
 
 def tied_head(cfg: ModelConfig, t: HFTensors, name: str, embed: torch.Tensor | None) -> torch.Tensor | None:

@@ -88,6 +88,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from None
+        self.path = path
         self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.vocab_size = self.tok.get_vocab_size()
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
@@ -98,3 +99,9 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+    def hf_files(self) -> dict[str, str]:
+        """The checkpoint's own tokenizer files, as they are (``lmlab export`` of a loaded checkpoint)."""
+        return {name: (self.path / name).read_text(encoding="utf-8") for name in self.HF_FILES if (self.path / name).is_file()}

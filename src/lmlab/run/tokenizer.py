@@ -62,6 +62,11 @@ class Tokenizer:
         """Write the tokenizer's files into ``directory``; returns their names (may be none)."""
         return []
 
+    def hf_files(self) -> dict[str, str]:
+        """This tokenizer as Hugging Face files, {"tokenizer.json": text}, encoding and decoding as
+        it does (``lmlab export`` writes them beside the weights). ValueError where it cannot."""
+        raise ValueError(f"the {self.kind or type(self).__name__} tokenizer cannot be written as a Hugging Face tokenizer.json")
+
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
         raise NotImplementedError
@@ -88,6 +93,16 @@ class ByteTokenizer(Tokenizer):
 
     def encode_array(self, text: str, dtype=np.int64) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
+
+    def hf_files(self) -> dict[str, str]:
+        """Byte-level BPE with the 256 byte symbols of GPT-2's alphabet as ids 0-255 and no merges:
+        every byte is its own token, exactly as here, so the exported model is usable as is."""
+        tk = _export_tokenizers()
+        alphabet = bytes_to_unicode()
+        tok = tk.Tokenizer(tk.models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        return {"tokenizer.json": tok.to_str()}
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "ByteTokenizer":
@@ -121,6 +136,17 @@ class CharTokenizer(Tokenizer):
     def save(self, directory: str | Path) -> list[str]:
         write_atomic(Path(directory) / self.FILE, json.dumps({"kind": self.kind, "chars": self.chars}) + "\n")
         return [self.FILE]
+
+    def hf_files(self) -> dict[str, str]:
+        """A word-level tokenizer over single characters: each character one piece, looked up in the
+        vocabulary, unseen ones the unknown id, which decodes as U+FFFD here and there (as "<unk>"
+        there if U+FFFD is itself one of the corpus' characters)."""
+        tk = _export_tokenizers()
+        unk = "\ufffd" if "\ufffd" not in self.index else "<unk>"
+        tok = tk.Tokenizer(tk.models.WordLevel(vocab={**self.index, unk: self.unk_id}, unk_token=unk))
+        tok.pre_tokenizer = tk.pre_tokenizers.Split(tk.Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = tk.decoders.Fuse()  # concatenate, no spaces between pieces
+        return {"tokenizer.json": tok.to_str()}
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "CharTokenizer":
@@ -163,6 +189,16 @@ def _hf_tokenizers():
     return tokenizers
 
 
+def _export_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError(
+            "writing a Hugging Face tokenizer.json needs the optional `tokenizers` package: pip install tokenizers"
+        ) from None
+    return tokenizers
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE trained with Hugging Face ``tokenizers``: GPT-2 pre-tokenization, no prefix
     space, no special tokens, so ``decode(encode(text)) == text`` for every string."""
@@ -190,6 +226,9 @@ class BPETokenizer(Tokenizer):
     def save(self, directory: str | Path) -> list[str]:
         write_atomic(Path(directory) / self.FILE, self.hf.to_str())
         return [self.FILE]
+
+    def hf_files(self) -> dict[str, str]:
+        return {self.FILE: self.hf.to_str()}
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":

@@ -1,0 +1,341 @@
+"""Write lmlab models as Hugging Face checkpoints that ``transformers`` loads with the same logits.
+
+    to_hf(model, "out/", tokenizer)     # config.json, model.safetensors (or shards + index),
+                                        # generation_config.json, tokenizer.json, tokenizer_config.json
+
+The target architecture is chosen by what the config needs, from the export sides of the families
+registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
+qwen2_moe, glm4_moe), or named with ``architecture=``. Nothing approximate is ever written: a model
+that no transformers architecture computes exactly is refused with a ValueError that names the
+field and its value. Dropout and balancing coefficients act only in training and are not part of
+what is checked.
+
+The directory appears whole or not at all: everything is computed and checked first, the files
+are written into a hidden temporary directory next to ``out``, fsynced, and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..config import ModelConfig
+from . import dense, moe  # noqa: F401  (importing them registers their families)
+from .registry import FAMILIES, Export, Tensors
+
+DEFAULT_SHARD_SIZE = "5GB"  # transformers 4.x's default; every version reads the index beside the shards
+
+# (field, value that no exported architecture computes, why): checked before any architecture
+NO_EQUIVALENT: tuple[tuple[str, Any, str], ...] = (
+    ("residual_scaling", "deepnorm", "DeepNorm up-scales the residual before each post-norm (Wang et al. 2022)"),
+    ("norm_position", "post", "post-norm; every transformers decoder lmlab writes normalizes before each sublayer"),
+    ("positions", "sinusoidal", "fixed sinusoidal positions added to the embeddings"),
+    ("positions", "relative", "Shaw et al. relative positions (learned key and value terms)"),
+    ("positions", "alibi", "ALiBi attention biases"),
+    ("positions", "none", "no position information at all"),
+    ("embed_scale", "sqrt_d", "embeddings multiplied by sqrt(d_model)"),
+    ("moe.second_expert", "random", "GShard's randomly dispatched second expert"),
+)
+
+
+@dataclasses.dataclass
+class Exported:
+    """What :func:`to_hf` wrote."""
+
+    path: Path
+    model_type: str  # the transformers architecture, config.json's model_type
+    files: list[str]
+
+
+# ============================================================== choosing the architecture
+def exports() -> dict[str, Export]:
+    """model_type -> its export side, for every family lmlab writes, in preference order."""
+    return {name: family.export for name, family in FAMILIES.items() if family.export is not None}
+
+
+def universal_refusal(cfg: ModelConfig) -> str | None:
+    """A design choice that no transformers architecture computes, whatever the rest of the config."""
+    for field, value, why in NO_EQUIVALENT:
+        actual = cfg
+        for part in field.split("."):
+            actual = getattr(actual, part, None)
+        if actual == value:
+            return f"{field}={value!r} has no exact transformers architecture: {why}"
+    if cfg.moe is not None and cfg.moe.capacity_factor is not None:
+        return (
+            f"moe.capacity_factor={cfg.moe.capacity_factor} has no exact transformers architecture: expert capacity "
+            "drops tokens (Switch, GShard), and transformers' mixture-of-experts layers are dropless"
+        )
+    return None
+
+
+def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tuple[str, Export]:
+    """(model_type, export side) that computes ``cfg``'s model exactly: ``architecture`` if given,
+    else the first registered one that can. ValueError naming the field that none can express."""
+    why = universal_refusal(cfg)
+    if why:
+        raise ValueError(f"cannot export: {why}")
+    targets = exports()
+    if architecture is not None:
+        if architecture not in targets:
+            raise ValueError(f"architecture={architecture!r} is not one lmlab writes; choose one of {sorted(targets)}")
+        target = targets[architecture]
+        why = _kind_mismatch(cfg, target) or target.refuse(cfg)
+        if why:
+            raise ValueError(f"cannot export as {architecture!r}: {why}")
+        return architecture, target
+    reasons = []
+    for name, target in targets.items():
+        if target.moe != (cfg.moe is not None):
+            continue
+        why = target.refuse(cfg)
+        if why is None:
+            return name, target
+        reasons.append(f"{name}: {why}")
+    raise ValueError(f"cannot export: no transformers architecture computes this model exactly; {'; '.join(reasons)}")
+
+
+def _kind_mismatch(cfg: ModelConfig, target: Export) -> str | None:
+    if target.moe and cfg.moe is None:
+        return "it is a mixture-of-experts architecture and this model is dense (moe=None)"
+    if not target.moe and cfg.moe is not None:
+        return "it is a dense architecture and this model has moe set"
+    return None
+
+
+def hf_config(cfg: ModelConfig, architecture: str | None = None, *, bos_id: int | None = None,
+              eos_id: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json for ``cfg`` (see :func:`choose_architecture`). The special token ids are always
+    written, null when there are none: a key left out would mean the transformers class default
+    (Llama's eos_token_id is 2), and generation would stop where lmlab's does not."""
+    model_type, target = choose_architecture(cfg, architecture)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "model_type": model_type, "architectures": [target.architecture], **target.config(cfg),
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None,
+        "dtype": dtype_name, "torch_dtype": dtype_name,  # transformers >= 5 / < 5
+    }
+
+
+def hf_tensors(model: torch.nn.Module, architecture: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under ``architecture``'s names (views of the model's tensors)."""
+    cfg = model_config(model)
+    _, target = choose_architecture(cfg, architecture)
+    return target.weights(cfg, model.state_dict())
+
+
+def model_config(model: torch.nn.Module) -> ModelConfig:
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"to_hf exports an lmlab Transformer (with a ModelConfig .config), got {type(model).__name__}")
+    return cfg
+
+
+# ============================================================== the entry point
+def to_hf(
+    model: torch.nn.Module, out: str | Path, tokenizer: Any = None, *, architecture: str | None = None,
+    dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE, overwrite: bool = False,
+) -> Exported:
+    """Write ``model`` as a Hugging Face checkpoint directory ``out`` that
+    ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads with the same logits.
+
+    ``tokenizer``: an lmlab tokenizer (anything with ``hf_files()`` returning {file name: text},
+    and ``eos_id`` / ``bos_id``), written beside the weights; None writes none. ``architecture``:
+    a model_type to write (default: the first that computes the model exactly). ``dtype``: the
+    stored dtype (default: the weights' own). ``max_shard_size``: bytes, or "500MB" / "5GB";
+    larger checkpoints are split into shards listed in model.safetensors.index.json. ``out`` must
+    not exist or be empty, unless ``overwrite``. Every refusal is a ValueError raised before
+    anything is written."""
+    cfg = model_config(model)
+    out = Path(out)
+    model_type, target = choose_architecture(cfg, architecture)
+    tensors = target.weights(cfg, model.state_dict())
+    stored = _resolve_dtype(dtype, tensors)
+    limit = parse_size(max_shard_size)
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    config = hf_config(cfg, model_type, bos_id=bos, eos_id=eos, dtype=stored)
+    texts = {
+        "config.json": _json(config),
+        "generation_config.json": _json({"bos_token_id": bos, "eos_token_id": eos}),
+        **tokenizer_files(tokenizer, cfg),
+    }
+    _check_out(out, overwrite)
+    shards = plan_shards(tensors, stored, limit)
+    files = [*texts, *shards, *(["model.safetensors.index.json"] if len(shards) > 1 else [])]
+    _install(out, lambda tmp: _write(tmp, texts, shards, tensors, stored), overwrite)
+    return Exported(out, model_type, files)
+
+
+# ============================================================== tokenizer
+def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
+    """{file name: text} of ``tokenizer`` as Hugging Face files: its own ``hf_files()`` (at least
+    tokenizer.json), plus a tokenizer_config.json naming the special tokens if it brings none."""
+    if tokenizer is None:
+        return {}
+    make = getattr(tokenizer, "hf_files", None)
+    if make is None:
+        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) cannot be written as a Hugging Face tokenizer.json")
+    files = dict(make())
+    if "tokenizer.json" not in files:
+        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) gave no tokenizer.json to write")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("writing a tokenizer needs the tokenizers package: pip install tokenizers") from None
+    try:
+        tok = Tokenizer.from_str(files["tokenizer.json"])
+    except Exception as e:  # tokenizers raises its own exception type for malformed JSON
+        raise ValueError(f"the tokenizer's tokenizer.json does not load back ({e})") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {size} ids but the model's vocab_size is {cfg.vocab_size}; "
+            "export the tokenizer it was trained with"
+        )
+    if "tokenizer_config.json" not in files:
+        special = {name: _token(tok, getattr(tokenizer, f"{name}_id", None)) for name in ("bos", "eos")}
+        files["tokenizer_config.json"] = _json({
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False, "bos_token": special["bos"], "eos_token": special["eos"],
+        })
+    return files
+
+
+def _token(tok: Any, i: int | None) -> str | None:
+    if i is None:
+        return None
+    token = tok.id_to_token(i)
+    if token is None:
+        raise ValueError(f"the tokenizer's special token id {i} is not in its tokenizer.json")
+    return token
+
+
+# ============================================================== weights
+def parse_size(size: int | str) -> int:
+    """Bytes from 123, "500KB", "5GB" or "2GiB" (powers of 1000, or 1024 with "i")."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(size), flags=re.I)
+        if not match:
+            raise ValueError(f"max_shard_size={size!r} is not a size; give bytes or e.g. '500MB', '5GB'")
+        number, unit, binary = match.groups()
+        value = int(float(number) * (1024 if binary else 1000) ** " KMGT".index(unit.upper() or " "))
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be positive")
+    return value
+
+
+def plan_shards(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, limit: int) -> dict[str, list[str]]:
+    """{file name: tensor names}: one model.safetensors if it fits in ``limit`` bytes, else shards
+    filled in order, each up to ``limit`` (a tensor larger than the limit gets a shard of its own),
+    named as transformers names them."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * dtype.itemsize
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, tensors: Tensors) -> torch.dtype:
+    if dtype is None:
+        return next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not valid; use None (as stored) or a floating dtype such as 'bfloat16'")
+    return resolved
+
+
+def _write(
+    tmp: Path, texts: Mapping[str, str], shards: Mapping[str, list[str]], tensors: Tensors, dtype: torch.dtype
+) -> None:
+    from safetensors.torch import save_file
+
+    for name, text in texts.items():
+        _write_file(tmp / name, lambda f, text=text: f.write_text(text))
+    weight_map, total = {}, 0
+    for file, names in shards.items():
+        # one copy per shard, in its own memory: q/k/v and experts are views into fused lmlab tensors
+        part = {n: tensors[n].detach().to("cpu", dtype, copy=True).contiguous() for n in names}
+        _write_file(tmp / file, lambda f, part=part: save_file(part, str(f), metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(names, file))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        del part
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_file(tmp / "model.safetensors.index.json", lambda f: f.write_text(_json(index)))
+
+
+def _write_file(path: Path, write: Callable[[Path], None]) -> None:
+    write(path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+# ============================================================== the directory, all at once
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a directory to write the checkpoint into")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it, or choose another --out")
+
+
+def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
+    """Run ``write`` into a hidden directory beside ``out``, then rename it to ``out`` (replacing an
+    empty ``out``, or with ``overwrite`` a full one, which is moved aside first and deleted last).
+    On any failure nothing new remains and an old ``out`` is back in place."""
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # with the umask's permissions, unlike tempfile.mkdtemp's 0700
+    old = None
+    try:
+        write(tmp)
+        _fsync_dir(tmp)
+        if out.is_dir() and any(out.iterdir()):
+            _check_out(out, overwrite)  # the directory may have filled since the first check
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)  # atomic; an empty directory in the way is replaced
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old / out.name, out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
