@@ -222,7 +222,10 @@ class SequenceClassifier(nn.Module):
         not_pad = (idx != self.pad_token_id).long()
         last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index
         logits = self.score(h[torch.arange(idx.shape[0], device=idx.device), last])  # (B, n_classes)
-        loss = F.cross_entropy(logits.float(), labels.long()) if labels is not None else None
+        loss = None
+        if labels is not None:  # the MoE layers' auxiliary losses count here too, as in Transformer.forward
+            aux = [v for moe in self.body.moe_layers for v in moe.aux_losses.values()]
+            loss = F.cross_entropy(logits.float(), labels.long()) + sum(aux, torch.zeros((), device=logits.device))
         return logits, loss
 
 
