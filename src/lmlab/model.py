@@ -217,6 +217,10 @@ class SequenceClassifier(nn.Module):
         head_init = Init(torch.Generator().manual_seed(config.init_seed + 1), config.init_std, config.init_std)
         init_module(self.score, head_init)  # its own stream, so the body is exactly Transformer(config)
 
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The body's (``Transformer.embedding_parameters``): the optimizer does not decay them."""
+        return self.body.embedding_parameters()
+
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.body.hidden(idx)  # (B, T, C)
         not_pad = (idx != self.pad_token_id).long()

@@ -255,9 +255,11 @@ def prepare(
             return existing
         split = _split(survey, cfg, task, source_spec)
         to_val = survey.to_val(cfg.val_fraction)
-        tokenizer = given or _train(cfg, src, survey, to_val if split[0] == sh.BY_DOCUMENT else None, progress)
-        return _write(cfg, out, src, survey, tokenizer, split, to_val, request, seq_len=seq_len, task=task,
-                      source_spec=source_spec, progress=progress)
+        tokenizer, sample = (given, None) if given else _train(
+            cfg, src, survey, to_val if split[0] == sh.BY_DOCUMENT else None, progress)
+        meta = _write(cfg, out, src, survey, tokenizer, split, to_val, request, seq_len=seq_len, task=task,
+                      source_spec=source_spec, progress=progress, sample=sample)
+        return meta
 
 
 def _split(survey: sh.Survey, cfg: DataConfig, task: str, spec: str) -> tuple[str, str]:
@@ -275,21 +277,22 @@ def _split(survey: sh.Survey, cfg: DataConfig, task: str, spec: str) -> tuple[st
     return sh.BY_DOCUMENT, f"{n_train} train and {n_val} validation rows"
 
 
-def _train(cfg: DataConfig, src, survey: sh.Survey, to_val: np.ndarray | None, progress: bool) -> Tokenizer:
-    """char: every kept document; bpe: a uniform sample of the training documents, about bpe_sample_mb."""
+def _train(cfg: DataConfig, src, survey: sh.Survey, to_val: np.ndarray | None, progress: bool
+           ) -> tuple[Tokenizer, dict | None]:
+    """char: every kept document; bpe: a uniform sample of the training documents, about bpe_sample_mb.
+    Returns the tokenizer and what it was trained on (documents, bytes), None for byte."""
     pool = survey.keep.copy()  # char: every character of the corpus is known
     if cfg.tokenizer == "bpe":  # training documents only: validation text stays unseen
         pool &= ~to_val if to_val is not None else True
         budget = cfg.bpe_sample_mb * 1e6
         fraction = budget / max(1, int(survey.sizes[pool].sum()))
         pool &= survey.sampled(fraction)
-        if progress:
-            from tqdm.auto import tqdm
-
-            tqdm.write(f"training BPE (vocab {cfg.vocab_size:,}) on {int(survey.sizes[pool].sum()) / 1e6:,.1f} MB "
-                       f"of {int(pool.sum()):,} training documents")
-    texts = sh.training_texts(src, pool) if cfg.tokenizer != "byte" else iter(())
-    return train_tokenizer(cfg.tokenizer, texts, cfg.vocab_size)
+    if cfg.tokenizer == "byte":
+        return train_tokenizer("byte", iter(()), cfg.vocab_size), None
+    sample = {"documents": int(pool.sum()), "bytes": int(survey.sizes[pool].sum())}
+    with _bar(progress, f"training {cfg.tokenizer}", sample["bytes"]) as bar:
+        texts = (bar(len(t.encode("utf-8"))) or t for t in sh.training_texts(src, pool))
+        return train_tokenizer(cfg.tokenizer, texts, cfg.vocab_size), sample
 
 
 def _shard_names(task: str, dtype: np.dtype, vocab: int) -> dict[str, tuple[np.dtype, int | None]]:
@@ -304,6 +307,7 @@ def _shard_names(task: str, dtype: np.dtype, vocab: int) -> dict[str, tuple[np.d
 def _write(
     cfg: DataConfig, out: Path, src, survey: sh.Survey, tokenizer: Tokenizer, split: tuple[str, str],
     to_val: np.ndarray, request: dict, *, seq_len: int | None, task: str, source_spec: str, progress: bool,
+    sample: dict | None,
 ) -> dict:
     """Encode into temporary shards, check them, then swap them in and write meta.json last."""
     created = not out.exists()
@@ -320,6 +324,7 @@ def _write(
             sh.split_stream(shards, cfg.val_fraction)
         shards.close()
         meta = _meta(cfg, survey, tokenizer, split, shards, stats, request, task=task, source_spec=source_spec)
+        meta["tokenizer_trained_on"] = sample
         if meta["max_token_id"] >= tokenizer.vocab_size:
             raise ValueError(f"the tokenizer produced id {meta['max_token_id']}, beyond its vocabulary of "
                              f"{tokenizer.vocab_size}; it is inconsistent, use another tokenizer file")

@@ -104,11 +104,11 @@ def init_source(path: str | Path) -> InitSource:
                          "or a Hugging Face checkpoint directory")
     if (p / RUN_CONFIG).is_file():
         return _from_run(p)
-    if (p / ckpt.WEIGHTS).is_file():
-        return _from_checkpoint(p)
-    if (p / "config.json").is_file():
+    if (p / "config.json").is_file():  # Hugging Face (its weights are model.safetensors too)
         tokenizer_dir = p if (p / HF_FILE).is_file() else None
         return InitSource(p, "Hugging Face checkpoint", config_from_hf(read_config(p)), "lm", None, tokenizer_dir)
+    if (p / ckpt.WEIGHTS).is_file():
+        return _from_checkpoint(p)
     raise ValueError(f"train.init_from {str(path)!r} is neither an lmlab run ({RUN_CONFIG}), a checkpoint "
                      f"({ckpt.WEIGHTS}) nor a Hugging Face checkpoint (config.json)")
 
