@@ -374,8 +374,13 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
     if run.config is not None and run.config.task != "lm":
         raise UsageError(f"{args.run!r} is a {run.config.task} run; it labels text, it does not write any "
                          "(evaluate it with lmlab eval)")
-    if not run.tokenizer.encode(args.prompt):
+    prompt_ids = run.tokenizer.encode(args.prompt)
+    if not prompt_ids:
         raise UsageError("the prompt encodes to no tokens; give some text with --prompt")
+    unknown = sum(i == run.tokenizer.unk_id for i in prompt_ids) if getattr(run.tokenizer, "unk_id", None) is not None else 0
+    if unknown:
+        print(f"note: {unknown} of the prompt's {len(prompt_ids)} tokens are unknown to the tokenizer (<unk>)",
+              file=sys.stderr)
     pieces = sample_text(run.model, run.tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=run.tokenizer.eos_id)
     out = sys.stdout

@@ -150,7 +150,7 @@ def open_prepared(data_dir: str | Path) -> dict:
 def describe(meta: dict) -> str:
     """One line about prepared data: tokenizer, documents, split and sizes (prepare's output, the trainer's banner)."""
     dups = meta.get("duplicates_dropped", 0)
-    docs = f"{meta['documents']:,} documents" + (f" ({dups:,} duplicates dropped)" if dups else "")
+    docs = f"{meta['documents']:,} documents" + (f" ({dups:,} duplicate{'s' * (dups != 1)} dropped)" if dups else "")
     split = meta["split"]
     by = f"split by {split['by']}" + ("" if split["by"] == sh.BY_DOCUMENT else f" ({split['reason']})")
     sizes = f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,}"

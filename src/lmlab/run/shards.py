@@ -32,7 +32,7 @@ import numpy as np
 from .sources import Piece, Source
 from .tokenizer import Tokenizer
 
-BATCH_CHARS = 4 << 20  # characters of text per encode_batch call
+BATCH_CHARS = 1 << 20  # characters of text per encode_batch call: ~40 MB of Encoding objects, all cores busy
 MIN_SPLIT_DOCS = 2  # a document split needs at least this many documents on each side
 SHARE_TOLERANCE = 3.0  # ... and validation's share of the text within this factor of val_fraction
 SEPARATOR = "\n\n"  # joins documents when a tokenizer has no end-of-document id

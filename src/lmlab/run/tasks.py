@@ -51,6 +51,7 @@ def language_model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> L
 
 class Task:
     name = ""
+    noun = ""  # what is trained, for messages
     writes_text = False  # whether samples of generated text mean anything
     data_class: type = TokenData
 
@@ -73,7 +74,7 @@ class Task:
 
 
 class LanguageModeling(Task):
-    name, writes_text, data_class = "lm", True, TokenData
+    name, noun, writes_text, data_class = "lm", "a language model", True, TokenData
 
     def build_model(self, cfg: ModelConfig, meta: dict) -> nn.Module:
         return Transformer(cfg)
@@ -89,7 +90,7 @@ class LanguageModeling(Task):
 class Classification(Task):
     """A label per row: ``SequenceClassifier`` reads the hidden state of each row's last real token."""
 
-    name, data_class = "classify", RowData
+    name, noun, data_class = "classify", "a classifier", RowData
 
     def __init__(self) -> None:
         self.moe_layers: list[nn.Module] = []

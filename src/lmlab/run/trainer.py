@@ -465,10 +465,9 @@ class Trainer:
     def _banner(self, tokens_per_step: int) -> str:
         m, t = self.cfg.model, self.cfg.train
         n = self.transformer.num_params()
-        what = "a classifier" if self.cfg.task == "classify" else "a language model"
         start = f", starting from {t.init_from}" if t.init_from else ""
         return (
-            f"training {what} in {self.run_dir}: {n['total']:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
+            f"training {self.task.noun} in {self.run_dir}: {n['total']:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
             f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "
             f"({t.batch_size} x {self.cfg.seq_len} x {t.grad_accum} accum) on {self.device}"
             + (f" x {self.dist.world} processes" if self.dist.world > 1 else "")
