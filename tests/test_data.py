@@ -405,6 +405,20 @@ def test_token_dtype_widens_past_65536_ids():
     assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
 
 
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_progress_bars_show_megabytes_per_second_on_a_terminal(tmp_path, monkeypatch, capsys, kind):
+    if kind == "bpe":
+        pytest.importorskip("tokenizers")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    src = jsonl(tmp_path / "c.jsonl", many_docs(80))
+    quiet = prepare(DataConfig(source=str(src), tokenizer=kind, vocab_size=300), tmp_path / "q")
+    assert capsys.readouterr().err == ""  # no bars unless asked
+    meta = prepare(DataConfig(source=str(src), tokenizer=kind, vocab_size=300), tmp_path / "d", progress=True)
+    err = capsys.readouterr().err
+    assert all(f"{stage}:" in err for stage in ("reading", f"training {kind}", "encoding")) and "B/s" in err
+    assert meta["data_hash"] == quiet["data_hash"]
+
+
 def test_same_inputs_are_reused_without_reencoding(tmp_path, monkeypatch):
     src = jsonl(tmp_path / "c.jsonl", many_docs(50))
     cfg = DataConfig(source=str(src), tokenizer="char")

@@ -291,8 +291,12 @@ def _train(cfg: DataConfig, src, survey: sh.Survey, to_val: np.ndarray | None, p
         return train_tokenizer("byte", iter(()), cfg.vocab_size), None
     sample = {"documents": int(pool.sum()), "bytes": int(survey.sizes[pool].sum())}
     with _bar(progress, f"training {cfg.tokenizer}", sample["bytes"]) as bar:
-        texts = (bar(len(t.encode("utf-8"))) or t for t in sh.training_texts(src, pool))
-        return train_tokenizer(cfg.tokenizer, texts, cfg.vocab_size), sample
+        def texts() -> Iterator[str]:
+            for text in sh.training_texts(src, pool):
+                bar(len(text.encode("utf-8")))
+                yield text
+
+        return train_tokenizer(cfg.tokenizer, texts(), cfg.vocab_size), sample
 
 
 def _shard_names(task: str, dtype: np.dtype, vocab: int) -> dict[str, tuple[np.dtype, int | None]]:
