@@ -310,3 +310,24 @@ def test_a_damaged_tokenizer_is_an_environment_failure_exit_3(capsys, tmp_path):
     (tmp_path / "data" / "tokenizer.json").write_bytes(b"\x00\x01 not json")
     err = bad_input(capsys, "generate", tmp_path / "run", code=3)
     assert "tokenizer.json is damaged" in err and "lmlab prepare --overwrite" in err
+
+
+def test_generate_and_eval_with_a_tokenizer_given_separately(capsys, tmp_path, hf_llama):
+    corpus_dir(tmp_path / "corpus")
+    assert run(capsys, "prepare", tmp_path / "corpus", "--tokenizer", hf_llama, "--out", tmp_path / "data")[0] == 0
+    assert run(capsys, "prepare", tmp_path / "corpus", "--out", tmp_path / "bytes")[0] == 0
+    (tmp_path / "tok").mkdir()
+    (hf_llama / "tokenizer.json").rename(tmp_path / "tok" / "tokenizer.json")
+    err = bad_input(capsys, "generate", hf_llama, "--max-new-tokens", "4")
+    assert "has no tokenizer.json" in err and "--tokenizer PATH" in err
+    code, out, _ = run(capsys, "generate", hf_llama, "--tokenizer", tmp_path / "tok", "--prompt", "alpha",
+                       "--max-new-tokens", "4", "--temperature", "0")
+    assert code == 0 and out.startswith("alpha")
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    err = bad_input(capsys, "generate", hf_llama, "--tokenizer", tmp_path / "junk.json")
+    assert "junk.json' is not a Hugging Face tokenizer.json" in err
+    code, out, err = run(capsys, "eval", hf_llama, "--data", tmp_path / "data", "--tokenizer", tmp_path / "tok", "--json",
+                         "--max-batches", "1", "--seq-len", "16")
+    assert code == 0 and json.loads(out)["data"] == str(tmp_path / "data"), err
+    err = bad_input(capsys, "eval", hf_llama, "--data", tmp_path / "bytes", "--tokenizer", tmp_path / "tok")
+    assert "was not tokenized with" in err

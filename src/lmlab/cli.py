@@ -302,7 +302,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         raise UsageError(f"{args.run!r} is a Hugging Face checkpoint; give prepared data to evaluate on with --data DIR")
     if args.buckets <= 0:
         raise UsageError(f"--buckets {args.buckets} is not valid; give a number >= 1")
-    run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device))
+    run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device),
+                   require_tokenizer=False)  # evaluation reads token ids; --tokenizer only checks them
     task = TASKS[run.config.task if run.config is not None else "lm"]()
     train_len = run.config.seq_len if run.config is not None else run.model.config.max_seq_len
     seq_len = args.seq_len or train_len

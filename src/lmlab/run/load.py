@@ -39,18 +39,19 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def load_run(
     path: str | Path, *, checkpoint: str | int = "best", overrides: Mapping[str, Any] | None = None,
-    device: str | torch.device = "cpu", tokenizer: str | Path | None = None,
+    device: str | torch.device = "cpu", tokenizer: str | Path | None = None, require_tokenizer: bool = True,
 ) -> LoadedRun:
     """Load a run directory's model at ``checkpoint`` ("best", "latest" or a step), with dotted
     config ``overrides`` such as ``{"model.rope.scaling": "yarn", "model.rope.factor": 4}``;
     or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json) via ``from_hf``.
     A classification run's model is its ``SequenceClassifier``. ``tokenizer``: use this one (a
-    tokenizer.json, a directory holding one, or prepared data) instead of the run's own."""
+    tokenizer.json, a directory holding one, or prepared data) instead of the run's own; without
+    ``require_tokenizer``, a Hugging Face directory with no tokenizer.json loads with tokenizer None."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
     if is_hf_dir(path):
-        return _load_hf(path, overrides, device, tokenizer)
+        return _load_hf(path, overrides, device, tokenizer, require_tokenizer)
     if not (path / CONFIG_FILE).is_file():
         raise ValueError(f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)")
     cfg = load_config(path / CONFIG_FILE, overrides)
@@ -74,7 +75,8 @@ def _check_vocab(tok, model, given) -> None:
                          f"{vocab}; give the tokenizer the model was trained with")
 
 
-def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torch.device, tokenizer) -> LoadedRun:
+def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torch.device, tokenizer,
+             require_tokenizer: bool) -> LoadedRun:
     model_overrides = {}
     for key, value in (overrides or {}).items():
         if not key.startswith("model."):
@@ -86,6 +88,8 @@ def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torc
         model = Transformer(model.config.override(model_overrides))
         model.load_state_dict(state)
     if tokenizer is None and not (path / HF_FILE).is_file():
+        if not require_tokenizer:
+            return LoadedRun(model.to(device).eval(), None, None, path, None, None)
         raise FileNotFoundError(
             f"{str(path)!r} has no tokenizer.json; lmlab reads Hugging Face tokenizers from that file only "
             "(save one with tokenizer.save_pretrained on a fast tokenizer), or give one with --tokenizer PATH"
