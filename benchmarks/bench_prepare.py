@@ -33,8 +33,8 @@ the steadier figure; 200 MB, 44,492 documents, vocabulary 8192):
     prepare+bpe    356.9   121.0      1.65     390 MB   BPE trained on a 64 MB sample
 
 About 220 MB of prepare's peak is Python with torch imported (``import lmlab``); at 20 MB the
-same prepare peaked at 292 MB. What grows with the corpus is ~33 bytes per document (its key,
-sizes and flags): 10 million documents would add ~330 MB.
+same prepare peaked at 292 MB. What grows with the corpus is about 40 bytes per document (its
+key, sizes and flags, and the sort that finds duplicates): 10 million documents would add ~400 MB.
 """
 
 from __future__ import annotations
