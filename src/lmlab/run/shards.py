@@ -11,7 +11,8 @@
             tokenizer encodes the previous batch (Hugging Face ``encode_batch`` runs on every core
             and releases the GIL); each document's tokens go straight to the end of its shard.
 
-Memory: a batch, plus about 40 bytes per document (key, sizes, flags, the sort that finds duplicates), plus the vocabulary's counts.
+Memory: a batch, plus about 40 bytes per document (key, sizes, flags, the sort that finds
+duplicates), plus the vocabulary's counts.
 Shards are written under hidden temporary names in the output directory; ``prepare`` renames them
 into place once every check has passed.
 """
