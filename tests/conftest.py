@@ -29,3 +29,10 @@ def tokens(batch: int, length: int, vocab: int = 64, seed: int = 0) -> torch.Ten
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+@pytest.fixture(autouse=True)
+def work_in_a_temporary_directory(tmp_path_factory, monkeypatch):
+    """Every test runs in an empty directory of its own: nothing reads or writes the checkout, so the
+    README's main job (which leaves runs/default behind) and the test suite run in either order."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

@@ -55,9 +55,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     source = corpus(root / "corpus.txt")
     assert cli.main(["prepare", str(source), "--out", str(root / "data"), "--seq-len", "32"]) == 0
-    code = cli.main(["train", "--run-dir", str(root / "run"), "--data.dir", str(root / "data"),
-                     "--data.source", str(source), *TINY, *FAST, "--train.steps", "12", "--train.eval_every", "6",
-                     "--train.save_every", "6"])
+    code = cli.main(["train", "--run-dir", str(root / "run"), "--data", str(root / "data"),
+                     *TINY, *FAST, "--train.steps", "12", "--train.eval_every", "6", "--train.save_every", "6"])
     assert code == 0
     return root
 
@@ -66,8 +65,9 @@ def trained(tmp_path_factory):
 def test_prepare_train_eval_generate(trained, capsys):
     root = trained
     meta = json.loads((root / "data" / "meta.json").read_text())
-    assert meta["tokenizer"] == "byte" and meta["train_tokens"] + meta["val_tokens"] == len((root / "corpus.txt").read_bytes())
-    assert not (root / "run" / "data").exists()  # absolute data.dir: the prepared data was shared, not copied
+    assert meta["tokenizer"] == "byte"  # the corpus and its end-of-document byte
+    assert meta["train_tokens"] + meta["val_tokens"] == len((root / "corpus.txt").read_bytes()) + 1
+    assert not (root / "run" / "data").exists()  # --data: the prepared data was used where it is, not copied
     records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert sorted(val) == [6, 12] and val[12] < 5.0  # well below ln(256) = 5.55 after 12 steps
@@ -213,8 +213,8 @@ def test_checkpoint_not_matching_the_config(trained, capsys):
 
 def test_run_dir_holding_another_run(trained, capsys):
     before = snapshot(trained / "run")
-    err = bad_input(capsys, "train", "--run-dir", trained / "run", "--data.dir", trained / "data",
-                    "--data.source", trained / "corpus.txt", *TINY, *FAST, "--train.steps", "12",
+    err = bad_input(capsys, "train", "--run-dir", trained / "run", "--data", trained / "data",
+                    *TINY, *FAST, "--train.steps", "12",
                     "--train.eval_every", "6", "--train.save_every", "6", "--model.n_layers", "3")
     assert "already holds a different run (model.n_layers: 2 vs 3, there vs here)" in err and "--resume" in err
     err = bad_input(capsys, "train", "--run-dir", trained / "run")

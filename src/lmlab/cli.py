@@ -2,6 +2,7 @@
 
     lmlab prepare my_corpus/ --tokenizer bpe --out data/mine
     lmlab train                                   # the demo: a small llama-style model, a few CPU minutes
+    lmlab train --data data/mine --model.preset mixtral --run-dir runs/mine
     lmlab train --config run.yaml --model.n_layers 6 --train.lr 3e-4 --run-dir runs/deeper
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .run.errors import one_line
+from .run.errors import EXIT_ENVIRONMENT, EnvironmentFailure, one_line
 from .schema import suggest
 
 EXIT_DIVERGED = 1  # training stopped by max_bad_steps consecutive non-finite steps
@@ -35,6 +36,7 @@ EXIT_CODES = """exit status:
   0    done
   1    training stopped after train.max_bad_steps consecutive non-finite steps (the last good checkpoint is kept)
   2    bad input; nothing was written
+  3    the environment: a damaged or foreign file, a full disk, no permission
   130  stopped by Ctrl-C, 143 by SIGTERM, after saving a checkpoint (continue with --resume)"""
 
 OVERRIDES = "config fields: any field as --SECTION.FIELD VALUE (or =VALUE), e.g. --model.n_layers 6 --train.lr 3e-4"
@@ -63,7 +65,7 @@ def _config_defaults() -> str:
 
     lines = ["config fields and their defaults (lmlab train --print-config shows the resolved config):"]
     for section, values in RunConfig().to_dict().items():
-        items = " ".join(f"{k}={v}" for k, v in flatten(values).items())
+        items = " ".join(f"{k}={v}" for k, v in flatten(values).items()) if isinstance(values, dict) else str(values)
         lines.append(textwrap.fill(items, 92, initial_indent=f"  {section}: ", subsequent_indent=" " * (len(section) + 4)))
     return "\n".join(lines)
 
@@ -117,17 +119,26 @@ def add_prepare_parser(sub) -> None:
     d = DataConfig()
     p = sub.add_parser("prepare", help="tokenize text into train/val token shards", formatter_class=Formatter,
                        description=paragraphs("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
-                       "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards."),
-                       epilog=EXIT_CODES)
+                       "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards, streaming "
+                       "(memory does not grow with the corpus). Documents end with an end-of-document token; duplicate "
+                       "documents are dropped; each document goes to train or val by a hash of its text (a source with "
+                       "too few documents is split by token stream instead). Train on the result with "
+                       "`lmlab train --data OUT`."), epilog=EXIT_CODES)
     p.add_argument("source", nargs="?", default=d.source, help="text file, directory, JSONL file, hf:PATH or 'builtin'")
     p.add_argument("--out", default="data", help="output directory")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="byte, char or bpe")
+    p.add_argument("--tokenizer", default=d.tokenizer, help="byte, char, bpe, or a path: a Hugging Face tokenizer.json, a "
+                   "checkpoint directory holding one, or prepared data whose tokenizer to reuse")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="vocabulary size (bpe only)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of tokens held out for validation")
+    p.add_argument("--bpe-sample-mb", type=float, default=d.bpe_sample_mb,
+                   help="bpe: train the tokenizer on a uniform sample of about this many MB of training text")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of documents (or tokens) held out for validation")
+    p.add_argument("--task", default="lm", help="lm, or classify: JSONL rows with a text and a label field")
+    p.add_argument("--label-field", default=d.label_field, help="classify: JSONL / dataset field holding the label")
     p.add_argument("--text-field", default=d.text_field, help="JSONL / dataset field holding the text")
     p.add_argument("--errors", default=d.errors, help="undecodable bytes: strict (report file and offset) or replace")
     p.add_argument("--seq-len", type=int, default=None, help="check that each split holds at least one context")
     p.add_argument("--overwrite", action="store_true", help="replace data prepared differently in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def add_train_parser(sub) -> None:
@@ -137,6 +148,9 @@ def add_train_parser(sub) -> None:
                        "DistributedDataParallel; the global batch stays batch_size x grad_accum.", OVERRIDES),
                        epilog=_config_defaults() + "\n\n" + EXIT_CODES)
     t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:); omitted fields keep their defaults")
+    t.add_argument("--data", default=None, metavar="DIR", help="prepared data (`lmlab prepare ... --out DIR`) to train on; "
+                   "without it, data.source (the built-in corpus unless named) is prepared into the run directory")
+    t.add_argument("--task", default=None, help="lm (default) or classify (prepared rows with labels; SequenceClassifier)")
     t.add_argument("--run-dir", default="runs/default", help="where config, metrics and checkpoints go")
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
@@ -156,6 +170,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--max-batches", type=int, default=50, help="batches to evaluate (0 = the whole split)")
     e.add_argument("--split", default="val", help="train or val")
     e.add_argument("--data", default=None, help="prepared data directory (default: the run's own)")
+    e.add_argument("--tokenizer", default=None, help="check that --data was tokenized with this tokenizer (a tokenizer.json "
+                   "or a directory holding one)")
     e.add_argument("--buckets", type=int, default=8, help="position ranges to report")
     e.add_argument("--json", action="store_true", help="print JSON, including the loss at every position")
 
@@ -171,6 +187,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
+    g.add_argument("--tokenizer", default=None, help="a tokenizer.json, or a directory holding one, instead of the model's own")
 
 
 def add_export_parser(sub) -> None:
@@ -231,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingDiverged as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    except EnvironmentFailure as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -238,13 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ============================================================== commands
 def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data import DataConfig, prepare
+    from .run.data import DataConfig, describe, prepare
 
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                     val_fraction=args.val_fraction, text_field=args.text_field, errors=args.errors, dir=args.out)
-    meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite)
-    facts = ", ".join(f"{k} {_fmt(meta[k])}" for k in ("tokenizer", "vocab_size", "train_tokens", "val_tokens") if k in meta)
-    print(f"prepared {args.out}: {facts}")
+                     bpe_sample_mb=args.bpe_sample_mb, val_fraction=args.val_fraction, text_field=args.text_field,
+                     label_field=args.label_field, errors=args.errors)
+    meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite, task=args.task,
+                   progress=not args.quiet)
+    print(f"prepared {args.out}: {describe(meta)}")
     return 0
 
 
@@ -254,6 +275,10 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     from .run.trainer import Trainer
 
     run_dir = Path(args.run_dir)
+    if args.data is not None:
+        overrides = {**overrides, "data.prepared": args.data}
+    if args.task is not None:
+        overrides = {**overrides, "task": args.task}
     if args.resume:
         if args.config:
             raise UsageError(f"--config cannot be combined with --resume: the run's own {CONFIG_FILE} is used; "
@@ -278,47 +303,86 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
           f"(perplexity {math.exp(result.val_loss):.2f}), best {result.best_val_loss:.4f}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
+    unigram = trainer.meta.get("unigram_loss")
+    if unigram is not None and result.val_loss >= unigram:
+        print(f"note: val loss {result.val_loss:.4f} is no better than the unigram baseline {unigram:.4f} (token "
+              "frequencies alone); train longer or check the learning rate")
     if result.sample is not None:
         print("sample:\n" + result.sample)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data import TokenData
+    from .run.data import open_prepared
     from .run.distributed import resolve_device
-    from .run.evaluate import evaluate
     from .run.load import is_hf_dir, load_run
+    from .run.tasks import TASKS
+    from .run.tokenizer import tokenizer_from_path
 
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
     if args.data is None and is_hf_dir(args.run):
         raise UsageError(f"{args.run!r} is a Hugging Face checkpoint; give prepared data to evaluate on with --data DIR")
-    run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device))
+    if args.buckets <= 0:
+        raise UsageError(f"--buckets {args.buckets} is not valid; give a number >= 1")
+    run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device),
+                   require_tokenizer=False)  # evaluation reads token ids; --tokenizer only checks them
+    task = TASKS[run.config.task if run.config is not None else "lm"]()
     train_len = run.config.seq_len if run.config is not None else run.model.config.max_seq_len
     seq_len = args.seq_len or train_len
     if seq_len <= 0 or args.batch_size <= 0:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
     data_dir = Path(args.data) if args.data else run.data_dir
-    data = TokenData(data_dir, args.split)
+    meta = open_prepared(data_dir)
+    if args.tokenizer is not None and tokenizer_from_path(args.tokenizer).fingerprint() != meta["tokenizer_hash"]:
+        raise ValueError(f"the data in {str(data_dir)!r} was not tokenized with {args.tokenizer!r}; prepare it with "
+                         f"--tokenizer {args.tokenizer}")
+    vocab = task.body(run.model).config.vocab_size
+    if meta["max_token_id"] >= vocab:
+        raise ValueError(f"the data in {str(data_dir)!r} holds token id {meta['max_token_id']}, beyond the model's "
+                         f"vocabulary of {vocab}; evaluate on data prepared with the model's tokenizer")
+    data = task.open(data_dir, args.split)
     start = time.perf_counter()
-    result = evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len, max_batches=args.max_batches or None)
-    buckets = result.buckets(args.buckets, boundary=train_len)
-    report = {
-        "run": str(args.run), "checkpoint": str(run.checkpoint), "step": run.step, "split": args.split,
-        "seq_len": seq_len, "train_seq_len": train_len, "sequences": result.sequences, "tokens": result.tokens,
-        "loss": result.loss, "perplexity": result.perplexity, "overrides": overrides, "buckets": buckets,
-        "per_position": result.per_position, "seconds": time.perf_counter() - start,
-    }
+    result = task.evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len,
+                           max_batches=args.max_batches or None)
+    report = {"run": str(args.run), "checkpoint": str(run.checkpoint), "step": run.step, "split": args.split,
+              "data": str(data_dir), "seq_len": seq_len, "train_seq_len": train_len, "loss": result.loss,
+              "overrides": overrides}
+    if "confusion" in result.details:
+        return _report_classifier(args, run, report, result, time.perf_counter() - start)
+    r = result.details["result"]
+    buckets = r.buckets(args.buckets, boundary=train_len)
+    report.update(sequences=r.sequences, tokens=r.tokens, perplexity=r.perplexity, buckets=buckets,
+                  per_position=r.per_position, seconds=time.perf_counter() - start)
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.run} @ {run.checkpoint.name}: {args.split} loss {result.loss:.4f}, perplexity {result.perplexity:.3f} "
-          f"({result.sequences} sequences x {seq_len} tokens{', trained at ' + str(train_len) if seq_len != train_len else ''})")
+    print(f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f} "
+          f"({r.sequences} sequences x {seq_len} tokens{', trained at ' + str(train_len) if seq_len != train_len else ''})")
     if seq_len != train_len or args.buckets > 1:
         print("loss by position:")
         for b in buckets:
             mark = "  (beyond training length)" if b["start"] >= train_len else ""
             print(f"  {b['start']:>6}-{b['end'] - 1:<6} {b['loss']:.4f}{mark}")
+    return 0
+
+
+def _report_classifier(args: argparse.Namespace, run, report: dict, result, seconds: float) -> int:
+    """Accuracy and the confusion matrix (rows: true class, columns: predicted)."""
+    classes, confusion = result.details["classes"], result.details["confusion"]
+    report.update(accuracy=result.metrics["accuracy"], rows=result.details["rows"], classes=classes,
+                  confusion=confusion, seconds=seconds)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{args.run} @ {run.checkpoint.name}: {args.split} loss {result.loss:.4f}, accuracy "
+          f"{result.metrics['accuracy']:.4f} ({result.details['rows']} rows, {len(classes)} classes)")
+    names = [str(c) for c in classes]
+    width = max(8, *(len(n) + 2 for n in names))
+    print("confusion matrix (rows: true class, columns: predicted):")
+    print(" " * width + "".join(f"{n:>{width}}" for n in names))
+    for name, row in zip(names, confusion):
+        print(f"{name:>{width}}" + "".join(f"{v:>{width}}" for v in row))
     return 0
 
 
@@ -329,9 +393,18 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
 
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is not valid; give a number >= 0")
-    run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device))
-    if not run.tokenizer.encode(args.prompt):
+    run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device),
+                   tokenizer=args.tokenizer)
+    if run.config is not None and run.config.task != "lm":
+        raise UsageError(f"{args.run!r} is a {run.config.task} run; it labels text, it does not write any "
+                         "(evaluate it with lmlab eval)")
+    prompt_ids = run.tokenizer.encode(args.prompt)
+    if not prompt_ids:
         raise UsageError("the prompt encodes to no tokens; give some text with --prompt")
+    unknown = sum(i == run.tokenizer.unk_id for i in prompt_ids) if getattr(run.tokenizer, "unk_id", None) is not None else 0
+    if unknown:
+        print(f"note: {unknown} of the prompt's {len(prompt_ids)} tokens are unknown to the tokenizer (<unk>)",
+              file=sys.stderr)
     pieces = sample_text(run.model, run.tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=run.tokenizer.eos_id)
     out = sys.stdout
@@ -437,10 +510,6 @@ def add_sweep_parsers(sub) -> None:
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
             "export": cmd_export, "sweep": cmd_sweep, "experiment": cmd_experiment}
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:,}" if isinstance(v, int) else str(v)
 
 
 def _duration(seconds: float) -> str:

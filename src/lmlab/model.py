@@ -217,12 +217,19 @@ class SequenceClassifier(nn.Module):
         head_init = Init(torch.Generator().manual_seed(config.init_seed + 1), config.init_std, config.init_std)
         init_module(self.score, head_init)  # its own stream, so the body is exactly Transformer(config)
 
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The body's (``Transformer.embedding_parameters``): the optimizer does not decay them."""
+        return self.body.embedding_parameters()
+
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.body.hidden(idx)  # (B, T, C)
         not_pad = (idx != self.pad_token_id).long()
         last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index
         logits = self.score(h[torch.arange(idx.shape[0], device=idx.device), last])  # (B, n_classes)
-        loss = F.cross_entropy(logits.float(), labels.long()) if labels is not None else None
+        loss = None
+        if labels is not None:  # the MoE layers' auxiliary losses count here too, as in Transformer.forward
+            aux = [v for moe in self.body.moe_layers for v in moe.aux_losses.values()]
+            loss = F.cross_entropy(logits.float(), labels.long()) + sum(aux, torch.zeros((), device=logits.device))
         return logits, loss
 
 

@@ -1,8 +1,13 @@
 """One training run and its directory: the layer between the model and many runs compared.
 
-    config.py       RunConfig (model + data + train), load_config: defaults < YAML < --overrides
-    data.py         a corpus in, memory-mapped token shards out, reproducible batches back
-    tokenizer.py    byte, char and byte-level BPE tokenizers behind one interface
+    config.py       RunConfig (task + model + data + train), load_config: defaults < preset/init_from < YAML < --overrides
+    sources.py      a corpus read as a stream of documents (files, JSONL, directories, hf datasets, builtin)
+    shards.py       prepare's passes: survey (hash, duplicates, split keys), encode, write shards as it goes
+    data.py         DataConfig, prepare, meta.json, memory-mapped shards and reproducible batches
+    tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface
+    rundata.py      which prepared data a run trains on, and that it is still the same data
+    tasks.py        language modeling and classification: model, loss, evaluation
+    init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
     optim.py        AdamW groups and the warmup + cosine schedule
     distributed.py  this process's place under torchrun, the device, peak FLOP/s
     trainer.py      the training loop: setup, the step, evaluation, checkpoints, logging, signals

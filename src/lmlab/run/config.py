@@ -1,18 +1,22 @@
-"""The run config: the model, the data and how to train, saved as a run's ``config.yaml``.
+"""The run config: the task, the model, the data and how to train, saved as a run's ``config.yaml``.
 
     cfg = load_config("run.yaml", {"train.lr": 3e-4})      # defaults < YAML < dotted overrides
     cfg.seq_len                                             # train.seq_len or model.max_seq_len
+
+The model section starts from the demo model, or from ``model.preset`` (``model: {preset: llama,
+d_model: 256}``, ``--model.preset mixtral``), or from the weights of ``train.init_from``; the
+other model fields are applied on top. ``data: DIR`` is short for ``data: {prepared: DIR}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 
-from ..config import ModelConfig
+from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range
 from .data import DataConfig
 
@@ -45,6 +49,7 @@ class TrainConfig(Config):
     sample_tokens: int = 200  # tokens per sample
     sample_prompt: str = "The "
     tensorboard: bool = True  # write TensorBoard events to <run>/tb when tensorboard is installed
+    init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "lr", "eval_every", "eval_batches", "save_every",
@@ -62,6 +67,8 @@ class TrainConfig(Config):
             raise ValueError(f"train.betas={list(self.betas)} is not valid; give two numbers, e.g. 0.9,0.95")
         for i, b in enumerate(self.betas):
             check_range(f"train.betas[{i}]", b, 0.0, 0.9999)
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
         try:
             if self.device != "auto":
                 torch.device(self.device)
@@ -81,6 +88,7 @@ def default_model() -> ModelConfig:
 class RunConfig(Config):
     """Everything a training run needs, saved as the run's config.yaml."""
 
+    task: Literal["lm", "classify"] = "lm"  # lm: next-token prediction; classify: a label per row (SequenceClassifier)
     model: ModelConfig = dataclasses.field(default_factory=default_model)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -111,10 +119,12 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Defaults, then the YAML file's fields, then dotted ``overrides`` (``{"model.n_layers": 6}``).
 
-    A YAML file may give any subset of fields; a run's own config.yaml (with its ``provenance``) works too."""
+    A YAML file may give any subset of fields; a run's own config.yaml (with its ``provenance``) works
+    too, and is taken as resolved: its model is not rebuilt from a preset or ``init_from``."""
     import yaml
 
     changes: dict[str, Any] = {}
+    resolved = False
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -129,10 +139,36 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ValueError(f"config file {str(p)!r} is empty; give at least one of model:, data:, train:")
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must be a mapping with model:, data:, train: sections")
-        data.pop("provenance", None)
+        resolved = data.pop("provenance", None) is not None
+        if isinstance(data.get("data"), str):  # data: DIR
+            data["data"] = {"prepared": data["data"]}
         changes.update(flatten(data))
     changes.update(overrides or {})
-    return RunConfig().override(changes) if changes else RunConfig()
+    return build_config(changes, resolved=resolved)
+
+
+def build_config(changes: Mapping[str, Any], *, resolved: bool = False) -> RunConfig:
+    """A RunConfig from dotted ``changes`` on the defaults. ``model.preset`` (a name in
+    ``lmlab.PRESETS``) or ``train.init_from`` (its weights' config) replaces the demo model as the
+    starting point of the model section; the other ``model.*`` changes apply on top of it.
+    ``resolved``: the changes are a run's saved config, whose model needs no starting point."""
+    changes = dict(changes)
+    preset = changes.pop("model.preset", None)
+    init = changes.get("train.init_from")
+    base = RunConfig()
+    if preset is not None and resolved:
+        raise ValueError("model.preset chooses the model of a new run; this run's model is already in its config.yaml")
+    if preset is not None and init is not None:
+        raise ValueError(f"model.preset={preset!r} and train.init_from={init!r} both choose the model; give one")
+    if preset is not None:
+        if not isinstance(preset, str):
+            raise ValueError(f"model.preset={preset!r} is not a preset name; choose one of {sorted(PRESETS)}")
+        base = base.replace(model=ModelConfig.from_preset(preset))
+    elif init is not None and not resolved:
+        from .init_from import init_source
+
+        base = base.replace(model=init_source(str(init)).model)
+    return base.override(changes) if changes else base
 
 
 def config_diff(a: RunConfig, b: RunConfig) -> list[str]:

@@ -1,275 +1,168 @@
 """Data: a corpus in, memory-mapped token shards out, and reproducible batches back.
 
     cfg = DataConfig(source="notes/", tokenizer="bpe", vocab_size=4096)
-    meta = prepare(cfg, "runs/x/data", seq_len=256)       # train.bin, val.bin, meta.json, tokenizer
-    train = TokenData("runs/x/data", "train")
+    meta = prepare(cfg, "data/notes", seq_len=256)        # train.bin, val.bin, meta.json, tokenizer
+    train = TokenData("data/notes", "train")
     x, y = train.batch(8, 256, generator)                 # (B, T) int64 each, y = x shifted by one
 
-Sources (``DataConfig.source``):
+Prepared data is a thing you point at: ``lmlab prepare SRC --out DIR`` once, then ``lmlab train
+--data DIR`` (``data: DIR`` in YAML, ``data.prepared``) trains on exactly those shards and never
+reads the source again. A run may also prepare its own ``data.source`` into ``<run>/data``.
 
-=================  ==========================================================================
-``builtin``        Python's bundled documentation (``pydoc_data.topics``): no download, ~465 KB
-``file.txt|.md``   one text document (any suffix but ``.jsonl`` is read as plain text)
-``file.jsonl``     one JSON object per line; the document is its ``text_field``
-``dir/``           every ``.txt``/``.md`` file below it, recursively, in sorted path order
-``hf:path``        a Hugging Face ``datasets`` dataset on local disk (``save_to_disk`` output,
-                   or a folder of data files); never the network. Needs ``lmlab[hf]``
-=================  ==========================================================================
+``prepare`` streams the source (sources.py) in three passes (shards.py): a survey (hash, duplicate
+documents, each document's split), the tokenizer's training (char: every document; bpe: a
+uniform sample of about ``bpe_sample_mb`` MB of the training documents, so its memory is bounded),
+and the encoding, written shard by shard as it goes. Documents end with the tokenizer's
+end-of-document id (tokenizer.py). Duplicate documents (equal after collapsing whitespace) are
+dropped, the first one kept, so no document is on both sides of the split; each document goes to
+validation by a hash of its text (or, for too few documents, the last ``val_fraction`` of the
+token stream is validation; ``meta["split"]`` says which and why).
 
-Documents are encoded one by one and joined by the tokens of a blank line ("\\n\\n"). The last
-``val_fraction`` of the token stream is the validation split. ``meta.json`` is written last and
-is the commit marker: shards without it are an unfinished ``prepare`` and are never read.
+``meta.json`` is written last and is the commit marker: shards without it are an unfinished
+``prepare`` and are never read. It records the data's identity (``data_hash``: sha256 of the
+shards and the tokenizer), which runs record and check on resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
 import json
+import shutil
+import sys
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
 
-from ..schema import Config, check_choice, check_positive
+from ..schema import Config, check_choice, check_positive, suggest
+from . import shards as sh
 from .atomic import fsync_dir, write_atomic
-from .tokenizer import Tokenizer, train_tokenizer
+from .errors import CorruptFile
+from .sources import open_source
+from .tokenizer import TOKENIZERS, Tokenizer, is_tokenizer_path, tokenizer_from_path, train_tokenizer
 
-SEPARATOR = "\n\n"  # joins documents in the token stream
-TEXT_SUFFIXES = (".txt", ".md")
 META = "meta.json"
 SPLITS = ("train", "val")
-FORMAT_VERSION = 1
-
-Document = tuple[str, str]  # (name for messages, text)
+TASKS = ("lm", "classify")
+FORMAT_VERSION = 2
+ROW_FILES = ("ends", "labels")  # classification: <split>.ends.bin (int64), <split>.labels.bin (int32)
 
 
 # ============================================================== config
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class DataConfig(Config):
-    """Where the text comes from and how it becomes token shards."""
+    """Which data a run trains on: prepared data (``prepared``), or a source the run prepares itself."""
 
+    prepared: str | None = None  # a directory `lmlab prepare` wrote: trained on as it is; the fields below then only check it
     source: str = "builtin"  # builtin | a .txt/.md/.jsonl file | a directory | hf:<local dataset path>
     text_field: str = "text"  # the field holding the text, for .jsonl and hf: sources
-    tokenizer: Literal["byte", "char", "bpe"] = "byte"  # byte needs no training and never meets unknowns
-    vocab_size: int = 2048  # bpe only: target vocabulary, including the 256 byte tokens
-    val_fraction: float = 0.05  # the last 5% of tokens are the validation split
+    label_field: str = "label"  # classification: the field holding each row's label
+    tokenizer: str = "byte"  # byte | char | bpe | a path: tokenizer.json, a Hugging Face checkpoint or prepared data
+    vocab_size: int = 2048  # bpe only: target vocabulary, including the 256 bytes and <|endoftext|>
+    bpe_sample_mb: float = 64.0  # bpe only: train it on a uniform sample of about this much training text
+    val_fraction: float = 0.05  # documents go to validation with this probability (or the last 5% of tokens)
     errors: Literal["strict", "replace"] = "strict"  # undecodable bytes: stop and say where, or use U+FFFD
-    dir: str = "data"  # where prepared shards go (relative paths are resolved by the caller)
+    dir: str = "data"  # where a run prepares its source (relative to the run; absolute to share between runs)
 
     def validate(self) -> None:
+        if self.prepared is not None and not self.prepared.strip():
+            raise ValueError("data.prepared='' is not valid; name a directory written by `lmlab prepare`, or leave it unset")
         if not self.source.strip():
             raise ValueError("source='' is not valid; use 'builtin', a .txt/.md/.jsonl file, a directory, or hf:<path>")
         if self.source.startswith("hf:") and not self.source[3:].strip():
             raise ValueError(f"source={self.source!r} names no dataset; write hf:<path to a dataset saved on disk>")
-        if not self.text_field:
-            raise ValueError("text_field='' is not valid; name the JSON/dataset field that holds the text, e.g. 'text'")
+        for name in ("text_field", "label_field"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}='' is not valid; name the JSON/dataset field that holds it, e.g. 'text'")
+        if self.tokenizer not in TOKENIZERS and not is_tokenizer_path(self.tokenizer):
+            raise ValueError(
+                f"tokenizer={self.tokenizer!r} is not a valid choice; choose one of {list(TOKENIZERS)} or a path to a "
+                f"tokenizer.json{suggest(self.tokenizer, list(TOKENIZERS))}"
+            )
         check_positive("vocab_size", self.vocab_size)
-        if self.tokenizer == "bpe" and not 256 <= self.vocab_size <= 2**32:
+        if self.tokenizer == "bpe" and not 257 <= self.vocab_size <= 2**32:
             raise ValueError(
                 f"vocab_size={self.vocab_size} is not valid for tokenizer='bpe'; byte-level BPE needs at least "
-                "256 (one id per byte), e.g. 2048 or 8192"
+                "257 (one id per byte and <|endoftext|>), e.g. 2048 or 8192"
             )
+        check_positive("bpe_sample_mb", self.bpe_sample_mb)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={self.val_fraction!r} is out of range; it must be in (0, 1), e.g. 0.05")
         if not self.dir.strip():
             raise ValueError("dir='' is not valid; name a directory for the prepared shards, e.g. 'data'")
 
 
-# ============================================================== reading a corpus
-def read_corpus(cfg: DataConfig) -> list[Document]:
-    """The documents of ``cfg.source`` in a deterministic order, decoded per ``cfg.errors``.
-    Raises a one-line ValueError naming the file and the fix for every bad input."""
-    if cfg.source == "builtin":
-        return _read_builtin()
-    if cfg.source.startswith("hf:"):
-        return _read_hf(cfg.source[3:], cfg.text_field)
-    path = Path(cfg.source).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"data source {cfg.source!r} does not exist; give a .txt/.md/.jsonl file, a directory of "
-            ".txt/.md files, 'builtin', or hf:<path>"
-        )
-    if path.is_dir():
-        return _read_dir(path, cfg.errors)
-    if path.suffix.lower() == ".jsonl":
-        return _read_jsonl(path, cfg.text_field, cfg.errors)
-    text = _decode(path, path.read_bytes(), cfg.errors)
-    if not text.strip():
-        raise ValueError(f"{path} is empty; give a file that contains text")
-    return [(str(path), text)]
+def resolve_path(spec: str) -> str:
+    """A source or tokenizer setting with its path made absolute (``builtin``, kinds and ``hf:`` kept)."""
+    if spec in ("builtin", *TOKENIZERS):
+        return spec
+    if spec.startswith("hf:"):
+        return "hf:" + str(Path(spec[3:]).expanduser().resolve())
+    return str(Path(spec).expanduser().resolve())
 
 
-def _decode(path: Path, raw: bytes, errors: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if errors == "replace":
-            return raw.decode("utf-8", errors="replace")
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(
-            f"{path}: byte offset {e.start} (line {line}) is not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
-            "convert the file to UTF-8 or set data.errors='replace' to substitute U+FFFD"
-        ) from None
+def run_data_dir(run_dir: str | Path, cfg: DataConfig) -> Path:
+    """Where a run's prepared data is: ``data.prepared``, or the run's own ``data.dir`` (relative to the run)."""
+    return Path(cfg.prepared) if cfg.prepared else Path(run_dir) / cfg.dir
 
 
-def _read_builtin() -> list[Document]:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:
-        raise ValueError(
-            "source='builtin' reads Python's bundled pydoc_data documentation, which this Python install "
-            "lacks; point data.source at a text file or directory instead"
-        ) from None
-    return [(f"builtin:{name}", topics[name]) for name in sorted(topics) if topics[name].strip()]
-
-
-def _read_dir(root: Path, errors: str) -> list[Document]:
-    files = sorted(
-        (p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file()
-         and not any(part.startswith(".") for part in p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )  # hidden files and folders (.git, ...) are skipped
-    if not files:
-        raise ValueError(
-            f"{root} holds no .txt or .md files; add some, or point data.source at a file, a .jsonl file or 'builtin'"
-        )
-    docs = [(str(p), _decode(p, p.read_bytes(), errors)) for p in files]
-    docs = [d for d in docs if d[1].strip()]
-    if not docs:
-        raise ValueError(f"all {len(files)} .txt/.md files under {root} are empty; add text to them")
-    return docs
-
-
-def _read_jsonl(path: Path, field: str, errors: str) -> list[Document]:
-    text = _decode(path, path.read_bytes(), errors)
-    docs: list[Document] = []
-    # split on "\n" only: str.splitlines would also break at U+2028, which JSON strings may contain
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object with a {field!r} field"
-            ) from None
-        if not isinstance(record, dict) or field not in record:
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(
-                f"{path}:{lineno}: no {field!r} field (found {keys}); set data.text_field to the field that holds the text"
-            )
-        value = record[field]
-        if not isinstance(value, str):
-            raise ValueError(f"{path}:{lineno}: field {field!r} is {type(value).__name__}, not a string; it must hold the text")
-        if value.strip():
-            docs.append((f"{path}:{lineno}", value))
-    if not docs:
-        raise ValueError(f"{path} is empty: no line has a non-empty {field!r} field; add JSON lines with text")
-    return docs
-
-
-def _read_hf(location: str, field: str) -> list[Document]:
-    path = Path(location).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"hf dataset path {location!r} does not exist; lmlab reads only local datasets: save one with "
-            "Dataset.save_to_disk(path) or download its data files, then use source='hf:<path>'"
-        )
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(
-            f"source='hf:{location}' needs the optional `datasets` package; install it with pip install 'lmlab[hf]'"
-        ) from None
-    ds = _load_local_dataset(datasets, path)
-    if isinstance(ds, datasets.DatasetDict):
-        # our own train/val split comes later; take the dataset's train split, or all of them in order
-        ds = ds["train"] if "train" in ds else datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
-    if field not in ds.column_names:
-        raise ValueError(
-            f"hf dataset {location!r} has no column {field!r} (columns: {ds.column_names}); "
-            "set data.text_field to the column that holds the text"
-        )
-    docs: list[Document] = []
-    for i, value in enumerate(ds[field]):
-        if not isinstance(value, str):
-            raise ValueError(f"hf dataset {location!r} row {i}: column {field!r} is {type(value).__name__}, not a string")
-        if value.strip():
-            docs.append((f"hf:{location}[{i}]", value))
-    if not docs:
-        raise ValueError(f"hf dataset {location!r} is empty: no row has a non-empty {field!r}; use a dataset with text")
-    return docs
-
-
-def _load_local_dataset(datasets, path: Path):
-    """``save_to_disk`` output via ``load_from_disk``; otherwise a folder or file of data files via
-    ``load_dataset``, with its cache in a temporary directory and the result kept in memory."""
-    import tempfile
-
-    saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
-    # belt and braces: local paths need no network, and offline mode makes sure nothing is fetched
-    flags = {k: getattr(datasets.config, k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if hasattr(datasets.config, k)}
-    for k in flags:
-        setattr(datasets.config, k, True)
-    try:
-        if saved:
-            return datasets.load_from_disk(str(path))
-        with tempfile.TemporaryDirectory() as cache:
-            if path.is_file():  # a single data file: choose the builder from its suffix
-                builder = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text"}.get(
-                    path.suffix.lower()
-                )
-                if builder is None:
-                    raise ValueError(f"hf:{path} is a file of unknown kind; use .parquet, .csv, .json(l) or .txt")
-                return datasets.load_dataset(builder, data_files=str(path), cache_dir=cache, keep_in_memory=True)
-            return datasets.load_dataset(str(path.resolve()), cache_dir=cache, keep_in_memory=True)
-    except ValueError:
-        raise
-    except Exception as e:  # datasets raises many types; keep the message to one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load hf dataset {str(path)!r}: {first}; save it with Dataset.save_to_disk") from None
-    finally:
-        for k, v in flags.items():
-            setattr(datasets.config, k, v)
-
-
-def corpus_hash(docs: list[Document]) -> str:
-    """sha256 over the documents' texts in order (names excluded, so moving files keeps the hash)."""
-    h = hashlib.sha256()
-    for _, text in docs:
-        b = text.encode("utf-8", errors="surrogatepass")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return "sha256:" + h.hexdigest()
-
-
-# ============================================================== prepare
+# ============================================================== meta.json
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def encode_documents(tokenizer: Tokenizer, docs: list[Document]) -> np.ndarray:
-    """Token stream: encode(doc_0) + encode("\\n\\n") + encode(doc_1) + ... as one array."""
-    dtype = token_dtype(tokenizer.vocab_size)
-    sep = tokenizer.encode_array(SEPARATOR, dtype)
-    parts: list[np.ndarray] = []
-    for i, (_, text) in enumerate(docs):
-        if i:
-            parts.append(sep)
-        parts.append(tokenizer.encode_array(text, dtype))
-    return np.concatenate(parts)
+def read_meta(data_dir: str | Path) -> dict | None:
+    """The meta.json of prepared data in ``data_dir``, or None if there is none. A damaged one is a
+    CorruptFile; one from an older lmlab is a ValueError saying to prepare again."""
+    path = Path(data_dir) / META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptFile(f"{path} is damaged (not valid JSON); prepare again with `lmlab prepare --overwrite`") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("format_version"), int):
+        raise CorruptFile(f"{path} is not an lmlab meta.json; prepare again with `lmlab prepare --overwrite`")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} was written by another lmlab version (data format {meta['format_version']}, this one reads "
+            f"{FORMAT_VERSION}); prepare again with `lmlab prepare ... --out {data_dir} --overwrite`"
+        )
+    return meta
 
 
-def split_sizes(n_tokens: int, val_fraction: float) -> tuple[int, int]:
-    """(train, val) token counts: val is the last round(n * val_fraction) tokens, at least one each."""
-    n_val = min(max(1, round(n_tokens * val_fraction)), n_tokens - 1)
-    return n_tokens - n_val, n_val
+def open_prepared(data_dir: str | Path) -> dict:
+    """meta.json of a directory the user named as prepared data; bad input is one line naming it."""
+    d = Path(data_dir)
+    if not d.exists():
+        raise ValueError(f"prepared data {str(d)!r} does not exist; create it with `lmlab prepare SOURCE --out {d}`")
+    if not d.is_dir():
+        raise ValueError(f"prepared data {str(d)!r} is a file, not a directory written by `lmlab prepare`")
+    meta = read_meta(d)
+    if meta is None:
+        what = "is empty" if not any(d.iterdir()) else "holds no meta.json (an unfinished or foreign preparation)"
+        raise ValueError(f"prepared data {str(d)!r} {what}; run `lmlab prepare SOURCE --out {d}` first")
+    return meta
+
+
+def describe(meta: dict) -> str:
+    """One line about prepared data: tokenizer, documents, split and sizes (prepare's output, the trainer's banner)."""
+    dups = meta.get("duplicates_dropped", 0)
+    docs = f"{meta['documents']:,} documents" + (f" ({dups:,} duplicate{'s' * (dups != 1)} dropped)" if dups else "")
+    split = meta["split"]
+    by = f"split by {split['by']}" + ("" if split["by"] == sh.BY_DOCUMENT else f" ({split['reason']})")
+    sizes = f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,}"
+    if meta.get("task") == "classify":
+        sizes = f"{len(meta['classes'])} classes, train {meta['train_rows']:,} rows, val {meta['val_rows']:,} ({sizes})"
+    unk = meta.get("unknown_tokens") or 0
+    unknown = f"; {unk:,} unknown tokens ({unk / max(1, meta['train_tokens'] + meta['val_tokens']):.2%})" if unk else ""
+    return f"{meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}; {docs}, {by}; {sizes}{unknown}"
 
 
 def _check_context(meta: dict, seq_len: int | None, where: str) -> None:
-    if seq_len is None:
+    if seq_len is None or meta.get("task", "lm") != "lm":
         return
     check_positive("seq_len", seq_len)
     need = seq_len + 1
@@ -281,101 +174,274 @@ def _check_context(meta: dict, seq_len: int | None, where: str) -> None:
         )
 
 
-def read_meta(data_dir: str | Path) -> dict | None:
-    """The meta.json of prepared data in ``data_dir``, or None if there is none."""
-    path = Path(data_dir) / META
-    if not path.is_file():
-        return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{path} is not valid JSON; remove it or pass overwrite=True (--overwrite) to prepare again") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} is not an lmlab meta.json (format {FORMAT_VERSION}); prepare again with --overwrite")
-    return meta
-
-
-def _fingerprint(meta: dict) -> dict:
+# ============================================================== prepare
+def _request(cfg: DataConfig, input_hash: str, tokenizer: Tokenizer | None, task: str) -> dict:
     """What must match for existing shards to be reused as they are."""
-    return {k: meta.get(k) for k in ("input_hash", "tokenizer", "requested_vocab_size", "val_fraction")}
+    return {
+        "input_hash": input_hash,
+        "tokenizer": cfg.tokenizer if tokenizer is None else f"{tokenizer.kind}:{tokenizer.fingerprint()}",
+        "requested_vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
+        "bpe_sample_mb": cfg.bpe_sample_mb if cfg.tokenizer == "bpe" else None,
+        "val_fraction": cfg.val_fraction,
+        "task": task,
+    }
 
 
-def prepare(cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False) -> dict:
+def _reuse(out: Path, request: dict, cfg: DataConfig, overwrite: bool) -> dict | None:
+    """The existing preparation in ``out`` if it was made from the same request, None if there is none
+    (or ``overwrite``); a ValueError if it differs."""
+    try:
+        existing = read_meta(out)
+    except (CorruptFile, ValueError):
+        if overwrite:
+            return None
+        raise
+    if existing is None or overwrite:
+        return None
+    old = existing.get("request", {})
+    if old == request:
+        return existing
+    differs = [k.replace("input_hash", "text") for k in request if old.get(k) != request[k]]
+    raise ValueError(
+        f"data dir {str(out)!r} already holds data prepared from source={existing.get('source')!r} with "
+        f"tokenizer={existing.get('tokenizer')!r}, which differs from this request (source={cfg.source!r}, "
+        f"tokenizer={cfg.tokenizer!r}) in {', '.join(differs)}; pass overwrite=True (--overwrite) or use another dir"
+    )
+
+
+@contextlib.contextmanager
+def _bar(enabled: bool, desc: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A tqdm progress bar in bytes (so it shows MB/s) on stderr, or nothing."""
+    if not enabled or not sys.stderr.isatty():  # no bars in logs and pipes
+        yield lambda n: None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True, leave=False)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def prepare(
+    cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False, task: str = "lm",
+    progress: bool = False,
+) -> dict:
     """Read ``cfg.source``, build the tokenizer, encode, split and write shards into ``out_dir``.
 
-    Writes ``train.bin`` and ``val.bin`` (raw token ids, ``meta["dtype"]``), the tokenizer's files
-    and ``meta.json``; returns the meta dict. If ``out_dir`` already holds data prepared from the
-    same text with the same tokenizer settings, nothing is re-encoded and its meta is returned; if
-    it holds different data, ValueError unless ``overwrite``. Every check runs before the first
-    write, so a failed call leaves ``out_dir`` untouched. ``seq_len``, when given, requires each
-    split to hold at least one context (``seq_len + 1`` tokens).
+    Writes ``train.bin`` and ``val.bin`` (token ids, ``meta["dtype"]``; for ``task="classify"`` also
+    each split's row ends and labels), the tokenizer's files and ``meta.json``; returns the meta dict.
+    If ``out_dir`` already holds data prepared from the same text with the same settings, nothing is
+    re-encoded and its meta is returned; if it holds different data, ValueError unless ``overwrite``.
+    Every check runs before anything in ``out_dir`` changes, so a failed call leaves it untouched.
+    ``seq_len``, when given, requires each split to hold at least one context (``seq_len + 1`` tokens).
+    ``progress`` shows progress bars (MB/s) on stderr.
     """
+    check_choice("task", task, TASKS)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"data dir {str(out)!r} is a file; choose a directory for the prepared shards")
-    docs = read_corpus(cfg)
-    request = {
-        "input_hash": corpus_hash(docs),
-        "tokenizer": cfg.tokenizer,
-        "requested_vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
-        "val_fraction": cfg.val_fraction,
-    }
-
-    existing = read_meta(out)
-    if existing is not None and not overwrite:
-        old = _fingerprint(existing)
-        if old == request:
+    given = tokenizer_from_path(cfg.tokenizer) if cfg.tokenizer not in TOKENIZERS else None
+    source_spec = resolve_path(cfg.source)
+    with open_source(source_spec, text_field=cfg.text_field, errors=cfg.errors,
+                     label_field=cfg.label_field if task == "classify" else None) as src:
+        with _bar(progress, "reading", None) as bar:
+            survey = sh.survey(src, progress=bar, labels=task == "classify")
+        request = _request(cfg, survey.input_hash, given, task)
+        existing = _reuse(out, request, cfg, overwrite)
+        if existing is not None:
             _check_context(existing, seq_len, repr(cfg.source))
             return existing
-        differs = [k.replace("input_hash", "text") for k in request if old[k] != request[k]]
-        raise ValueError(
-            f"data dir {str(out)!r} already holds data prepared from source={existing.get('source')!r} with "
-            f"tokenizer={existing.get('tokenizer')!r}, which differs from this request (source={cfg.source!r}, "
-            f"tokenizer={cfg.tokenizer!r}) in {', '.join(differs)}; pass overwrite=True (--overwrite) or use another dir"
-        )
+        split = _split(survey, cfg, task, source_spec)
+        to_val = survey.to_val(cfg.val_fraction)
+        tokenizer, sample = (given, None) if given else _train(
+            cfg, src, survey, to_val if split[0] == sh.BY_DOCUMENT else None, progress)
+        meta = _write(cfg, out, src, survey, tokenizer, split, to_val, request, seq_len=seq_len, task=task,
+                      source_spec=source_spec, progress=progress, sample=sample)
+        return meta
 
-    tokenizer = train_tokenizer(cfg.tokenizer, (text for _, text in docs), cfg.vocab_size)
-    tokens = encode_documents(tokenizer, docs)
-    if len(tokens) < 2:
-        raise ValueError(f"corpus {cfg.source!r} has {len(tokens)} token(s); it needs at least 2 to split; use more text")
-    n_train, n_val = split_sizes(len(tokens), cfg.val_fraction)
+
+def _split(survey: sh.Survey, cfg: DataConfig, task: str, spec: str) -> tuple[str, str]:
+    if task == "lm":
+        return sh.choose_split(survey, cfg.val_fraction)
+    if len(survey.labels or []) < 2:
+        raise ValueError(f"{spec}: every row has the label {survey.labels[0]!r}; classification needs at least two classes")
+    n_val = int((survey.to_val(cfg.val_fraction) & survey.keep).sum())
+    n_train = int(survey.keep.sum()) - n_val
+    if n_val == 0 or n_train == 0:
+        raise ValueError(
+            f"{spec}: splitting {int(survey.keep.sum())} unique rows by their hash put {n_val} in validation and "
+            f"{n_train} in training; add rows or change data.val_fraction"
+        )
+    return sh.BY_DOCUMENT, f"{n_train} train and {n_val} validation rows"
+
+
+def _train(cfg: DataConfig, src, survey: sh.Survey, to_val: np.ndarray | None, progress: bool
+           ) -> tuple[Tokenizer, dict | None]:
+    """char: every kept document; bpe: a uniform sample of the training documents, about bpe_sample_mb.
+    Returns the tokenizer and what it was trained on (documents, bytes), None for byte."""
+    pool = survey.keep.copy()  # char: every character of the corpus is known
+    if cfg.tokenizer == "bpe":  # training documents only: validation text stays unseen
+        pool &= ~to_val if to_val is not None else True
+        budget = cfg.bpe_sample_mb * 1e6
+        fraction = budget / max(1, int(survey.sizes[pool].sum()))
+        pool &= survey.sampled(fraction)
+    if cfg.tokenizer == "byte":
+        return train_tokenizer("byte", iter(()), cfg.vocab_size), None
+    sample = {"documents": int(pool.sum()), "bytes": int(survey.sizes[pool].sum())}
+    with _bar(progress, f"training {cfg.tokenizer}", sample["bytes"]) as bar:
+        def texts() -> Iterator[str]:
+            for text in sh.training_texts(src, pool):
+                bar(len(text.encode("utf-8")))
+                yield text
+
+        return train_tokenizer(cfg.tokenizer, texts(), cfg.vocab_size), sample
+
+
+def _shard_names(task: str, dtype: np.dtype, vocab: int) -> dict[str, tuple[np.dtype, int | None]]:
+    names: dict[str, tuple[np.dtype, int | None]] = {s: (dtype, vocab) for s in SPLITS}
+    if task == "classify":
+        for s in SPLITS:
+            names[f"{s}.ends"] = (np.dtype(np.int64), None)
+            names[f"{s}.labels"] = (np.dtype(np.int32), None)
+    return names
+
+
+def _write(
+    cfg: DataConfig, out: Path, src, survey: sh.Survey, tokenizer: Tokenizer, split: tuple[str, str],
+    to_val: np.ndarray, request: dict, *, seq_len: int | None, task: str, source_spec: str, progress: bool,
+    sample: dict | None,
+) -> dict:
+    """Encode into temporary shards, check them, then swap them in and write meta.json last."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
+    shards = sh.ShardSet(out, _shard_names(task, dtype, tokenizer.vocab_size))
+    try:
+        with _bar(progress, "encoding", survey.characters) as bar:
+            if task == "classify":
+                stats = sh.encode_rows(src, tokenizer, survey, to_val, shards, bar)
+            else:
+                stats = sh.encode_lm(src, tokenizer, survey, to_val if split[0] == sh.BY_DOCUMENT else None, shards, bar)
+        if task == "lm" and split[0] == sh.BY_TOKENS:
+            sh.split_stream(shards, cfg.val_fraction)
+        shards.close()
+        meta = _meta(cfg, survey, tokenizer, split, shards, stats, request, task=task, source_spec=source_spec)
+        meta["tokenizer_trained_on"] = sample
+        if meta["max_token_id"] >= tokenizer.vocab_size:
+            raise ValueError(f"the tokenizer produced id {meta['max_token_id']}, beyond its vocabulary of "
+                             f"{tokenizer.vocab_size}; it is inconsistent, use another tokenizer file")
+        if task == "lm" and meta["train_tokens"] + meta["val_tokens"] < 2:
+            raise ValueError(f"corpus {cfg.source!r} has fewer than 2 tokens; it needs at least 2 to split; use more text")
+        _check_context(meta, seq_len, repr(cfg.source))
+        files = _final_names(task)
+        meta["data_hash"] = sh.files_hash([shards[name].path for name in files], [tokenizer.fingerprint()])
+        _commit(out, shards, files, tokenizer, meta)
+        return meta
+    except BaseException:
+        shards.discard()
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _final_names(task: str) -> dict[str, str]:
+    names = {"train": "train.bin", "val": "val.bin"}
+    if task == "classify":
+        names.update({f"{s}.{f}": f"{s}.{f}.bin" for s in SPLITS for f in ROW_FILES})
+    return names
+
+
+def _meta(cfg: DataConfig, survey: sh.Survey, tokenizer: Tokenizer, split: tuple[str, str], shards: sh.ShardSet,
+          stats: sh.EncodeStats, request: dict, *, task: str, source_spec: str) -> dict:
     from .. import __version__
 
-    meta = {
+    train, val = shards["train"], shards["val"]
+    n = max(len(train.counts), len(val.counts))  # longer than the vocabulary only if an id is out of range
+    used = np.flatnonzero(np.pad(train.counts, (0, n - len(train.counts))) + np.pad(val.counts, (0, n - len(val.counts))))
+    to_val = survey.to_val(cfg.val_fraction) & survey.keep
+    meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        "source": cfg.source,
-        **request,
+        "task": task,
+        "source": source_spec,
+        "input_hash": survey.input_hash,
+        "request": request,
+        "tokenizer": tokenizer.kind,
+        "tokenizer_source": None if cfg.tokenizer in TOKENIZERS else resolve_path(cfg.tokenizer),
+        "tokenizer_hash": tokenizer.fingerprint(),
         "vocab_size": tokenizer.vocab_size,
-        "dtype": dtype.name,
-        "train_tokens": n_train,
-        "val_tokens": n_val,
-        "documents": len(docs),
-        "characters": sum(len(text) for _, text in docs),
+        "eod_id": tokenizer.eod_id,
+        "unk_id": tokenizer.unk_id,
+        "dtype": train.dtype.name,
+        "train_tokens": train.n,
+        "val_tokens": val.n,
+        "max_token_id": int(used[-1]) if len(used) else -1,
+        "unknown_tokens": stats.unknown,
+        "documents": survey.documents,
+        "duplicates_dropped": survey.duplicates,
+        "characters": survey.characters,
+        "bytes": survey.text_bytes,
+        "split": {"by": split[0], "reason": split[1], "val_fraction": cfg.val_fraction,
+                  "documents": None if split[0] == sh.BY_TOKENS else
+                  {"train": int(survey.keep.sum()) - int(to_val.sum()), "val": int(to_val.sum())}},
         "tokenizer_files": [],
         "config": cfg.to_dict(),
         "lmlab_version": __version__,
     }
-    _check_context(meta, seq_len, repr(cfg.source))
-
-    # ---- write: drop the old commit marker first, so a crash mid-way leaves "not prepared",
-    # never new shards described by an old meta.json
-    out.mkdir(parents=True, exist_ok=True)
-    if existing is not None:
-        (out / META).unlink()
-        fsync_dir(out)
-    write_atomic(out / "train.bin", memoryview(tokens[:n_train]))
-    write_atomic(out / "val.bin", memoryview(tokens[n_train:]))
-    meta["tokenizer_files"] = tokenizer.save(out)
-    for stale in set((existing or {}).get("tokenizer_files", [])) - set(meta["tokenizer_files"]):
-        (out / stale).unlink(missing_ok=True)
-    write_atomic(out / META, json.dumps(meta, indent=2) + "\n")
+    if task == "lm":
+        meta["unigram_loss"] = sh.unigram_loss(train.counts, val.counts)
+    else:
+        meta.update(classes=survey.labels, train_rows=shards["train.labels"].n, val_rows=shards["val.labels"].n,
+                    pad_id=tokenizer.eod_id if tokenizer.eod_id is not None else 0)
     return meta
 
 
+def _commit(out: Path, shards: sh.ShardSet, files: dict[str, str], tokenizer: Tokenizer, meta: dict) -> None:
+    """Drop the old commit marker first, so a crash from here leaves "not prepared", never new
+    shards described by an old meta.json; then the shards, the tokenizer, and meta.json last."""
+    old = {}
+    with contextlib.suppress(CorruptFile, ValueError):
+        old = read_meta(out) or {}
+    (out / META).unlink(missing_ok=True)
+    fsync_dir(out)
+    shards.commit(files)
+    meta["tokenizer_files"] = tokenizer.save(out)
+    keep = set(files.values()) | set(meta["tokenizer_files"]) | {META}
+    stale = set(old.get("tokenizer_files", [])) | {"chars.json", "tokenizer.json"} | \
+        {f"{s}.{f}.bin" for s in SPLITS for f in ROW_FILES}
+    for name in stale - keep:
+        (out / name).unlink(missing_ok=True)
+    write_atomic(out / META, json.dumps(meta, indent=2) + "\n")
+
+
 # ============================================================== reading shards
+def _open_shard(path: Path, dtype: np.dtype, expected: int) -> np.memmap:
+    if not path.is_file() or (path.stat().st_size == 0 and expected):
+        raise CorruptFile(f"{path} is missing or empty; run `lmlab prepare` (with --overwrite) to write the shards")
+    if path.stat().st_size != expected * dtype.itemsize:
+        raise CorruptFile(
+            f"{path} has {path.stat().st_size} bytes but {META} says {expected} {dtype.name} values; "
+            "it is damaged: run `lmlab prepare --overwrite`"
+        )
+    return np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
+
+
+def check_token_ids(tokens: np.ndarray, meta: dict, path: Path) -> None:
+    """Every id in ``tokens`` must be one that prepare recorded and below the vocabulary: one pass
+    over the memory map (about a second per GB), so a damaged shard fails here, not mid-training."""
+    if not len(tokens):
+        return
+    top = int(tokens.max())
+    if top > meta["max_token_id"] or top >= meta["vocab_size"]:
+        raise CorruptFile(
+            f"{path} holds token id {top}, but {META} records ids up to {meta['max_token_id']} of a vocabulary of "
+            f"{meta['vocab_size']}; the shard is damaged: run `lmlab prepare --overwrite`"
+        )
+
+
 class TokenData:
-    """One split of prepared data, memory-mapped: random training batches and evaluation windows."""
+    """One split of prepared language-modeling data, memory-mapped: random training batches and evaluation windows."""
 
     def __init__(self, data_dir: str | Path, split: str):
         check_choice("split", split, SPLITS)
@@ -383,19 +449,13 @@ class TokenData:
         meta = read_meta(self.dir)
         if meta is None:
             raise ValueError(f"no prepared data in {str(self.dir)!r} ({META} is missing); run `lmlab prepare` first")
+        if meta.get("task", "lm") != "lm":
+            raise ValueError(f"{str(self.dir)!r} holds {meta['task']} data (labelled rows), not a token stream; "
+                             "train it with --task classify")
         self.meta = meta
-        path = self.dir / f"{split}.bin"
-        self.path = path
-        dtype = np.dtype(meta["dtype"])
-        expected = meta[f"{split}_tokens"]
-        if not path.is_file() or path.stat().st_size == 0:
-            raise ValueError(f"{path} is missing or empty; run `lmlab prepare` (with --overwrite) to write the shards")
-        if path.stat().st_size != expected * dtype.itemsize:
-            raise ValueError(
-                f"{path} has {path.stat().st_size} bytes but {META} says {expected} {dtype.name} tokens; "
-                "it is damaged: run `lmlab prepare --overwrite`"
-            )
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.path = self.dir / f"{split}.bin"
+        self.tokens = _open_shard(self.path, np.dtype(meta["dtype"]), meta[f"{split}_tokens"])
+        check_token_ids(self.tokens, meta, self.path)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -449,3 +509,57 @@ class TokenData:
             if max_batches is not None and b >= max_batches:
                 return
             yield self._rows(starts[i : i + batch_size], seq_len)
+
+
+class RowData:
+    """One split of prepared classification data: rows of tokens with a class index each, memory-mapped.
+    A batch is ``(x, labels)``: rows cut to ``seq_len`` tokens, right-padded with ``meta["pad_id"]``."""
+
+    def __init__(self, data_dir: str | Path, split: str):
+        check_choice("split", split, SPLITS)
+        self.dir, self.split = Path(data_dir), split
+        meta = read_meta(self.dir)
+        if meta is None:
+            raise ValueError(f"no prepared data in {str(self.dir)!r} ({META} is missing); run `lmlab prepare` first")
+        if meta.get("task") != "classify":
+            raise ValueError(f"{str(self.dir)!r} holds a token stream, not labelled rows; prepare a .jsonl file of rows "
+                             "with text and label fields using `lmlab prepare ROWS.jsonl --task classify`")
+        self.meta, self.pad_id, self.classes = meta, meta["pad_id"], meta["classes"]
+        self.path = self.dir / f"{split}.bin"
+        self.tokens = _open_shard(self.path, np.dtype(meta["dtype"]), meta[f"{split}_tokens"])
+        check_token_ids(self.tokens, meta, self.path)
+        n = meta[f"{split}_rows"]
+        self.ends = _open_shard(self.dir / f"{split}.ends.bin", np.dtype(np.int64), n)
+        self.labels = _open_shard(self.dir / f"{split}.labels.bin", np.dtype(np.int32), n)
+        if n and (int(self.ends[-1]) != len(self.tokens) or int(self.labels.max()) >= len(self.classes)
+                  or int(self.labels.min()) < 0):
+            raise CorruptFile(f"{self.dir / f'{split}.ends.bin'} or its labels disagree with {META}; the data is "
+                              "damaged: run `lmlab prepare --overwrite`")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def rows(self, index: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x (B, L) int64 right-padded, labels (B,) int64) for rows ``index``; L <= seq_len."""
+        starts = np.where(index > 0, self.ends[np.maximum(index - 1, 0)], 0)
+        stops = np.minimum(self.ends[index], starts + seq_len)
+        width = int((stops - starts).max())
+        x = np.full((len(index), width), self.pad_id, dtype=np.int64)
+        for r, (a, b) in enumerate(zip(starts, stops)):
+            x[r, : b - a] = self.tokens[a:b]
+        return torch.from_numpy(x), torch.from_numpy(self.labels[index].astype(np.int64))
+
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` rows drawn at random from ``generator`` (its state alone decides the batch)."""
+        check_positive("batch_size", batch_size)
+        index = torch.randint(len(self), (batch_size,), generator=generator).numpy()
+        return self.rows(index, seq_len)
+
+    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row once, in order, ``batch_size`` at a time; at most ``max_batches`` batches."""
+        check_positive("batch_size", batch_size)
+        for b, i in enumerate(range(0, len(self), batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            yield self.rows(np.arange(i, min(i + batch_size, len(self))), seq_len)

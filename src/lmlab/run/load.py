@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,13 +16,15 @@ from ..hf import from_hf
 from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig, load_config
+from .data import read_meta, run_data_dir
 from .directory import CHECKPOINTS, CONFIG_FILE
-from .tokenizer import load_tokenizer
+from .tasks import TASKS
+from .tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
 
 
 @dataclasses.dataclass
 class LoadedRun:
-    model: Transformer  # in eval mode, on the requested device
+    model: torch.nn.Module  # a Transformer (or a run's SequenceClassifier), in eval mode, on the requested device
     tokenizer: Any  # encode(str) -> list[int], decode(ids) -> str, vocab_size, eos_id
     config: RunConfig | None  # None for a Hugging Face directory
     checkpoint: Path  # the checkpoint directory (or the Hugging Face directory)
@@ -38,29 +39,44 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def load_run(
     path: str | Path, *, checkpoint: str | int = "best", overrides: Mapping[str, Any] | None = None,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", tokenizer: str | Path | None = None, require_tokenizer: bool = True,
 ) -> LoadedRun:
     """Load a run directory's model at ``checkpoint`` ("best", "latest" or a step), with dotted
     config ``overrides`` such as ``{"model.rope.scaling": "yarn", "model.rope.factor": 4}``;
-    or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json) via ``from_hf``."""
+    or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json) via ``from_hf``.
+    A classification run's model is its ``SequenceClassifier``. ``tokenizer``: use this one (a
+    tokenizer.json, a directory holding one, or prepared data) instead of the run's own; without
+    ``require_tokenizer``, a Hugging Face directory with no tokenizer.json loads with tokenizer None."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
     if is_hf_dir(path):
-        return _load_hf(path, overrides, device)
+        return _load_hf(path, overrides, device, tokenizer, require_tokenizer)
     if not (path / CONFIG_FILE).is_file():
         raise ValueError(f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)")
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
-    model = Transformer(cfg.model)
+    data_dir = run_data_dir(path, cfg.data)
+    meta = read_meta(data_dir) if cfg.task != "lm" else None
+    if cfg.task != "lm" and meta is None:
+        raise ValueError(f"the classifier's data {str(data_dir)!r} is missing; its meta.json names the classes")
+    model = TASKS[cfg.task]().build_model(cfg.model, meta or {})
     ckpt.load_weights(model, where / ckpt.WEIGHTS)
-    data_dir = path / cfg.data.dir
-    tokenizer = load_tokenizer(data_dir)
+    tok = tokenizer_from_path(tokenizer) if tokenizer is not None else load_tokenizer(data_dir)
+    _check_vocab(tok, model, tokenizer)
     step = int(where.name.split("_")[-1])
-    return LoadedRun(model.to(device).eval(), tokenizer, cfg, where, step, data_dir)
+    return LoadedRun(model.to(device).eval(), tok, cfg, where, step, data_dir)
 
 
-def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torch.device) -> LoadedRun:
+def _check_vocab(tok, model, given) -> None:
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.body.config.vocab_size
+    if given is not None and tok.vocab_size > vocab:
+        raise ValueError(f"tokenizer {str(given)!r} has {tok.vocab_size} ids, more than the model's vocabulary of "
+                         f"{vocab}; give the tokenizer the model was trained with")
+
+
+def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torch.device, tokenizer,
+             require_tokenizer: bool) -> LoadedRun:
     model_overrides = {}
     for key, value in (overrides or {}).items():
         if not key.startswith("model."):
@@ -71,37 +87,13 @@ def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torc
         state = model.state_dict()
         model = Transformer(model.config.override(model_overrides))
         model.load_state_dict(state)
-    return LoadedRun(model.to(device).eval(), HFTokenizer(path), None, path, None, None)
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` behind lmlab's tokenizer interface."""
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(
-                f"{str(path)!r} has no tokenizer.json; lmlab reads Hugging Face tokenizers from that file only "
-                "(save one with tokenizer.save_pretrained on a fast tokenizer)"
-            )
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ValueError("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from None
-        self.path = path
-        self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.vocab_size = self.tok.get_vocab_size()
-        eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
-        self.eos_id = eos[0] if isinstance(eos, list) else eos
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-    def hf_files(self) -> dict[str, str]:
-        """The checkpoint's own tokenizer files, as they are (``lmlab export`` of a loaded checkpoint)."""
-        return {name: (self.path / name).read_text(encoding="utf-8") for name in self.HF_FILES if (self.path / name).is_file()}
+    if tokenizer is None and not (path / HF_FILE).is_file():
+        if not require_tokenizer:
+            return LoadedRun(model.to(device).eval(), None, None, path, None, None)
+        raise FileNotFoundError(
+            f"{str(path)!r} has no tokenizer.json; lmlab reads Hugging Face tokenizers from that file only "
+            "(save one with tokenizer.save_pretrained on a fast tokenizer), or give one with --tokenizer PATH"
+        )
+    tok = tokenizer_from_path(tokenizer if tokenizer is not None else path)
+    _check_vocab(tok, model, tokenizer)
+    return LoadedRun(model.to(device).eval(), tok, None, path, None, None)

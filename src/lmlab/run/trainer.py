@@ -38,17 +38,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .data import TokenData, prepare
 from .directory import RunDir
 from .distributed import Dist, peak_flops, resolve_device
-from .evaluate import evaluate
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, clip_gradients, learning_rate
 from .provenance import provenance
-from .tokenizer import load_tokenizer
+from .rundata import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
+                      saved_provenance)
+from .tasks import TASKS, Loss, language_model_loss
 
 
 class TrainingDiverged(RuntimeError):
@@ -73,10 +72,12 @@ class TrainResult:
 def forward_backward(
     model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int, *,
     device: torch.device, autocast: Callable[[], Any] = contextlib.nullcontext,
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], Loss] = language_model_loss,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate gradients of the mean loss over ``n`` equal-size micro-batches; equal to one
     backward over their concatenation. Under DDP, gradients are synchronized on the last one only.
-    Returns the mean cross-entropy and the mean of each auxiliary loss (detached)."""
+    ``loss_fn(model, x, y)`` is the task's (language modeling by default). Returns the mean
+    cross-entropy and the mean of each auxiliary loss (detached)."""
     ce = torch.zeros((), device=device)
     aux: dict[str, torch.Tensor] = {}
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
@@ -84,10 +85,10 @@ def forward_backward(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with no_sync() if i < n - 1 else contextlib.nullcontext():
             with autocast():
-                out = model(x, y)
-            (out.loss / n).backward()
-        ce += out.ce_loss.detach() / n
-        for k, v in out.aux_losses.items():
+                loss, ce_loss, aux_losses = loss_fn(model, x, y)
+            (loss / n).backward()
+        ce += ce_loss.detach() / n
+        for k, v in aux_losses.items():
             aux[k] = aux.get(k, 0.0) + v.detach() / n
     return ce, aux
 
@@ -159,11 +160,24 @@ class Trainer:
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = Dist.from_env(self.device)
         self.log: MetricsLog | None = None
+        self.data: RunData | None = None
+        existed = self.run_dir.exists()
         try:
             self._setup(cfg, resume, overwrite, command)
         except BaseException:
             self.dist.close()
+            self._undo_setup(existed)
             raise
+
+    def _undo_setup(self, existed: bool) -> None:
+        """A run that failed to start leaves nothing behind: not its directory, if this call created
+        it, nor data it prepared (rank 0 only, which is the one that writes)."""
+        if not self.dist.main:
+            return
+        if not existed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        elif self.data is not None and self.data.prepared_now:
+            shutil.rmtree(self.data.dir, ignore_errors=True)
 
     # ---- setup
     def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None) -> None:
@@ -172,51 +186,59 @@ class Trainer:
                 f"train.grad_accum={cfg.train.grad_accum} is not a multiple of the {self.dist.world} processes; the "
                 f"global batch is batch_size * grad_accum, so set train.grad_accum to a multiple of {self.dist.world}"
             )
+        cfg = resolve_data_config(cfg)  # absolute paths; with --data DIR, how DIR was prepared
         self.dist.on_main(lambda: self.run.check(cfg, resume=resume, overwrite=overwrite))  # before any rank reads it
-        self.cfg = self._setup_data(cfg, overwrite)
+        self.task = TASKS[cfg.task]()
+        self.cfg = self._setup_data(cfg, resume, overwrite)
         self._setup_model()
         self.step, self.bad_steps, self.skipped_steps, self.tokens = 0, 0, 0, 0
         self.best_val: float | None = None
         self.last_checkpoint: Path | None = None
         self.stop = StopRequest(self.dist.world)
         if resume:
+            check_same_data(self.data, saved_provenance(self.run.config))
             self._load_latest()
+        if self.step == 0 and self.cfg.train.init_from is not None:
+            from .init_from import init_source
+
+            init_source(self.cfg.train.init_from).load_into(self.model)
+        if self.cfg.train.warmup_steps >= self.cfg.train.steps:
+            self._print(f"warning: train.warmup_steps={self.cfg.train.warmup_steps} >= train.steps="
+                        f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
         if self.dist.main:
             if overwrite:
                 self.run.clear()
             self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
-                                                       world_size=self.dist.world))
+                                                       world_size=self.dist.world, data=identity(self.data)))
             self.run.trim_metrics(self.step)
-            self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard, purge_step=self.step or None,
-                                  say=self._print)
+            # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
+            self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard,
+                                  purge_step=self.step + 1 if self.step else None, say=self._print)
         self.dist.barrier()
 
-    def _setup_data(self, cfg: RunConfig, overwrite: bool) -> RunConfig:
-        """Prepare (or reuse) the run's data on rank 0, open its splits, and take the vocabulary from it."""
-        run = self.run_dir
-        data_dir = run / cfg.data.dir  # relative to the run; an absolute data.dir can be shared between runs
-        created = not run.exists()
-        own_data = data_dir.resolve().is_relative_to(run.resolve())
+    def _setup_data(self, cfg: RunConfig, resume: bool, overwrite: bool) -> RunConfig:
+        """Prepare (or open) the run's data on rank 0, open its splits on every rank, and take the
+        vocabulary from it (or, fine-tuning, check it against the starting model's)."""
+        def prepare_on_main() -> tuple[str, bool]:
+            data = open_run_data(cfg, self.run_dir, resume=resume, overwrite=overwrite, progress=not self.quiet)
+            self.data = data  # so that a failure from here on removes what was prepared
+            return str(data.dir), data.prepared_now
 
-        def prepare_data() -> dict:
-            try:
-                return prepare(cfg.data, data_dir, seq_len=cfg.seq_len, overwrite=overwrite and own_data)
-            except BaseException:
-                if created:
-                    shutil.rmtree(run, ignore_errors=True)  # leave nothing behind for a run that never started
-                raise
-
-        self.meta = self.dist.on_main(prepare_data)
-        self.tokenizer = load_tokenizer(data_dir)
-        self.data_dir = data_dir
-        self.train_data, self.val_data = TokenData(data_dir, "train"), TokenData(data_dir, "val")
-        if cfg.model.vocab_size != self.tokenizer.vocab_size:
+        where, fresh = self.dist.on_main(prepare_on_main)
+        self.data = RunData.open(Path(where), prepared_now=fresh)  # every rank reads what rank 0 prepared
+        self.tokenizer, self.data_dir, self.meta = self.data.tokenizer, self.data.dir, self.data.meta
+        self.train_data, self.val_data = self.task.open(self.data_dir, "train"), self.task.open(self.data_dir, "val")
+        note = check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size)
+        if note:
+            self._print(note)
+        if cfg.train.init_from is None and cfg.model.vocab_size != self.tokenizer.vocab_size:
             cfg = cfg.override({"model.vocab_size": self.tokenizer.vocab_size})  # the data decides the vocabulary
         return cfg
 
     def _setup_model(self) -> None:
         t = self.cfg.train
-        self.model = Transformer(self.cfg.model).to(self.device)
+        self.model = self.task.build_model(self.cfg.model, self.meta).to(self.device)
+        self.transformer = self.task.body(self.model)  # the Transformer itself, for accounting and MoE biases
         self.train_model: nn.Module = torch.compile(self.model) if t.compile else self.model
         if self.dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -228,7 +250,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.device)
         use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-        self.flops_per_token = self.model.flops_per_token(self.cfg.seq_len)
+        self.flops_per_token = self.transformer.flops_per_token(self.cfg.seq_len)
         self.peak_flops = peak_flops(self.device)
 
     # ---- the loop
@@ -256,7 +278,7 @@ class Trainer:
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
-            sample = self.sample() if self.dist.main and t.sample_tokens else None
+            sample = self.sample() if self.dist.main and t.sample_tokens and self.task.writes_text else None
         return TrainResult(
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val,
             skipped_steps=self.skipped_steps, tokens=self.tokens, elapsed_s=time.perf_counter() - start,
@@ -275,7 +297,8 @@ class Trainer:
                 yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g)
 
         self.train_model.train()
-        ce, aux = forward_backward(self.train_model, batches(), n, device=self.device, autocast=self.autocast)
+        ce, aux = forward_backward(self.train_model, batches(), n, device=self.device, autocast=self.autocast,
+                                   loss_fn=self.task.loss)
         # one all-reduce carries the loss and any rank's stop request; gradients are already synchronized
         shared = torch.tensor([float(ce), float(self.stop.signal or 0)], dtype=torch.float64, device=self.device)
         loss, asked = self.dist.all_reduce_sum(shared).tolist()
@@ -285,7 +308,7 @@ class Trainer:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             # balance on the load summed over processes, so every rank's biases agree
-            self.model.update_router_biases(self.dist.all_reduce_sum if self.dist.world > 1 else None)
+            self.transformer.update_router_biases(self.dist.all_reduce_sum if self.dist.world > 1 else None)
             self.bad_steps = 0
         else:
             self.bad_steps += 1
@@ -310,11 +333,13 @@ class Trainer:
             val_loss, improved = self._evaluate()
             if val_loss is not None:
                 record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
-                self._print(f"step {self.step}: val loss {val_loss:.4f}" + (" (best)" if improved else ""))
+                record.update({f"val_{k}": v for k, v in self.last_eval.metrics.items()})
+                extra = "".join(f", {k} {v:.4f}" for k, v in self.last_eval.metrics.items())
+                self._print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
         if self.dist.main:
             if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
                 self._save(best=improved)
-            if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps:
+            if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
                 self._print(f"sample at step {self.step}: {self.sample()!r}")
         return val_loss
 
@@ -324,8 +349,9 @@ class Trainer:
         if not self.dist.main:
             return None, False
         t = self.cfg.train
-        loss = evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
-                        max_batches=t.eval_batches, autocast=self.autocast).loss
+        self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
+                                            max_batches=t.eval_batches, autocast=self.autocast)
+        loss = self.last_eval.loss
         improved = self.best_val is None or loss < self.best_val
         if improved:
             self.best_val = loss
@@ -401,8 +427,8 @@ class Trainer:
                 record["mfu"] = tps * self.flops_per_token / (self.peak_flops * self.dist.world)
             if aux:
                 record["aux_losses"] = aux
-            if self.model.moe_layers:
-                record["moe"] = jsonable(self.model.moe_stats())
+            if self.transformer.moe_layers:
+                record["moe"] = jsonable(self.transformer.moe_stats())
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.1e}", tok_s=f"{tps:,.0f}", refresh=False)
         self._window = (window_start, window_tokens)
@@ -438,13 +464,14 @@ class Trainer:
 
     def _banner(self, tokens_per_step: int) -> str:
         m, t = self.cfg.model, self.cfg.train
-        n = self.model.num_params()
+        n = self.transformer.num_params()
+        start = f", starting from {t.init_from}" if t.init_from else ""
         return (
-            f"training {self.run_dir}: {n['total']:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
-            f"{m.positions} positions), vocab {m.vocab_size}; {t.steps} steps of {tokens_per_step:,} tokens "
+            f"training {self.task.noun} in {self.run_dir}: {n['total']:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
+            f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "
             f"({t.batch_size} x {self.cfg.seq_len} x {t.grad_accum} accum) on {self.device}"
             + (f" x {self.dist.world} processes" if self.dist.world > 1 else "")
-            + f"; train {len(self.train_data):,} tokens, val {len(self.val_data):,}"
+            + f"\ndata: {self.data.describe()}"
         )
 
     # ---- signals and teardown
