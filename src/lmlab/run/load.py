@@ -52,6 +52,9 @@ def load_run(
         raise ValueError(f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)")
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
+    if (where / "dcp").is_dir() and not (where / ckpt.WEIGHTS).is_file():  # dcp.DCP_DIR: a sharded run's
+        raise ValueError(f"{str(where)!r} is a distributed checkpoint (train.parallel=fsdp or expert parallel); "
+                         f"write its weights file first: lmlab consolidate {path} --checkpoint {where.name[5:].lstrip('0') or 0}")
     model = Transformer(cfg.model)
     ckpt.load_weights(model, where / ckpt.WEIGHTS)
     data_dir = path / cfg.data.dir
