@@ -25,7 +25,7 @@ import torch
 
 from .errors import EnvironmentFailure
 
-SHUTDOWN_GRACE_S = 30.0  # after a failure, a process still alive this long after Dist.close is ended (status 1)
+SHUTDOWN_GRACE_S = 30.0  # a failed process still alive this long (or the timeout, if less) after close is ended
 
 @dataclasses.dataclass
 class Dist:
@@ -119,11 +119,11 @@ class Dist:
     def close(self, failed: bool = False) -> None:
         """Leave the process group. After a failure the group may hold connections to dead peers,
         and tearing it down can block: then it is left to the exit, and a watchdog ends this process
-        if it is still alive SHUTDOWN_GRACE_S later."""
+        if it is still alive min(SHUTDOWN_GRACE_S, timeout) later."""
         if not self.owns_group:
             return
         if failed and self.world > 1:
-            exit_after(SHUTDOWN_GRACE_S)
+            exit_after(min(SHUTDOWN_GRACE_S, self.timeout))
             return
         import torch.distributed as dist
 
