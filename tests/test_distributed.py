@@ -2,8 +2,9 @@
 process, distributed checkpoints that reshard (2 -> 2, 2 -> 1 -> 2), activation checkpointing,
 bad layouts, and a run whose agent and one rank are killed.
 
-Starting processes is what is slow here, so the 2-process runs are few, tiny and shared: one FSDP
-run (and its single-process twin) serves the parity and the resume tests.
+Starting processes is what is slow here (marked ``slow``; CI runs them), so the 2-process runs are
+few, tiny and shared: one FSDP run (and its single-process twin) serves the parity and the resume
+tests, and one torchrun worker (distributed_worker.py) makes several checks.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def dense(tmp_path_factory):
 
 
 # ============================================================== FSDP
+@pytest.mark.slow
 def test_fsdp_matches_one_process_dense(dense):
     one, two = losses(dense / "one"), losses(dense / "two")
     assert list(one) == list(two) == list(range(1, 9))
@@ -99,14 +101,17 @@ def test_fsdp_matches_one_process_dense(dense):
     assert prov["train"]["parallel"] == "fsdp" and prov["provenance"][0]["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_fsdp_resume_on_two_processes_repeats_the_run_exactly(dense, tmp_path):
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
-    train_2(dense / "run.yaml", run, resume=True)
+    train_2(dense / "run.yaml", run, "--train.save_mode", "async", resume=True)  # and writes step 8 asynchronously
     assert losses(run) == losses(dense / "two")  # bit-identical, steps 5-8 included
     a, b = weights(dense / "two", 8), weights(run, 8)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((run / "checkpoints").glob(".step_*"))  # the asynchronous save was put in place
 
 
+@pytest.mark.slow
 def test_resharding_resume_two_to_one_to_two(dense, tmp_path):
     # 2 -> 1: the FSDP checkpoint of step 4 on one process, as a plain model
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
@@ -137,6 +142,7 @@ def test_resharding_resume_two_to_one_to_two(dense, tmp_path):
     assert dcp.is_distributed(ckpt.step_dir(run / "checkpoints", 8))
 
 
+@pytest.mark.slow
 def test_fsdp_moe_matches_one_process(tmp_path):
     cfg = run_config(tmp_path, model=MOE, steps=4, grad_accum=2, eval_every=4, save_every=4, eval_batches=1)
     train(cfg, tmp_path / "one")
@@ -150,6 +156,7 @@ def test_fsdp_moe_matches_one_process(tmp_path):
 
 
 # ============================================================== expert parallelism
+@pytest.mark.slow
 def test_expert_parallel_layer_matches_one_process_and_fsdp_loads_a_single_process_checkpoint(dense, tmp_path):
     out = torchrun(str(HERE / "distributed_worker.py"), str(tmp_path / "out.json"), str(dense / "one"),
                    str(dense / "two"))
@@ -166,6 +173,7 @@ def test_expert_parallel_layer_matches_one_process_and_fsdp_loads_a_single_proce
     assert first == second and "does not match the model: tensor 'blocks.2.attn.qkv.weight' is missing" in first
 
 
+@pytest.mark.slow
 def test_expert_parallel_with_fsdp_trains_like_one_process(tmp_path):
     cfg = run_config(tmp_path, model=MOE, steps=4, grad_accum=2, eval_every=4, save_every=4, eval_batches=1)
     train(cfg, tmp_path / "one")
@@ -202,6 +210,7 @@ def test_fsdp_without_torchrun_is_one_line_and_exit_2(tmp_path, capsys):
     assert "train.parallel=fsdp shards the model over several processes" in err and "torchrun" in err
 
 
+@pytest.mark.slow
 def test_a_distributed_checkpoint_of_another_model_is_refused(dense, tmp_path, capsys):
     """(On two processes: the worker test.)"""
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
@@ -216,6 +225,7 @@ def test_a_distributed_checkpoint_of_another_model_is_refused(dense, tmp_path, c
     assert {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_a_distributed_checkpoint_index_never_unpickles_code(dense, tmp_path):
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
     index = ckpt.step_dir(run / "checkpoints", 4) / dcp.DCP_DIR / ".metadata"
@@ -233,6 +243,7 @@ def test_a_distributed_checkpoint_index_never_unpickles_code(dense, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_consolidate_writes_what_eval_reads(dense, tmp_path, capsys):
     run = copy_to_step(dense / "two", tmp_path / "run", 8)
     assert cli(["eval", str(run), "--checkpoint", "8"]) == 2
@@ -281,6 +292,7 @@ out.write_text(json.dumps({"seconds": time.time() - start, "code": status}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper and /proc are Linux's")
 def test_killing_the_agent_and_one_rank_ends_the_survivor_within_the_timeout(tmp_path):
     timeout = 10  # train.collective_timeout: the survivor notices within it and shuts down within it
