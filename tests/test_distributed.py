@@ -254,6 +254,30 @@ def test_consolidate_writes_what_eval_reads(dense, tmp_path, capsys):
     assert math.isfinite(json.loads(capsys.readouterr().out)["loss"])
 
 
+
+def test_a_failed_collective_says_peers_were_lost_and_only_that_arms_the_watchdog():
+    from lmlab.run.distributed import Dist, PeersLost, lost_peers
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:8580. This is typically caused by a remote worker crashing.")
+    d = Dist(rank=1, world=2, timeout=7.0)
+    with pytest.raises(PeersLost, match=r"process 1 of 2 lost contact with the others \(.*Connection closed by peer.*"
+                                        r"train.collective_timeout=7s"):
+        with d.collectives():
+            raise gloo
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):  # a bug stays a bug
+        with d.collectives():
+            raise RuntimeError("shape mismatch")
+    assert lost_peers(gloo) and lost_peers(PeersLost("x"))
+    assert not lost_peers(ValueError("bad input")) and not lost_peers(RuntimeError("shape")) and not lost_peers(None)
+
+
+def test_the_shutdown_watchdog_ends_a_hung_process():
+    code = "from lmlab.run.distributed import exit_after; import time; exit_after(1); time.sleep(60)"
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and time.time() - start < 30 and out.stderr == ""  # silently, with status 1
+
 HARNESS = r"""
 import ctypes, json, os, signal, subprocess, sys, time
 from pathlib import Path

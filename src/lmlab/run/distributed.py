@@ -25,6 +25,10 @@ import torch
 
 from .errors import EnvironmentFailure
 
+class PeersLost(EnvironmentFailure):
+    """A collective failed: another process died, or did not answer within the timeout."""
+
+
 SHUTDOWN_GRACE_S = 30.0  # a failed process still alive this long (or the timeout, if less) after close is ended
 
 @dataclasses.dataclass
@@ -102,27 +106,27 @@ class Dist:
 
     @contextlib.contextmanager
     def collectives(self) -> Iterator[None]:
-        """Turn a failed collective (a peer died, or did not answer within the timeout) into an
-        :class:`EnvironmentFailure` that says so."""
+        """Turn a failed collective (a peer died, or did not answer within the timeout) into
+        :class:`PeersLost`, which says so."""
         try:
             yield
         except RuntimeError as e:
             if self.world == 1 or isinstance(e, EnvironmentFailure) or not is_collective_failure(e):
                 raise
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise EnvironmentFailure(
+            raise PeersLost(
                 f"process {self.rank} of {self.world} lost contact with the others ({first}); a process died or did "
                 f"not answer within train.collective_timeout={self.timeout:g}s. Continue from the last checkpoint "
                 "with --resume"
             ) from e
 
-    def close(self, failed: bool = False) -> None:
-        """Leave the process group. After a failure the group may hold connections to dead peers,
-        and tearing it down can block: then it is left to the exit, and a watchdog ends this process
-        if it is still alive min(SHUTDOWN_GRACE_S, timeout) later."""
+    def close(self, peers_lost: bool = False) -> None:
+        """Leave the process group. When ``peers_lost`` (see :func:`lost_peers`) the group may hold
+        connections to dead processes, and tearing it down can block: then it is left to the exit,
+        and a watchdog ends this process if it is still alive min(SHUTDOWN_GRACE_S, timeout) later."""
         if not self.owns_group:
             return
-        if failed and self.world > 1:
+        if peers_lost and self.world > 1:
             exit_after(min(SHUTDOWN_GRACE_S, self.timeout))
             return
         import torch.distributed as dist
@@ -141,6 +145,11 @@ def exit_after(seconds: float) -> None:
     if not _WATCHDOG_SINK:
         _WATCHDOG_SINK.append(open(os.devnull, "w"))
     faulthandler.dump_traceback_later(seconds, exit=True, file=_WATCHDOG_SINK[0])
+
+
+def lost_peers(e: BaseException | None) -> bool:
+    """Did ``e`` end a run because other processes are gone (rather than bad input or a bug)?"""
+    return e is not None and (isinstance(e, PeersLost) or (isinstance(e, RuntimeError) and is_collective_failure(e)))
 
 
 def is_collective_failure(e: BaseException) -> bool:

@@ -44,7 +44,7 @@ from . import dcp
 from .config import RunConfig
 from .data import TokenData, prepare
 from .directory import RunDir
-from .distributed import Dist, peak_flops, resolve_device
+from .distributed import Dist, lost_peers, peak_flops, resolve_device
 from .evaluate import evaluate
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate
@@ -167,8 +167,8 @@ class Trainer:
         try:
             with self.dist.collectives():
                 self._setup(cfg, resume, overwrite, command)
-        except BaseException:
-            self.dist.close(failed=True)
+        except BaseException as e:
+            self.dist.close(peers_lost=lost_peers(e))
             raise
 
     # ---- setup
@@ -492,18 +492,18 @@ class Trainer:
         parts = [t.parallel] + ([f"expert parallel {t.expert_parallel}"] if t.expert_parallel > 1 else [])
         return ", ".join(parts)
 
-    def close(self, failed: bool = False) -> None:
-        """Close the metrics and leave the process group; ``failed``: after an error, when the
-        other processes may be gone (see :meth:`Dist.close`)."""
-        if self.saver is not None and not failed:
+    def close(self, peers_lost: bool = False) -> None:
+        """Close the metrics and leave the process group; ``peers_lost``: other processes are gone
+        (see :meth:`Dist.close`)."""
+        if self.saver is not None and not peers_lost:
             self.saver.finish()
         if self.log is not None:
             self.log.close()
             self.log = None
-        self.dist.close(failed=failed)
+        self.dist.close(peers_lost=peers_lost)
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(failed=exc_type is not None)
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(peers_lost=lost_peers(exc))
