@@ -153,12 +153,12 @@ class ShardedSaver:
 
         self.finish()
         root = Path(root)
-        final, tmp = ckpt.step_dir(root, step), root / f".{ckpt.step_dir(root, step).name}.tmp-dcp"
+        final = ckpt.step_dir(root, step)
+        tmp = temporary_dir(final)
         if final.exists():
             return final
         if self.dist.main:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            sweep(root)  # nothing is pending: finish() above put the last save in place
         self.dist.barrier()
         future = dcp.async_save(sharded_state(model, optimizer, self.plan), storage_writer=FileSystemWriter(tmp / DCP_DIR),
                                 process_group=self.group)
@@ -191,10 +191,9 @@ def save_sharded(
     final = ckpt.step_dir(root, step)
     if final.exists():
         return final
-    tmp = root / f".{final.name}.tmp-dcp"  # the same name on every process
+    tmp = temporary_dir(final)
     if dist.main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+        sweep(root)
     dist.barrier()
     try:
         state = sharded_state(model, optimizer, plan)
@@ -209,6 +208,18 @@ def save_sharded(
         raise
     dist.barrier()
     return final
+
+
+def temporary_dir(final: Path) -> Path:
+    """Where checkpoint ``final`` is written before it is renamed into place (the same on every process)."""
+    return final.parent / f".{final.name}.tmp-dcp"
+
+
+def sweep(root: Path) -> None:
+    """Create ``root``; remove temporary directories that interrupted saves left in it."""
+    root.mkdir(parents=True, exist_ok=True)
+    for p in root.glob(".step_*.tmp-dcp"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Parallel) -> dict[str, Any]:
