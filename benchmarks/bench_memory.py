@@ -191,7 +191,8 @@ def activation_part(steps: int) -> None:
         t = statistics.median(times[name])
         print(f"{name:>14} {held / MB:14.1f}M {peak / MB:12.1f}M {t:8.3f} {t / base_time:7.2f}x")
     cut = memory["none"][0] / memory["blocks"][0]
-    print(f"blocks: activation memory held for backward cut {cut:.1f}x (target >= 3x: {'met' if cut >= 3 else 'NOT met'}); "
+    print(f"blocks: activation memory held for backward cut {cut:.1f}x "
+          f"(target >= 3x: {'met' if cut >= 3 else 'NOT met'}); "
           f"peak over forward + backward cut {memory['none'][1] / memory['blocks'][1]:.1f}x")
 
 

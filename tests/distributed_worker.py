@@ -84,7 +84,8 @@ def load_single_process_checkpoint(d: Dist, run_dir: Path) -> dict[str, int]:
     weights = dcp.read_full_weights(path / ckpt.WEIGHTS)
     saved = dcp.by_name(ckpt.load_state(path)["optimizer"])["state"]
     bad = [k for k, v in weights.items() if not torch.equal(model_state[k], v)]
-    bad += [f"{k}.{m}" for k, s in saved.items() for m, v in s.items() if not torch.equal(optim_state["state"][k][m], v)]
+    bad += [f"{k}.{m}" for k, s in saved.items() for m, v in s.items()
+            if not torch.equal(optim_state["state"][k][m], v)]
     return {"tensors": len(weights), "moments": sum(len(s) for s in saved.values()), "mismatches": len(bad),
             "step": counters["step"], "shards": int(sum(hasattr(p, "to_local") for p in model.parameters()))}
 

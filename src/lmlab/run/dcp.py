@@ -160,8 +160,8 @@ class ShardedSaver:
         if self.dist.main:
             sweep(root)  # nothing is pending: finish() above put the last save in place
         self.dist.barrier()
-        future = dcp.async_save(sharded_state(model, optimizer, self.plan), storage_writer=FileSystemWriter(tmp / DCP_DIR),
-                                process_group=self.group)
+        future = dcp.async_save(sharded_state(model, optimizer, self.plan),
+                                storage_writer=FileSystemWriter(tmp / DCP_DIR), process_group=self.group)
         self.pending = (future, tmp, final, {**counters, "model_config": model_config})
         return final
 

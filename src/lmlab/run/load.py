@@ -53,8 +53,9 @@ def load_run(
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
     if (where / "dcp").is_dir() and not (where / ckpt.WEIGHTS).is_file():  # dcp.DCP_DIR: a sharded run's
+        step = int(where.name.split("_")[-1])
         raise ValueError(f"{str(where)!r} is a distributed checkpoint (train.parallel=fsdp or expert parallel); "
-                         f"write its weights file first: lmlab consolidate {path} --checkpoint {where.name[5:].lstrip('0') or 0}")
+                         f"write its weights file first: lmlab consolidate {path} --checkpoint {step}")
     model = Transformer(cfg.model)
     ckpt.load_weights(model, where / ckpt.WEIGHTS)
     data_dir = path / cfg.data.dir

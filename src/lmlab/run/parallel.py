@@ -72,8 +72,8 @@ class ShardedExperts(Experts):
     """This process's E/N of a MoE layer's routed experts. ``loop`` and ``grouped`` (the two
     implementations ``MoE.set_impl`` chooses) run on the owners of the experts::
 
-        assignments sorted by expert ── all_to_all ──▶ the rows for my experts ── loop / grouped
-        out_TD += gated rows ◀── all_to_all ────────── gated rows ◀──────────────────┘
+        assignments sorted by expert ─ all_to_all ─▶ rows for my experts ─ loop / grouped ─┐
+        out_TD += gated rows ◀──────── all_to_all ─────────── gated rows ◀────────────────┘
 
     Routing, capacity and gate weights are decided where the tokens are, as without expert
     parallelism, so a process's outputs equal the single-process layer's on its own tokens.
