@@ -9,6 +9,7 @@
     lmlab export runs/default --out exported/      # a Hugging Face transformers checkpoint
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
+    lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
 
 Bad input (a missing file, an unknown config key, a checkpoint that does not match its config,
 ...) is one line on stderr and exit status 2, before anything is written. The library raises
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lmlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (add_prepare_parser, add_train_parser, add_eval_parser, add_generate_parser, add_export_parser,
-                add_sweep_parsers):
+                add_sweep_parsers, add_consolidate_parser):
         add(sub)
     return parser
 
@@ -218,7 +219,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 SECTIONS = {"train": ("model", "data", "train"), "eval": ("model",), "generate": ("model",), "prepare": (),
-            "export": (), "sweep": (), "experiment": ()}
+            "export": (), "sweep": (), "experiment": (), "consolidate": ()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -508,8 +509,28 @@ def add_sweep_parsers(sub) -> None:
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
 
 
+def add_consolidate_parser(sub) -> None:
+    c = sub.add_parser(
+        "consolidate", help="turn a sharded (FSDP / expert-parallel) run's checkpoints into safetensors files",
+        formatter_class=Formatter, epilog=EXIT_CODES, description=paragraphs(
+            "A run trained with train.parallel=fsdp or train.expert_parallel > 1 writes distributed checkpoints "
+            "(torch.distributed.checkpoint: each process its shards). This gathers one into the checkpoint's "
+            "model.safetensors, which eval, generate and export read. One process; it needs memory for the whole "
+            "model, and no GPU."))
+    c.add_argument("run", metavar="RUN", help="run directory")
+    c.add_argument("--checkpoint", default="best", help="best, latest, a step number, or all")
+
+
+def cmd_consolidate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .run.dcp import consolidate_run
+
+    for path in consolidate_run(args.run, args.checkpoint):
+        print(f"wrote {path}")
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-            "export": cmd_export, "sweep": cmd_sweep, "experiment": cmd_experiment}
+            "export": cmd_export, "sweep": cmd_sweep, "experiment": cmd_experiment, "consolidate": cmd_consolidate}
 
 
 def _duration(seconds: float) -> str:

@@ -245,7 +245,9 @@ class Experts(nn.Module):
         return y_AD * weight_A[:, None]
 
 
-IMPLS = {"reference": Experts.loop, "fast": Experts.grouped}
+# the two implementations, by method name: a module that stands in for Experts (expert parallelism,
+# lmlab.run.parallel.ShardedExperts) provides both, and MoE.routed_experts calls the one chosen
+IMPLS = {"reference": "loop", "fast": "grouped"}
 
 
 # ---- grouped matmul: torch's kernel where it runs, else one matmul per group
@@ -292,7 +294,10 @@ def probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
     if _GROUPED_MM is None:
         return False
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        # identity saved-tensor hooks: the probe's graph stays out of an enclosing activation
+        # checkpoint, which would otherwise count its tensors on the first forward only
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             g = torch.Generator().manual_seed(0)
             x = torch.randn(24, 16, generator=g).to(device, dtype).requires_grad_()
             w = torch.randn(3, 32, 16, generator=g).to(device, dtype).requires_grad_()
@@ -379,7 +384,14 @@ class MoE(nn.Module):
     def set_impl(self, impl: str) -> None:
         check_choice("impl", impl, IMPLS)
         self.impl = impl
-        self.combine = functools.partial(IMPLS[impl], self.experts)
+
+    def routed_experts(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
+        """``out_TD`` plus each kept assignment's expert output times its gate weight, by ``impl``.
+
+        The seam for expert parallelism: ``lmlab.run.parallel`` replaces ``self.experts`` with a
+        module holding this process's share of the experts, whose ``loop`` and ``grouped`` send
+        each assignment to the process that holds its expert and bring the result back."""
+        return getattr(self.experts, IMPLS[self.impl])(x_TD, token_A, expert_A, weight_A, out_TD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
@@ -387,7 +399,7 @@ class MoE(nn.Module):
         r = self.router(x_TD)
         token_A, expert_A, weight_A, sent_E, kept = self.assign(r)
         shared_TD = self.shared(x_TD).to(x.dtype)  # the sum is kept in x's dtype (fp32 under autocast)
-        out_TD = self.combine(x_TD, token_A, expert_A, weight_A, shared_TD)  # shared + routed
+        out_TD = self.routed_experts(x_TD, token_A, expert_A, weight_A, shared_TD)  # shared + routed
         self.aux_losses = {name: coef * fn(r) for name, (coef, fn) in self.loss_terms.items()}
         if self.training:
             self.load += sent_E

@@ -9,10 +9,12 @@
     tasks.py        language modeling and classification: model, loss, evaluation
     init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
     optim.py        AdamW groups and the warmup + cosine schedule
-    distributed.py  this process's place under torchrun, the device, peak FLOP/s
+    distributed.py  this process's place under torchrun, timeouts, the device, peak FLOP/s
+    parallel.py     DDP, FSDP2, expert parallelism, activation checkpointing, applied to a plain model
     trainer.py      the training loop: setup, the step, evaluation, checkpoints, logging, signals
     directory.py    a run directory's files and the checks before a run starts
     checkpoint.py   safetensors weights + weights-only state, written atomically
+    dcp.py          distributed checkpoints of sharded runs (torch.distributed.checkpoint), resharding
     atomic.py       crash-safe file writes
     metrics.py      metrics.jsonl and TensorBoard
     evaluate.py     validation loss, perplexity, loss by position

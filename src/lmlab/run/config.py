@@ -17,8 +17,12 @@ from typing import Any, Literal, Mapping
 import torch
 
 from ..config import PRESETS, ModelConfig
-from ..schema import Config, check_positive, check_range
+from ..schema import Config, check_positive, check_range, divisors
 from .data import DataConfig
+
+Parallel = Literal["ddp", "fsdp"]
+ActivationCheckpointing = Literal["none", "blocks"]
+SaveMode = Literal["sync", "async"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -50,6 +54,14 @@ class TrainConfig(Config):
     sample_prompt: str = "The "
     tensorboard: bool = True  # write TensorBoard events to <run>/tb when tensorboard is installed
     init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
+    # ---- several processes under torchrun (README, "Distributed training"); applied by parallel.py
+    parallel: Parallel = "ddp"  # ddp: each process holds the whole model; fsdp: params, grads, optimizer sharded (FSDP2)
+    expert_parallel: int = 1  # N > 1: each group of N processes splits every MoE layer's routed experts N ways
+    activation_checkpointing: ActivationCheckpointing = "none"  # blocks: recompute block activations in backward
+    activation_checkpoint_every: int = 1  # with blocks: checkpoint every k-th block (1 = all of them)
+    collective_timeout: float = 600.0  # seconds a process waits for the others in training before it gives up
+    setup_timeout: float = 3600.0  # the same before the first step, while rank 0 prepares the data
+    save_mode: SaveMode = "sync"  # async: sharded (DCP) checkpoints are written while training goes on
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "lr", "eval_every", "eval_batches", "save_every",
@@ -57,6 +69,8 @@ class TrainConfig(Config):
             check_positive(f"train.{name}", getattr(self, name))
         if self.seq_len is not None:
             check_positive("train.seq_len", self.seq_len)
+        for name in ("expert_parallel", "activation_checkpoint_every", "collective_timeout", "setup_timeout"):
+            check_positive(f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "sample_every", "sample_tokens"):
             check_positive(f"train.{name}", getattr(self, name), allow_zero=True)
         if self.min_lr is not None:
@@ -99,6 +113,18 @@ class RunConfig(Config):
                 f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}, "
                 "the model's training context; raise model.max_seq_len or lower train.seq_len"
             )
+        n = self.train.expert_parallel
+        if n > 1:
+            if self.model.moe is None:
+                raise ValueError(f"train.expert_parallel={n} needs a mixture-of-experts model (model.moe); "
+                                 "set train.expert_parallel=1 for a dense model")
+            experts = self.model.moe.routed_experts
+            if experts % n:
+                raise ValueError(f"train.expert_parallel={n} does not divide the {experts} routed experts of each MoE "
+                                 f"layer; choose train.expert_parallel in {[d for d in divisors(experts) if d > 1]}")
+        if self.train.save_mode == "async" and self.train.parallel == "ddp" and n == 1:
+            raise ValueError("train.save_mode=async writes sharded (DCP) checkpoints, which train.parallel=fsdp or "
+                             "train.expert_parallel > 1 use; set train.save_mode=sync under ddp")
 
     @property
     def seq_len(self) -> int:

@@ -3,15 +3,33 @@
 Without ``torchrun`` a run is rank 0 of 1 and nothing here talks to other processes. Under it,
 :class:`Dist` joins the process group (NCCL on CUDA, gloo on CPU) and offers the few collectives
 the trainer needs: a sum, a barrier, and "run this on rank 0 and give every rank the outcome".
+
+No process waits forever. Every process group has a timeout: ``train.collective_timeout`` for
+the default group and the groups built from it (DDP, FSDP, expert parallelism, checkpoints), and
+``train.setup_timeout`` for the group that waits while rank 0 prepares the data. A process whose
+peers died sees its next collective fail (at once when the connection drops, else after the
+timeout), and :meth:`Dist.close` after a failure arms a watchdog that ends the process if its
+shutdown hangs, as gloo's can when it tears down connections to dead peers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import faulthandler
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+
+from .errors import EnvironmentFailure
+
+class PeersLost(EnvironmentFailure):
+    """A collective failed: another process died, or did not answer within the timeout."""
+
+
+SHUTDOWN_GRACE_S = 30.0  # a failed process still alive this long (or the timeout, if less) after close is ended
 
 @dataclasses.dataclass
 class Dist:
@@ -21,9 +39,11 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     owns_group: bool = False
+    timeout: float = 600.0  # seconds, the default group's and its subgroups'
+    setup_group: Any = None  # a gloo group with the setup timeout, for on_main
 
     @classmethod
-    def from_env(cls, device: torch.device) -> "Dist":
+    def from_env(cls, device: torch.device, timeout: float = 600.0, setup_timeout: float = 3600.0) -> "Dist":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()
@@ -33,8 +53,10 @@ class Dist:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL object collectives use the current device
         if owns:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
+        setup = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_timeout))
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns, timeout, setup)
 
     @property
     def main(self) -> bool:
@@ -53,8 +75,18 @@ class Dist:
 
             dist.barrier()
 
+    def subgroups(self, ranks: Sequence[Sequence[int]]) -> Any:
+        """Split the processes into the groups ``ranks`` (every rank in exactly one), with this
+        Dist's timeout; returns the group holding this rank. Every rank must call it alike."""
+        import torch.distributed as dist
+
+        mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in ranks],
+                                                    timeout=datetime.timedelta(seconds=self.timeout))
+        return mine
+
     def on_main(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only and give every rank its result, or its ValueError/FileNotFoundError."""
+        """Run ``fn`` on rank 0 only and give every rank its result, or its ValueError/FileNotFoundError.
+        The others wait up to the setup timeout (``fn`` may prepare a large corpus)."""
         outcome: list[Any] = [None]
         if self.main:
             try:
@@ -66,17 +98,68 @@ class Dist:
         if self.world > 1:
             import torch.distributed as dist
 
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0, group=self.setup_group)
         kind, value = outcome[0]
         if kind != "ok":
             raise (ValueError if kind == "ValueError" else FileNotFoundError)(value)
         return value
 
-    def close(self) -> None:
-        if self.owns_group:
-            import torch.distributed as dist
+    @contextlib.contextmanager
+    def collectives(self) -> Iterator[None]:
+        """Turn a failed collective (a peer died, or did not answer within the timeout) into
+        :class:`PeersLost`, which says so."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.world == 1 or isinstance(e, EnvironmentFailure) or not is_collective_failure(e):
+                raise
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise PeersLost(
+                f"process {self.rank} of {self.world} lost contact with the others ({first}); a process died or did "
+                f"not answer within train.collective_timeout={self.timeout:g}s. Continue from the last checkpoint "
+                "with --resume"
+            ) from e
 
-            dist.destroy_process_group()
+    def close(self, peers_lost: bool = False) -> None:
+        """Leave the process group. When ``peers_lost`` (see :func:`lost_peers`) the group may hold
+        connections to dead processes, and tearing it down can block: then it is left to the exit,
+        and a watchdog ends this process if it is still alive min(SHUTDOWN_GRACE_S, timeout) later."""
+        if not self.owns_group:
+            return
+        if peers_lost and self.world > 1:
+            exit_after(min(SHUTDOWN_GRACE_S, self.timeout))
+            return
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        self.owns_group = False
+
+
+_WATCHDOG_SINK: list[Any] = []  # keeps the watchdog's output file open for the life of the process
+
+
+def exit_after(seconds: float) -> None:
+    """End this process (status 1) if it is still running ``seconds`` from now. faulthandler's
+    watchdog is a C thread that needs no GIL, so it fires even inside a hung interpreter shutdown,
+    where Python threads and signal handlers no longer run."""
+    if not _WATCHDOG_SINK:
+        _WATCHDOG_SINK.append(open(os.devnull, "w"))
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_WATCHDOG_SINK[0])
+
+
+def lost_peers(e: BaseException | None) -> bool:
+    """Did ``e`` end a run because other processes are gone (rather than bad input or a bug)?"""
+    return e is not None and (isinstance(e, PeersLost) or (isinstance(e, RuntimeError) and is_collective_failure(e)))
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Is ``e`` a collective that failed (gloo, NCCL) rather than a bug in the computation?"""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out"))
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

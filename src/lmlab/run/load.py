@@ -56,6 +56,10 @@ def load_run(
         raise ValueError(f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)")
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
+    if (where / "dcp").is_dir() and not (where / ckpt.WEIGHTS).is_file():  # dcp.DCP_DIR: a sharded run's
+        step = int(where.name.split("_")[-1])
+        raise ValueError(f"{str(where)!r} is a distributed checkpoint (train.parallel=fsdp or expert parallel); "
+                         f"write its weights file first: lmlab consolidate {path} --checkpoint {step}")
     data_dir = run_data_dir(path, cfg.data)
     meta = read_meta(data_dir) if cfg.task != "lm" else None
     if cfg.task != "lm" and meta is None:

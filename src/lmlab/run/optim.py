@@ -34,9 +34,23 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     # the fused kernel (CUDA, and CPU since torch 2.4) is one pass over each tensor: ~6x faster
     # than the foreach path on CPU for a few-million-parameter model
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        split_by_layout(param_groups(model, cfg.weight_decay)), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
         fused=True if device.type in ("cpu", "cuda") else None,
     )
+
+
+def split_by_layout(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Groups that mix FSDP's sharded parameters (DTensors) with plain ones (expert-parallel
+    shards), split in two: the fused kernel steps a group at once and takes one kind or the other."""
+    out = []
+    for group in groups:
+        kinds: dict[bool, dict[str, Any]] = {}
+        for name, p in zip(group["names"], group["params"]):
+            part = kinds.setdefault(hasattr(p, "to_local"), {**group, "params": [], "names": []})
+            part["params"].append(p)
+            part["names"].append(name)
+        out += list(kinds.values()) or [group]
+    return out
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:

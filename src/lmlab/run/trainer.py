@@ -39,11 +39,13 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
+from . import dcp
 from .config import RunConfig
 from .directory import RunDir
-from .distributed import Dist, peak_flops, resolve_device
+from .distributed import Dist, lost_peers, peak_flops, resolve_device
 from .metrics import MetricsLog, exp_or_none, jsonable
-from .optim import build_optimizer, clip_gradients, learning_rate
+from .optim import build_optimizer, learning_rate
+from .parallel import global_moe_stats, parallelize
 from .provenance import provenance
 from .rundata import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
                       saved_provenance)
@@ -73,14 +75,16 @@ def forward_backward(
     model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int, *,
     device: torch.device, autocast: Callable[[], Any] = contextlib.nullcontext,
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], Loss] = language_model_loss,
+    no_sync: Callable[[], Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate gradients of the mean loss over ``n`` equal-size micro-batches; equal to one
-    backward over their concatenation. Under DDP, gradients are synchronized on the last one only.
+    backward over their concatenation. Under DDP or FSDP, gradients are synchronized on the last
+    one only: ``no_sync`` (default: the model's own, if any) is the context for the others.
     ``loss_fn(model, x, y)`` is the task's (language modeling by default). Returns the mean
     cross-entropy and the mean of each auxiliary loss (detached)."""
     ce = torch.zeros((), device=device)
     aux: dict[str, torch.Tensor] = {}
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    no_sync = no_sync or getattr(model, "no_sync", contextlib.nullcontext)
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with no_sync() if i < n - 1 else contextlib.nullcontext():
@@ -158,14 +162,16 @@ class Trainer:
         self.run_dir = self.run.path
         self.callbacks, self.quiet = list(callbacks), quiet
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.dist = Dist.from_env(self.device)
+        self.dist = Dist.from_env(self.device, cfg.train.collective_timeout, cfg.train.setup_timeout)
         self.log: MetricsLog | None = None
         self.data: RunData | None = None
+        self.saver: dcp.ShardedSaver | None = None
         existed = self.run_dir.exists()
         try:
-            self._setup(cfg, resume, overwrite, command)
-        except BaseException:
-            self.dist.close()
+            with self.dist.collectives():
+                self._setup(cfg, resume, overwrite, command)
+        except BaseException as e:
+            self.dist.close(peers_lost=lost_peers(e))
             self._undo_setup(existed)
             raise
 
@@ -239,22 +245,28 @@ class Trainer:
         t = self.cfg.train
         self.model = self.task.build_model(self.cfg.model, self.meta).to(self.device)
         self.transformer = self.task.body(self.model)  # the Transformer itself, for accounting and MoE biases
+        if self.model is not self.transformer and (t.parallel == "fsdp" or t.expert_parallel > 1):
+            raise ValueError(f"task={self.cfg.task!r} trains with train.parallel=ddp and train.expert_parallel=1; "
+                             "FSDP and expert parallelism shard language models only")
+        # expert parallelism, activation checkpointing and FSDP change the model in place; DDP wraps it
+        self.parallel = parallelize(self.transformer, t, self.dist, self.device)
         self.train_model: nn.Module = torch.compile(self.model) if t.compile else self.model
-        if self.dist.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            # buffers stay in sync without broadcasts: constants, or MoE router biases that every rank
-            # updates identically from all-reduced loads (see _train_step)
-            self.train_model = DDP(self.train_model, device_ids=ids, broadcast_buffers=False)
+        self.train_model = self.parallel.wrap(self.train_model)
         self.optimizer = build_optimizer(self.model, t, self.device)
-        use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        if self.parallel.sharded:
+            self.saver = dcp.ShardedSaver(self.parallel, self.dist, t.save_mode)
+        # under FSDP its MixedPrecisionPolicy computes in bf16 instead of autocast
+        use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported() and not self.parallel.fsdp
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         self.flops_per_token = self.transformer.flops_per_token(self.cfg.seq_len)
         self.peak_flops = peak_flops(self.device)
 
     # ---- the loop
     def fit(self) -> TrainResult:
+        with self.dist.collectives():
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
         t = self.cfg.train
         local_accum = t.grad_accum // self.dist.world
         micro_ids = [self.dist.rank * local_accum + i for i in range(local_accum)]  # global micro-batch numbers
@@ -272,13 +284,15 @@ class Trainer:
                 self._check_diverged()
                 val_loss = self._evaluate_and_save(record, val_loss)
                 self._log(record)
-            if self.stop.stopping and self.dist.main:
+            if self.stop.stopping and self._takes_part:
                 self._save()
+        if self.saver is not None:
+            self.saver.finish()
         sample = None
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
-            sample = self.sample() if self.dist.main and t.sample_tokens and self.task.writes_text else None
+            sample = self.sample() if self._takes_part and t.sample_tokens and self.task.writes_text else None
         return TrainResult(
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val,
             skipped_steps=self.skipped_steps, tokens=self.tokens, elapsed_s=time.perf_counter() - start,
@@ -298,13 +312,14 @@ class Trainer:
 
         self.train_model.train()
         ce, aux = forward_backward(self.train_model, batches(), n, device=self.device, autocast=self.autocast,
-                                   loss_fn=self.task.loss)
+                                   loss_fn=self.task.loss, no_sync=self.parallel.no_sync(self.train_model))
+        self.parallel.sync_gradients()
         # one all-reduce carries the loss and any rank's stop request; gradients are already synchronized
         shared = torch.tensor([float(ce), float(self.stop.signal or 0)], dtype=torch.float64, device=self.device)
         loss, asked = self.dist.all_reduce_sum(shared).tolist()
         loss /= self.dist.world
         self.stop.agree(bool(asked))
-        grad_norm = clip_gradients(self.model.parameters(), t.grad_clip)
+        grad_norm = self.parallel.clip_gradients(self.model, t.grad_clip)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             # balance on the load summed over processes, so every rank's biases agree
@@ -336,7 +351,7 @@ class Trainer:
                 record.update({f"val_{k}": v for k, v in self.last_eval.metrics.items()})
                 extra = "".join(f", {k} {v:.4f}" for k, v in self.last_eval.metrics.items())
                 self._print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
-        if self.dist.main:
+        if self._takes_part:
             if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
                 self._save(best=improved)
             if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
@@ -344,34 +359,49 @@ class Trainer:
         return val_loss
 
     # ---- evaluation, checkpoints, samples
+    @property
+    def _takes_part(self) -> bool:
+        """Does this process evaluate, sample and save? Rank 0, or every rank when the model is
+        sharded (FSDP, expert parallel): a forward then needs them all."""
+        return self.dist.main or self.parallel.sharded
+
     def _evaluate(self) -> tuple[float | None, bool]:
-        """(validation loss, whether it is the best so far) on rank 0; (None, False) on other ranks."""
-        if not self.dist.main:
+        """(validation loss, whether it is the best so far) where :attr:`_takes_part`; (None, False) elsewhere.
+        Sharded, every process evaluates the same batches and takes rank 0's value, so all decide alike."""
+        if not self._takes_part:
             return None, False
         t = self.cfg.train
         self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
                                             max_batches=t.eval_batches, autocast=self.autocast)
         loss = self.last_eval.loss
+        if self.parallel.sharded:
+            mine = torch.tensor([loss if self.dist.main else 0.0], dtype=torch.float64, device=self.device)
+            loss = float(self.dist.all_reduce_sum(mine)[0])
         improved = self.best_val is None or loss < self.best_val
         if improved:
             self.best_val = loss
         return loss, improved
 
     def _save(self, best: bool = False) -> Path | None:
-        """Checkpoint the current step (rank 0), unless any weight is non-finite: a bad checkpoint
-        never joins the good ones. ``best`` points best.json at it. Prunes to keep_last plus the best."""
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+        """Checkpoint the current step (rank 0; every rank when sharded, with DCP), unless any weight
+        is non-finite: a bad checkpoint never joins the good ones. ``best`` points best.json at it.
+        Prunes to keep_last plus the best."""
+        if not self.parallel.all_finite(self.model.parameters(), self.dist):
             self._print(f"step {self.step}: weights are not finite; checkpoint not written")
             return None
-        state = {
-            "step": self.step, "optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps,
-            "tokens": self.tokens, "best_val": self.best_val,
-        }
+        counters = {"step": self.step, "skipped_steps": self.skipped_steps, "tokens": self.tokens,
+                    "best_val": self.best_val}
         root = self.run.checkpoints
-        self.last_checkpoint = ckpt.save_checkpoint(root, self.step, self.model, state, self.cfg.model.to_dict())
-        if best:
-            ckpt.write_best(root, self.step, self.best_val)
-        ckpt.prune(root, self.cfg.train.keep_last)
+        if self.saver is not None:
+            self.last_checkpoint = self.saver.save(root, self.step, self.model, self.optimizer, counters,
+                                                   self.cfg.model.to_dict())
+        else:
+            state = {**counters, "optimizer": self.optimizer.state_dict()}
+            self.last_checkpoint = ckpt.save_checkpoint(root, self.step, self.model, state, self.cfg.model.to_dict())
+        if self.dist.main:
+            if best:
+                ckpt.write_best(root, self.step, self.best_val)
+            ckpt.prune(root, self.cfg.train.keep_last)
         return self.last_checkpoint
 
     def _load_latest(self) -> None:
@@ -380,9 +410,12 @@ class Trainer:
             self._print(f"no checkpoint in {self.run.checkpoints} yet; starting from step 0")
             return
         step, path = found[-1]
-        ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
-        state = ckpt.load_state(path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.parallel.sharded or dcp.is_distributed(path):  # any layout, any number of processes
+            state = dcp.load_into(path, self.model, self.optimizer, self.parallel)
+        else:
+            ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
+            state = ckpt.load_state(path)
+            self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:  # hyperparameters come from the config, which may have changed
             group.update(betas=tuple(self.cfg.train.betas), eps=self.cfg.train.eps)
             group["weight_decay"] = self.cfg.train.weight_decay if group["weight_decay"] > 0 else 0.0
@@ -404,9 +437,10 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
-                                 seed=t.seed, eos_id=self.tokenizer.eos_id)
-            return prompt + "".join(pieces)
+            with self.parallel.whole_root():
+                pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
+                                     seed=t.seed, eos_id=self.tokenizer.eos_id)
+                return prompt + "".join(pieces)  # pieces is a generator: consume it gathered
         finally:
             self.model.train(was_training)
 
@@ -428,7 +462,10 @@ class Trainer:
             if aux:
                 record["aux_losses"] = aux
             if self.transformer.moe_layers:
-                record["moe"] = jsonable(self.transformer.moe_stats())
+                stats = self.transformer.moe_stats()
+                if self.dist.world > 1:  # every process's tokens (its last micro-batch), not rank 0's alone
+                    stats = global_moe_stats(stats, self.dist.all_reduce_sum, self.device)
+                record["moe"] = jsonable(stats)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.1e}", tok_s=f"{tps:,.0f}", refresh=False)
         self._window = (window_start, window_tokens)
@@ -470,7 +507,7 @@ class Trainer:
             f"training {self.task.noun} in {self.run_dir}: {n['total']:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
             f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "
             f"({t.batch_size} x {self.cfg.seq_len} x {t.grad_accum} accum) on {self.device}"
-            + (f" x {self.dist.world} processes" if self.dist.world > 1 else "")
+            + (f" x {self.dist.world} processes ({self._layout()})" if self.dist.world > 1 else "")
             + f"\ndata: {self.data.describe()}"
         )
 
@@ -479,14 +516,23 @@ class Trainer:
         """Finish the current step, save a checkpoint and return from ``fit`` (what Ctrl-C does)."""
         self.stop.signal = signum
 
-    def close(self) -> None:
+    def _layout(self) -> str:
+        t = self.cfg.train
+        parts = [t.parallel] + ([f"expert parallel {t.expert_parallel}"] if t.expert_parallel > 1 else [])
+        return ", ".join(parts)
+
+    def close(self, peers_lost: bool = False) -> None:
+        """Close the metrics and leave the process group; ``peers_lost``: other processes are gone
+        (see :meth:`Dist.close`)."""
+        if self.saver is not None and not peers_lost:
+            self.saver.finish()
         if self.log is not None:
             self.log.close()
             self.log = None
-        self.dist.close()
+        self.dist.close(peers_lost=peers_lost)
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(peers_lost=lost_peers(exc))
