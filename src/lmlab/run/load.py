@@ -14,10 +14,12 @@ from typing import Any, Mapping
 import torch
 
 from ..hf import from_hf
+from ..memory import check_fits, loading_memory
 from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig, load_config
 from .directory import CHECKPOINTS, CONFIG_FILE
+from .errors import CorruptFile, one_line
 from .tokenizer import load_tokenizer
 
 
@@ -52,6 +54,8 @@ def load_run(
         raise ValueError(f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)")
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
+    check_fits(lambda n: loading_memory(cfg.model, parameters=n), cfg.model, torch.device(device),
+               what=f"the model of {str(path)!r}", fix="check its config (and any --model.* overrides)")
     model = Transformer(cfg.model)
     ckpt.load_weights(model, where / ckpt.WEIGHTS)
     data_dir = path / cfg.data.dir
@@ -69,7 +73,10 @@ def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torc
     model = from_hf(path)
     if model_overrides:  # e.g. rope scaling: rebuild from the overridden config and keep the weights
         state = model.state_dict()
-        model = Transformer(model.config.override(model_overrides))
+        cfg = model.config.override(model_overrides)
+        check_fits(lambda n: loading_memory(cfg, parameters=n), cfg, torch.device(device),
+                   what=f"the model of {str(path)!r} with {sorted(overrides or {})}", fix="check the --model.* overrides")
+        model = Transformer(cfg)
         model.load_state_dict(state)
     return LoadedRun(model.to(device).eval(), HFTokenizer(path), None, path, None, None)
 
@@ -88,7 +95,11 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from None
-        self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
+            raise CorruptFile(f"{str(path / 'tokenizer.json')!r} is not a readable Hugging Face tokenizer "
+                              f"({one_line(e)[:160]}); copy it from the checkpoint again") from None
         self.vocab_size = self.tok.get_vocab_size()
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
         self.eos_id = eos[0] if isinstance(eos, list) else eos
