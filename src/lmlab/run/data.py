@@ -24,6 +24,7 @@ is the commit marker: shards without it are an unfinished ``prepare`` and are ne
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 from ..schema import Config, check_choice, check_positive
 from .atomic import fsync_dir, write_atomic
+from .lock import DirLock
 from .tokenizer import Tokenizer, train_tokenizer
 
 SEPARATOR = "\n\n"  # joins documents in the token stream
@@ -301,6 +303,25 @@ def _fingerprint(meta: dict) -> dict:
 
 
 def prepare(cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False) -> dict:
+    """:func:`prepare_unlocked` while holding ``out_dir``'s lock (``lock.py``), so that two processes
+    never write one data directory at once: the second waits, then finds the data prepared. Data on
+    a read-only file system (shared, prepared before) is read without the lock: nobody writes there."""
+    try:
+        lock = DirLock(out_dir, "data directory").acquire(wait=True)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return prepare_unlocked(cfg, out_dir, seq_len=seq_len, overwrite=overwrite)
+    try:
+        meta = prepare_unlocked(cfg, out_dir, seq_len=seq_len, overwrite=overwrite)
+    except BaseException:
+        lock.release(remove_created=True, with_contents=True)  # a failed call leaves no directory it created
+        raise
+    lock.release()
+    return meta
+
+
+def prepare_unlocked(cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False) -> dict:
     """Read ``cfg.source``, build the tokenizer, encode, split and write shards into ``out_dir``.
 
     Writes ``train.bin`` and ``val.bin`` (raw token ids, ``meta["dtype"]``), the tokenizer's files

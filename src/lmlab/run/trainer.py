@@ -19,6 +19,17 @@ uninterrupted run exactly, and the same config on 1 or W processes sees the same
 The trainer is a few small pieces: setup (data, model, optimizer), the step, evaluation,
 checkpointing, logging and stopping on a signal. The run directory's layout and checks are in
 directory.py, the records in metrics.py, the files in checkpoint.py.
+
+Nothing lost, nothing half-done:
+
+- setup locks the run directory (rank 0, for the life of the run), then checks everything
+  (the directory, the data, the estimated memory against the device's, the checkpoint to resume)
+  before its first write; a refused start leaves the directory as it was, and removes it if this
+  run created it;
+- each step's record is logged before the step's checkpoint is written, so a crash at any point
+  loses no record that a checkpoint covers (resume drops and repeats the records after it);
+- a checkpoint is written only from a step whose loss, gradient, weights, and the loss those
+  weights give, are finite, so "the last good checkpoint" of a diverged run evaluates finitely.
 """
 
 from __future__ import annotations
@@ -38,12 +49,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..memory import check_fits, max_memory_bytes, training_memory
 from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .data import TokenData, prepare
-from .directory import RunDir
+from .directory import DirLock, RunDir
 from .distributed import Dist, peak_flops, resolve_device
+from .errors import CorruptFile
 from .evaluate import evaluate
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, clip_gradients, learning_rate
@@ -159,10 +172,11 @@ class Trainer:
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = Dist.from_env(self.device)
         self.log: MetricsLog | None = None
+        self.lock: DirLock | None = None  # rank 0's hold on the run directory
         try:
             self._setup(cfg, resume, overwrite, command)
         except BaseException:
-            self.dist.close()
+            self._abandon()
             raise
 
     # ---- setup
@@ -172,24 +186,68 @@ class Trainer:
                 f"train.grad_accum={cfg.train.grad_accum} is not a multiple of the {self.dist.world} processes; the "
                 f"global batch is batch_size * grad_accum, so set train.grad_accum to a multiple of {self.dist.world}"
             )
-        self.dist.on_main(lambda: self.run.check(cfg, resume=resume, overwrite=overwrite))  # before any rank reads it
+        self.dist.on_main(lambda: self._claim(cfg, resume, overwrite))  # before any rank reads it
+        self._check_memory(cfg)  # before the data is prepared: a refused size leaves nothing behind
         self.cfg = self._setup_data(cfg, overwrite)
+        if self.cfg.model.vocab_size != cfg.model.vocab_size:
+            self._check_memory(self.cfg)
         self._setup_model()
         self.step, self.bad_steps, self.skipped_steps, self.tokens = 0, 0, 0, 0
         self.best_val: float | None = None
+        self.best_step: int | None = None
         self.last_checkpoint: Path | None = None
         self.stop = StopRequest(self.dist.world)
         if resume:
             self._load_latest()
         if self.dist.main:
-            if overwrite:
-                self.run.clear()
-            self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
-                                                       world_size=self.dist.world))
-            self.run.trim_metrics(self.step)
-            self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard, purge_step=self.step or None,
-                                  say=self._print)
+            self._start_records(overwrite, command)
         self.dist.barrier()
+
+    def _claim(self, cfg: RunConfig, resume: bool, overwrite: bool) -> None:
+        """Rank 0: lock the run directory for the life of the run, then check what it holds."""
+        self.lock = self.run.lock()
+        self.run.check(cfg, resume=resume, overwrite=overwrite)
+
+    def _check_memory(self, cfg: RunConfig) -> None:
+        """Refuse, before allocating, a run estimated to need more than the device has (or train.max_memory_gib)."""
+        t = cfg.train
+        bf16 = self.device.type == "cuda"
+        fix = "make the model, train.batch_size or the sequence length smaller"
+        if t.max_memory_gib is None:
+            fix += " (or set train.max_memory_gib if the estimate is wrong for this machine)"
+        check_fits(
+            lambda n: training_memory(cfg.model, batch_size=t.batch_size, seq_len=cfg.seq_len, parameters=n,
+                                      bytes_per_activation=2 if bf16 else 4),
+            cfg.model, self.device, what="training this model", limit_bytes=max_memory_bytes(t.max_memory_gib), fix=fix,
+        )
+
+    def _start_records(self, overwrite: bool, command: Sequence[str] | None) -> None:
+        """Rank 0's first writes, after every check has passed: replace an earlier run (``overwrite``),
+        drop records after the resumed step, append this session's provenance, open the log."""
+        if overwrite:
+            self.run.clear()
+        self.run.sweep_temporaries()
+        dropped = self.run.trim_metrics(self.step)
+        if dropped:
+            self._print(f"note: dropped {dropped} unreadable line(s) of {self.run.metrics}")
+        if self.best_step is not None:  # a crash between a checkpoint and best.json: point it at the best again
+            best = ckpt.read_best(self.run.checkpoints)
+            if (best or {}).get("step") != self.best_step and ckpt.step_dir(self.run.checkpoints, self.best_step).is_dir():
+                ckpt.write_best(self.run.checkpoints, self.best_step, self.best_val)
+        self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
+                                                   world_size=self.dist.world))
+        self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard, purge_step=self.step or None,
+                              say=self._print)
+
+    def _abandon(self) -> None:
+        """A start that failed: close what was opened; remove the run directory if this run created it."""
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        if self.lock is not None:
+            self.lock.release(remove_created=True, with_contents=True)
+            self.lock = None
+        self.dist.close()
 
     def _setup_data(self, cfg: RunConfig, overwrite: bool) -> RunConfig:
         """Prepare (or reuse) the run's data on rank 0, open its splits, and take the vocabulary from it."""
@@ -247,9 +305,13 @@ class Trainer:
                 self.step += 1
                 self.tokens += tokens_per_step
                 record = self._record(loss, grad_norm, aux, tokens_per_step, bar)
+                now, improved = None, False
+                if self.bad_steps < t.max_bad_steps:
+                    now, improved = self._evaluate_if_due(record)
+                    val_loss = now if now is not None else val_loss
+                self._log(record)  # before the checkpoint: a crash in between loses no record
                 self._check_diverged()
-                val_loss = self._evaluate_and_save(record, val_loss)
-                self._log(record)
+                self._save_if_due(improved, now)
             if self.stop.stopping and self.dist.main:
                 self._save()
         sample = None
@@ -303,20 +365,26 @@ class Trainer:
                 f"gradient (train.max_bad_steps={t.max_bad_steps}); last good checkpoint: {last}"
             )
 
-    def _evaluate_and_save(self, record: dict[str, Any], val_loss: float | None) -> float | None:
-        """At evaluation steps add val_loss to ``record``; checkpoint when due, improved or stopping."""
-        t, improved = self.cfg.train, False
-        if self.step % t.eval_every == 0 or self.step == t.steps:
-            val_loss, improved = self._evaluate()
-            if val_loss is not None:
-                record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
-                self._print(f"step {self.step}: val loss {val_loss:.4f}" + (" (best)" if improved else ""))
-        if self.dist.main:
-            if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
-                self._save(best=improved)
-            if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps:
-                self._print(f"sample at step {self.step}: {self.sample()!r}")
-        return val_loss
+    def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
+        """At evaluation steps add val_loss to ``record``; returns (this step's val loss or None, improved)."""
+        t = self.cfg.train
+        if not (self.step % t.eval_every == 0 or self.step == t.steps):
+            return None, False
+        val_loss, improved = self._evaluate()
+        if val_loss is not None:
+            record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
+            self._print(f"step {self.step}: val loss {val_loss:.4f}" + (" (best)" if improved else ""))
+        return val_loss, improved
+
+    def _save_if_due(self, improved: bool, val_loss: float | None) -> None:
+        """Rank 0: checkpoint when due, improved or stopping; print a sample when due."""
+        t = self.cfg.train
+        if not self.dist.main:
+            return
+        if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
+            self._save(best=improved, val_loss=val_loss)
+        if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps:
+            self._print(f"sample at step {self.step}: {self.sample()!r}")
 
     # ---- evaluation, checkpoints, samples
     def _evaluate(self) -> tuple[float | None, bool]:
@@ -326,20 +394,24 @@ class Trainer:
         t = self.cfg.train
         loss = evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
                         max_batches=t.eval_batches, autocast=self.autocast).loss
-        improved = self.best_val is None or loss < self.best_val
+        improved = math.isfinite(loss) and (self.best_val is None or loss < self.best_val)
         if improved:
-            self.best_val = loss
+            self.best_val, self.best_step = loss, self.step
         return loss, improved
 
-    def _save(self, best: bool = False) -> Path | None:
-        """Checkpoint the current step (rank 0), unless any weight is non-finite: a bad checkpoint
-        never joins the good ones. ``best`` points best.json at it. Prunes to keep_last plus the best."""
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
-            self._print(f"step {self.step}: weights are not finite; checkpoint not written")
+    def _save(self, best: bool = False, val_loss: float | None = None) -> Path | None:
+        """Checkpoint the current step (rank 0) if it is a good one (see :meth:`_unsaveable`): a bad
+        checkpoint never joins the good ones. ``best`` points best.json at it. Prunes to keep_last
+        plus the best. The records logged so far are made durable first."""
+        why_not = self._unsaveable(val_loss)
+        if why_not:
+            self._print(f"step {self.step}: checkpoint not written: {why_not}")
             return None
+        if self.log is not None:
+            self.log.sync()
         state = {
             "step": self.step, "optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps,
-            "tokens": self.tokens, "best_val": self.best_val,
+            "tokens": self.tokens, "best_val": self.best_val, "best_step": self.best_step,
         }
         root = self.run.checkpoints
         self.last_checkpoint = ckpt.save_checkpoint(root, self.step, self.model, state, self.cfg.model.to_dict())
@@ -347,6 +419,23 @@ class Trainer:
             ckpt.write_best(root, self.step, self.best_val)
         ckpt.prune(root, self.cfg.train.keep_last)
         return self.last_checkpoint
+
+    def _unsaveable(self, val_loss: float | None) -> str | None:
+        """Why this step must not be checkpointed, or None: its own loss or gradient was not finite,
+        a weight is not finite, or the weights give a non-finite loss (``val_loss`` when this step
+        was evaluated, else one validation batch). A huge but finite update passes the first two
+        and fails the third: the checkpoint named after a divergence must evaluate finitely."""
+        if self.bad_steps:
+            return "this step's loss or gradient was not finite"
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            return "weights are not finite"
+        if val_loss is None:
+            t = self.cfg.train
+            val_loss = evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
+                                max_batches=1, autocast=self.autocast).loss
+        if not math.isfinite(val_loss):
+            return f"the weights give a validation loss of {val_loss}"
+        return None
 
     def _load_latest(self) -> None:
         found = ckpt.list_checkpoints(self.run.checkpoints)
@@ -356,12 +445,17 @@ class Trainer:
         step, path = found[-1]
         ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
         state = ckpt.load_state(path)
+        missing = [k for k in ("step", "optimizer", "skipped_steps", "tokens", "best_val") if k not in state]
+        if missing:
+            raise CorruptFile(f"checkpoint state {str(path / ckpt.STATE)!r} lacks {missing}: it is not lmlab's training "
+                              f"state; {ckpt.REMEDY}")
+        ckpt.read_best(self.run.checkpoints)  # a damaged best.json is refused now, not at the first save
         self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:  # hyperparameters come from the config, which may have changed
             group.update(betas=tuple(self.cfg.train.betas), eps=self.cfg.train.eps)
             group["weight_decay"] = self.cfg.train.weight_decay if group["weight_decay"] > 0 else 0.0
         self.step, self.skipped_steps, self.tokens = state["step"], state["skipped_steps"], state["tokens"]
-        self.best_val = state["best_val"]
+        self.best_val, self.best_step = state["best_val"], state.get("best_step")
         self.last_checkpoint = path
         self._print(f"resumed from {path} (step {step})")
 
@@ -456,6 +550,9 @@ class Trainer:
         if self.log is not None:
             self.log.close()
             self.log = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
         self.dist.close()
 
     def __enter__(self) -> "Trainer":
