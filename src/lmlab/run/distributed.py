@@ -13,6 +13,9 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import EnvironmentFailure, one_line
+
+
 @dataclasses.dataclass
 class Dist:
     """This process's place under ``torchrun`` (rank 0 of 1 without it)."""
@@ -54,22 +57,30 @@ class Dist:
             dist.barrier()
 
     def on_main(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only and give every rank its result, or its ValueError/FileNotFoundError."""
+        """Run ``fn`` on rank 0 only and give every rank its result, or its failure: rank 0 raises
+        the exception itself, the others a ValueError / FileNotFoundError (bad input), an
+        EnvironmentFailure (an OSError or EnvironmentFailure on rank 0) or a RuntimeError, with its
+        message. So no rank is left waiting for a broadcast that rank 0 never reaches."""
         outcome: list[Any] = [None]
+        failure: Exception | None = None
         if self.main:
             try:
                 outcome = [("ok", fn())]
-            except (ValueError, FileNotFoundError) as e:
-                outcome = [(type(e).__name__, str(e))]
+            except Exception as e:
                 if self.world == 1:
                     raise
+                failure = e
+                outcome = [(failure_kind(e), one_line(e))]
         if self.world > 1:
             import torch.distributed as dist
 
             dist.broadcast_object_list(outcome, src=0)
         kind, value = outcome[0]
         if kind != "ok":
-            raise (ValueError if kind == "ValueError" else FileNotFoundError)(value)
+            if failure is not None:
+                raise failure
+            raise {"bad input": ValueError, "missing": FileNotFoundError, "environment": EnvironmentFailure}.get(
+                kind, RuntimeError)(value)
         return value
 
     def close(self) -> None:
@@ -80,6 +91,17 @@ class Dist:
 
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+
+
+def failure_kind(e: Exception) -> str:
+    """How another rank should re-raise ``e``: see ``Dist.on_main``."""
+    if isinstance(e, FileNotFoundError):
+        return "missing"
+    if isinstance(e, ValueError):
+        return "bad input"
+    if isinstance(e, (OSError, EnvironmentFailure)):
+        return "environment"
+    return "error"
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
