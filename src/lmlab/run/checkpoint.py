@@ -147,8 +147,10 @@ def save_checkpoint(
         save_weights(model, tmp / WEIGHTS, model_config)
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):  # name the files users know
+            e.filename = str(final) + str(e.filename)[len(str(tmp)):]
         raise
     fsync_dir(root)
     return final

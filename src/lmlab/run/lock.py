@@ -13,8 +13,9 @@ The lock is ``flock(LOCK_EX)`` on a file inside the directory, holding the owner
 operating system drops it when the process dies, however it dies, so a crash never leaves a
 stale lock behind. The file is removed on release while still locked; a process that opened it
 meanwhile finds that the path no longer names the file it locked, and starts over, so two
-processes never both believe they hold the lock. Within one process the lock is re-entrant
-(data prepared inside a run directory that the same run has locked).
+processes never both believe they hold the lock. Within one process, a second non-blocking
+acquire is refused like another process's; a blocking one (``prepare`` into the directory of
+the run that called it, data.dir=".") proceeds, since it would otherwise wait for itself.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class DirLock:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.created = missing
         self.key = self.path.resolve()
-        if self.key in _held:  # this process holds it already
+        if self.key in _held:  # this process holds it: waiting would be for ever, so a waiter proceeds
+            if not wait:
+                raise self._in_use(f"process {os.getpid()} (this one)")
             _held[self.key] += 1
             return self
         while True:
@@ -84,13 +87,14 @@ class DirLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         who = f"process {holder}" if holder.isdigit() else "another process"
         if not wait:
-            raise DirectoryInUse(
-                f"{self.what} {str(self.dir)!r} is in use by {who} (it holds {str(self.path)!r}); wait for it to "
-                "finish or stop it, or choose another directory"
-            )
+            raise self._in_use(who)
         if say is not None:
             say(f"waiting for {who}, which is writing {self.what} {str(self.dir)!r}")
         fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def _in_use(self, who: str) -> DirectoryInUse:
+        return DirectoryInUse(f"{self.what} {str(self.dir)!r} is in use by {who} (it holds {str(self.path)!r}); wait "
+                              "for it to finish or stop it, or choose another directory")
 
     def _names(self, fd: int) -> bool:
         try:
