@@ -14,6 +14,7 @@ line turns each into one line on stderr and its exit status, and nowhere else.
 from __future__ import annotations
 
 import errno
+import os
 import re
 from pathlib import Path
 
