@@ -459,7 +459,7 @@ def test_exit_codes_are_documented_in_every_help(capsys):
 def test_every_environment_failure_maps_to_exit_3_with_one_line():
     cases = {
         OSError(errno.ENOSPC, "No space left on device", "/d/f"): "no space left on the device holding '/d/f'; free some space",
-        PermissionError(errno.EACCES, "Permission denied", "/d/f"): "permission denied for '/d/f'; make it writable",
+        PermissionError(errno.EACCES, "Permission denied", "/d/f"): "permission denied for '/d/f'; check its permissions",
         OSError(errno.EROFS, "Read-only file system", "/d/f"): "read-only file system holds '/d/f'; choose a directory",
         OSError(errno.EIO, "Input/output error", "/d/f"): "I/O error on '/d/f'; the disk may be failing",
         OSError(errno.EFBIG, "File too large", "/d/f"): "file size limit reached writing '/d/f'",

@@ -290,8 +290,9 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         print(f"stopped at step {result.step}; checkpoint {result.checkpoint}; continue with: "
               f"lmlab train --run-dir {run_dir} --resume")
         return 128 + result.stopped_by
+    best = "none" if result.best_val_loss is None else f"{result.best_val_loss:.4f}"  # None: no finite val loss
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
-          f"(perplexity {math.exp(min(result.val_loss, 700.0)):.2f}), best {result.best_val_loss:.4f}; checkpoint {result.checkpoint}"
+          f"(perplexity {math.exp(min(result.val_loss, 700.0)):.2f}), best {best}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
     if result.sample is not None:
         print("sample:\n" + result.sample)
@@ -306,6 +307,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
 
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
+    if args.buckets < 1:
+        raise UsageError(f"--buckets {args.buckets} is not valid; give 1 or more position ranges")
     if args.data is None and is_hf_dir(args.run):
         raise UsageError(f"{args.run!r} is a Hugging Face checkpoint; give prepared data to evaluate on with --data DIR")
     run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device))
@@ -313,8 +316,6 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     seq_len = args.seq_len or train_len
     if seq_len <= 0 or args.batch_size <= 0:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
-    if args.buckets < 1:
-        raise UsageError(f"--buckets {args.buckets} is not valid; give 1 or more position ranges")
     data_dir = Path(args.data) if args.data else run.data_dir
     data = TokenData(data_dir, args.split)
     start = time.perf_counter()

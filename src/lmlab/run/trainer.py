@@ -54,10 +54,11 @@ from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .data import TokenData, prepare
-from .directory import DirLock, RunDir
+from .directory import RunDir
 from .distributed import Dist, peak_flops, resolve_device
 from .errors import CorruptFile
 from .evaluate import evaluate
+from .lock import DirLock
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, clip_gradients, learning_rate
 from .provenance import provenance
