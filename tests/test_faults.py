@@ -524,6 +524,17 @@ def test_metrics_are_strict_json_and_unreadable_lines_never_block_a_resume(tmp_p
     run.metrics.write_bytes(good + b'{"step": 3, "loss": 2.')
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # a torn last line is a crash: skipped
 
+    class FullDisk(io.StringIO):
+        def flush(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as Python reports it: no file name
+
+    log = MetricsLog(run, tensorboard=False, purge_step=None)
+    log.file.close()
+    log.file = FullDisk()
+    with pytest.raises(OSError) as e:
+        log.write({"step": 3})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(run.metrics)  # named, for the one-line message
+
 
 def test_resume_through_a_damaged_metrics_file(trained, tmp_path, capsys):
     run = tmp_path / "run"

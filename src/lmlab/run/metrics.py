@@ -38,7 +38,8 @@ class MetricsLog:
             self.file.write(json_line(record))
             self.file.flush()
         except OSError as e:
-            raise write_failure(e, self.path) from e
+            write_failure(e, self.path)  # names the file
+            raise
         if self.tb is not None:
             for key, value in scalars(record):
                 if key != "step":
@@ -49,7 +50,8 @@ class MetricsLog:
         try:
             os.fsync(self.file.fileno())
         except OSError as e:
-            raise write_failure(e, self.path) from e
+            write_failure(e, self.path)
+            raise
 
     def close(self) -> None:
         self.file.close()
