@@ -101,8 +101,10 @@ def check_crashed_state(run: Path) -> None:
         json.loads(line)
 
 
-KILLS = [("replace", (4, 30)), ("fsync", (3, 25)), ("rmtree", (1, 3)), ("checkpointed", (1, 4)), ("logged", (2, 9)),
-         ("time", (1, 9))]
+# (point, range of n): n is drawn per seed. fsync 5 is fixed: inside prepare, meta.json written but
+# not yet published (a one-off sweep of 48 kills found the temporary file it left behind).
+KILLS = [("fsync", (5, 5)), ("replace", (4, 30)), ("fsync", (3, 25)), ("rmtree", (1, 3)), ("checkpointed", (1, 4)),
+         ("logged", (2, 9)), ("time", (1, 9))]
 
 
 @pytest.mark.slow

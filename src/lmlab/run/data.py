@@ -312,6 +312,8 @@ def prepare(cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None,
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         return prepare_unlocked(cfg, out_dir, seq_len=seq_len, overwrite=overwrite)
+    for stale in Path(out_dir).glob(".*.tmp"):  # an atomic write a killed process left half-done
+        stale.unlink(missing_ok=True)
     try:
         meta = prepare_unlocked(cfg, out_dir, seq_len=seq_len, overwrite=overwrite)
     except BaseException:
