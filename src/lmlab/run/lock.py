@@ -57,6 +57,15 @@ class DirLock:
         missing = [p for p in (self.dir, *self.dir.parents) if not p.exists()]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.created = missing
+        try:
+            return self._lock(wait, say)
+        except BaseException:
+            for p in missing:  # refused: leave no empty directory behind
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+            raise
+
+    def _lock(self, wait: bool, say: Callable[[str], None] | None) -> "DirLock":
         self.key = self.path.resolve()
         if self.key in _held:  # this process holds it: waiting would be for ever, so a waiter proceeds
             if not wait:
@@ -101,10 +110,6 @@ class DirLock:
             return os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
-
-    @property
-    def held(self) -> bool:
-        return self.key is not None and self.key in _held
 
     def release(self, *, remove_created: bool = False, with_contents: bool = False) -> None:
         """Unlock. ``remove_created``: also remove the directories ``acquire`` created, while empty;
