@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 import lmlab
 from lmlab.run import checkpoint as ckpt
+from lmlab.run.errors import CorruptFile
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
 
@@ -64,7 +65,7 @@ def test_mismatch_names_the_tensor_and_the_config_field(tmp_path):
 
 def test_damaged_or_missing_weights_are_reported(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(ValueError, match="bad.safetensors.*damaged"):
+    with pytest.raises(CorruptFile, match="bad.safetensors.*damaged"):  # the environment (exit 3), not bad input
         ckpt.load_weights(model(), tmp_path / "bad.safetensors")
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         ckpt.load_weights(model(), tmp_path / "nope.safetensors")

@@ -219,8 +219,11 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
         trainer.model.embed.weight.register_hook(
             lambda g: g * float("inf") if trainer.step + 1 in bad_grad else None)
         result = trainer.fit()
-    logged = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
-    assert math.isnan(logged[2]["loss"]) and not math.isfinite(logged[4]["grad_norm"]) and math.isfinite(logged[4]["loss"])
+    def strict(line):  # bare NaN / Infinity are not JSON: they must be written as null
+        return json.loads(line, parse_constant=lambda c: pytest.fail(f"metrics.jsonl holds a bare {c}"))
+
+    logged = {r["step"]: r for r in map(strict, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert logged[2]["loss"] is None and logged[4]["grad_norm"] is None and math.isfinite(logged[4]["loss"])
     assert [logged[s]["skipped_steps"] for s in range(1, 7)] == [0, 1, 1, 2, 2, 2]
     assert result.skipped_steps == 2 and math.isfinite(result.val_loss)
     assert torch.equal(snapshots[2], snapshots[1]) and torch.equal(snapshots[4], snapshots[3])  # no update

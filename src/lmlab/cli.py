@@ -12,8 +12,11 @@
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
 
 Bad input (a missing file, an unknown config key, a checkpoint that does not match its config,
-...) is one line on stderr and exit status 2, before anything is written. The library raises
-ValueError / FileNotFoundError; they become that message here and nowhere else.
+...) is one line on stderr and exit status 2, before anything is written. A failure of the
+environment (a full disk, no permission, a read-only file system, a corrupt file, a device that
+cannot be used) is one line naming the file or device and exit status 3. The library raises
+ValueError / FileNotFoundError and EnvironmentFailure / OSError; :func:`exit_status` turns them
+into those messages here and nowhere else. Anything else is a bug, and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -27,17 +30,15 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .run.errors import EXIT_ENVIRONMENT, EnvironmentFailure, one_line
+from .run.errors import EXIT_DIVERGED, EXIT_ENVIRONMENT, EXIT_USAGE, EnvironmentFailure, describe_os_error, one_line
 from .schema import suggest
-
-EXIT_DIVERGED = 1  # training stopped by max_bad_steps consecutive non-finite steps
-EXIT_USAGE = 2  # bad input: nothing was written
 
 EXIT_CODES = """exit status:
   0    done
   1    training stopped after train.max_bad_steps consecutive non-finite steps (the last good checkpoint is kept)
-  2    bad input; nothing was written
-  3    the environment: a damaged or foreign file, a full disk, no permission
+  2    bad input (a config, path or argument; a directory another lmlab process is using); nothing was written
+  3    the environment failed: a full disk, no permission, a read-only file system, a corrupt or foreign
+       file, a device that cannot be used, not enough memory; nothing half-written is left behind
   130  stopped by Ctrl-C, 143 by SIGTERM, after saving a checkpoint (continue with --resume)"""
 
 OVERRIDES = "config fields: any field as --SECTION.FIELD VALUE (or =VALUE), e.g. --model.n_layers 6 --train.lr 3e-4"
@@ -54,6 +55,17 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number (``inf`` and ``nan`` are refused like any non-number)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def paragraphs(*paragraphs: str) -> str:
@@ -132,7 +144,7 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="vocabulary size (bpe only)")
     p.add_argument("--bpe-sample-mb", type=float, default=d.bpe_sample_mb,
                    help="bpe: train the tokenizer on a uniform sample of about this many MB of training text")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of documents (or tokens) held out for validation")
+    p.add_argument("--val-fraction", type=finite_float, default=d.val_fraction, help="share of documents (or tokens) held out for validation")
     p.add_argument("--task", default="lm", help="lm, or classify: JSONL rows with a text and a label field")
     p.add_argument("--label-field", default=d.label_field, help="classify: JSONL / dataset field holding the label")
     p.add_argument("--text-field", default=d.text_field, help="JSONL / dataset field holding the text")
@@ -184,9 +196,9 @@ def add_generate_parser(sub) -> None:
     add_run_args(g)
     g.add_argument("--prompt", default="The ", help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    g.add_argument("--temperature", type=finite_float, default=0.8, help="softmax temperature; 0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    g.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of probability >= p")
+    g.add_argument("--top-p", type=finite_float, default=None, help="sample within the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
     g.add_argument("--tokenizer", default=None, help="a tokenizer.json, or a directory holding one, instead of the model's own")
 
@@ -239,22 +251,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    from .run.trainer import TrainingDiverged
-
     try:
         return COMMANDS[args.command](args, overrides, argv)
-    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except TrainingDiverged as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
-    except EnvironmentFailure as e:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Exception as e:
+        status = exit_status(e)
+        if status is None:  # a bug: keep the traceback
+            raise
+        print(f"{prog}: error: {status[1]}", file=sys.stderr)
+        return status[0]
+
+
+BAD_PATHS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)  # a path the user gave
+
+
+def exit_status(e: Exception) -> tuple[int, str] | None:
+    """(exit status, one-line message) for an exception a command raised, or None for a bug.
+    See EXIT_CODES and ``lmlab.run.errors``."""
+    import torch
+
+    from .run.trainer import TrainingDiverged
+
+    if isinstance(e, TrainingDiverged):
+        return EXIT_DIVERGED, one_line(e)
+    if isinstance(e, (ValueError, *BAD_PATHS)):
+        return EXIT_USAGE, one_line(e)
+    if isinstance(e, EnvironmentFailure):
+        return EXIT_ENVIRONMENT, one_line(e)
+    if isinstance(e, OSError):
+        return EXIT_ENVIRONMENT, describe_os_error(e)
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
+        return EXIT_ENVIRONMENT, (f"out of memory ({one_line(e)[:200]}); make the model, the batch or the sequence "
+                                  "length smaller, or free memory")
+    if isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return EXIT_ENVIRONMENT, f"the device failed ({one_line(e)[:200]}); check it (nvidia-smi) or use another --device"
+    return None
 
 
 # ============================================================== commands
@@ -301,8 +335,9 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         print(f"stopped at step {result.step}; checkpoint {result.checkpoint}; continue with: "
               f"lmlab train --run-dir {run_dir} --resume")
         return 128 + result.stopped_by
+    best = "none" if result.best_val_loss is None else f"{result.best_val_loss:.4f}"  # None: no finite val loss
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
-          f"(perplexity {math.exp(result.val_loss):.2f}), best {result.best_val_loss:.4f}; checkpoint {result.checkpoint}"
+          f"(perplexity {math.exp(min(result.val_loss, 700.0)):.2f}), best {best}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
     unigram = trainer.meta.get("unigram_loss")
     if unigram is not None and result.val_loss >= unigram:
@@ -322,6 +357,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
 
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
+    if args.buckets < 1:
+        raise UsageError(f"--buckets {args.buckets} is not valid; give 1 or more position ranges")
     if args.data is None and is_hf_dir(args.run):
         raise UsageError(f"{args.run!r} is a Hugging Face checkpoint; give prepared data to evaluate on with --data DIR")
     if args.buckets <= 0:
@@ -446,21 +483,26 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
 
 
 def set_threads(n: int | None) -> None:
-    if n:
-        import torch
+    if n is None:
+        return
+    if n < 1:
+        raise UsageError(f"--threads {n} is not valid; give 1 or more (or leave it out for torch's choice)")
+    import torch
 
-        torch.set_num_threads(n)
+    torch.set_num_threads(n)
 
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments.sweep import SweepInterrupted, load_spec, run_sweep
+    from .run.lock import locked
 
     set_threads(args.threads)
     spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds)
     out = Path(args.out or Path("sweeps") / spec.name)
-    print(f"sweep {spec.name}: {len(spec.variants)} variants x {len(spec.seeds)} seeds -> {out}", flush=True)
     try:
-        run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True))
+        with locked(out, "sweep directory"):
+            print(f"sweep {spec.name}: {len(spec.variants)} variants x {len(spec.seeds)} seeds -> {out}", flush=True)
+            run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True))
     except SweepInterrupted as e:
         print(str(e), file=sys.stderr)
         return 130
@@ -471,11 +513,13 @@ def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
 def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments import run_experiment
     from .experiments.sweep import SweepInterrupted
+    from .run.lock import locked
 
     set_threads(args.threads)
     command = " ".join(["lmlab", *argv]) if args.command_line is None else args.command_line
     try:
-        report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command)
+        with locked(args.out, "experiment directory"):
+            report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command)
     except SweepInterrupted as e:
         print(str(e), file=sys.stderr)
         return 130

@@ -112,7 +112,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
-        init_weights(self, cfg)
+        if not self.embed.weight.is_meta:  # built on the meta device (shapes only, for accounting): no values to draw
+            init_weights(self, cfg)
 
     # ---- forward
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -4,6 +4,10 @@ Every config in lmlab is a keyword-only dataclass that inherits :class:`Config`.
 itself in ``__post_init__`` (raising ``ValueError`` that names the field, the value and what
 would be valid), round-trips through dicts, JSON and YAML, and rejects unknown keys with a
 "did you mean" suggestion. Nested configs are plain dataclass fields.
+
+Every ``float`` field must be finite: ``inf`` is refused like ``nan`` (no field of lmlab means
+"unbounded" by infinity). YAML is read by :func:`read_yaml` / :func:`parse_yaml`, which refuse a
+key given twice in one mapping (plain YAML keeps the last silently), naming the key and lines.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -82,14 +87,19 @@ def _to_int(name: str, value: Any) -> int:
 
 
 def _to_float(name: str, value: Any) -> float:
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        number = float(value)
+    elif isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise ValueError(f"{name}={value!r} is not a number")
+    if number is None:
+        raise ValueError(f"{name}={value!r} is not a number")
+    if not math.isfinite(number):
+        raise ValueError(f"{name}={value!r} is not valid; it must be a finite number")
+    return number
 
 
 def _to_str(name: str, value: Any) -> str:
@@ -234,9 +244,51 @@ class Config:
 
     @classmethod
     def from_yaml(cls: type[C], path_or_text: str | Path) -> C:
-        import yaml
+        return cls.from_dict(_load_text(path_or_text, lambda text: parse_yaml(text, "config")) or {})
 
-        return cls.from_dict(_load_text(path_or_text, yaml.safe_load) or {})
+
+# ---------------------------------------------------------------- YAML, strictly
+def parse_yaml(text: str, what: str) -> Any:
+    """YAML ``text`` as Python data (safe: no arbitrary objects), refusing a mapping that gives a key
+    twice. ``what`` names the source in messages, e.g. "config file 'run.yaml'"."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then explicit keys: overriding is the point
+                continue
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key: SafeLoader's own message follows
+                break
+            if first is not None:
+                raise ValueError(f"{what}: key {key!r} is given twice (lines {first} and {line}); keep one")
+            lines[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{what} is not valid YAML{where}") from None
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """:func:`parse_yaml` of a file; a file that is not UTF-8 text is refused naming it."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text (byte offset {e.start}); save it as UTF-8") from None
+    return parse_yaml(text, what)
 
 
 def _load_text(path_or_text: str | Path, parse: Any) -> Any:

@@ -62,7 +62,7 @@ from ..run.directory import CHECKPOINTS
 from ..run.errors import one_line
 from ..run.metrics import jsonable
 from ..run.trainer import Trainer, TrainingDiverged
-from ..schema import suggest
+from ..schema import read_yaml, suggest
 from .report import figure, fmt, markdown_table, mean_std, write_csv
 
 RESULT_FILE = "result.json"  # a finished run: its row of the table
@@ -211,15 +211,10 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
 
 def load_spec(path: str | Path, *, quick: bool = False, seeds: int | None = None) -> SweepSpec:
     """Read, parse and fully validate a spec file (every variant's config is built)."""
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sweep spec {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError:
-        raise ValueError(f"sweep spec {str(p)!r} is not valid YAML") from None
+    data = read_yaml(p, f"sweep spec {str(p)!r}")  # duplicate keys refused, naming key and lines
     spec = parse_spec(data, str(p))
     if seeds is not None:
         if seeds < 1:

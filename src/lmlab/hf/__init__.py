@@ -54,6 +54,8 @@ from typing import Any, Mapping
 import torch
 
 from ..config import ModelConfig
+from ..errors import CorruptFile, one_line
+from ..memory import check_fits, loading_memory
 from ..model import Transformer
 from . import dense, moe  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
@@ -140,6 +142,8 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     path = Path(path)
     hf = read_config(path)
     cfg = config_from_hf(hf)
+    check_fits(lambda n: loading_memory(cfg, parameters=n), cfg, torch.device("cpu"),
+               what=f"the model of {str(path / 'config.json')!r}", fix="check config.json's sizes")
     target = _resolve_dtype(dtype) if dtype != "auto" else None
     tensors = read_safetensors(path)
     if target is None:  # "auto": the stored dtype
@@ -191,12 +195,11 @@ PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "mod
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json."""
-    from safetensors.torch import load_file
-
+    """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json;
+    a file that is not safetensors raises :class:`lmlab.errors.CorruptFile` naming it."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return _load_shard(single)
     if not index.is_file():
         pickles = [name for name in PICKLES if (path / name).is_file()]
         if pickles:
@@ -217,11 +220,23 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"shard {shard!r} listed in {str(index)!r} is not a file name inside the checkpoint directory")
         if not file.is_file():
             raise ValueError(f"shard {shard!r} listed in {str(index)!r} does not exist in {str(path)!r}")
-        tensors.update(load_file(file))
+        tensors.update(_load_shard(file))
     absent = sorted(set(weight_map) - set(tensors))
     if absent:
         raise ValueError(f"{str(index)!r} lists tensors that its shards do not hold: {_names(absent)}")
     return tensors
+
+
+def _load_shard(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(file)
+    except OSError:
+        raise
+    except Exception as e:  # safetensors' own error type: a truncated file, or not safetensors at all
+        raise CorruptFile(f"{str(file)!r} is not a readable safetensors file ({one_line(e)[:160]}); it is truncated "
+                          "or of another format: download or convert the checkpoint again") from None
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

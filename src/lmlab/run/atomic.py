@@ -4,6 +4,12 @@ The new content goes to a temporary file in the same directory, which is fsynced
 the target with ``os.replace`` (atomic on POSIX), and then the directory itself is fsynced so the
 rename survives a power cut. Every file lmlab writes (checkpoints, configs, token shards,
 tokenizers, sweep results) goes through here.
+
+A failure to write (a full disk, no permission, a read-only file system) removes the temporary
+file and raises an ``OSError`` that names the target, or an ``EnvironmentFailure`` where the
+writer (torch's) does not say which OS error it met. The new file gets the permissions a plain
+``open`` would give it (0644 under the usual umask 022), or the old file's: ``mkstemp`` creates
+0600 files and safetensors recreates the file it writes, so the mode is set after writing.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from .errors import write_failure
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -28,22 +36,42 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def default_file_mode() -> int:
+    """0666 less the process's umask: the mode ``open`` gives a new file (0644 under umask 022)."""
+    try:  # Linux reports the umask without changing it (os.umask would, for every thread, briefly)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Write ``path`` through ``write(tmp_path)``, then fsync, rename into place, fsync the directory."""
     path = Path(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
+    tmp: Path | None = None
     try:
-        # mkstemp creates 0600; give the file the usual permissions (or keep the old file's)
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        mode = path.stat().st_mode & 0o777 if path.is_file() else default_file_mode()
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
         write(tmp)
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is not None and str(e.filename or "").startswith(str(path.parent / f".{path.name}.")):
+            e.filename = str(path)  # our temporary file: name the file the user knows instead
+        failure = write_failure(e, path)
+        if failure is None or failure is e:
+            raise
+        raise failure from e
     fsync_dir(path.parent)
 
 

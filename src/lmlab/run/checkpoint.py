@@ -15,6 +15,7 @@ run's config.yaml) goes through :func:`atomic_write`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -25,11 +26,13 @@ import torch
 from torch import nn
 
 from .atomic import atomic_write, atomic_write_text, fsync_dir
+from .errors import CorruptFile, one_line
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 BEST = "best.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+REMEDY = "delete its step_* directory to fall back to the checkpoint before it"
 
 
 # ============================================================== weights
@@ -74,8 +77,8 @@ def _config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "
 
 def load_weights(model: nn.Module, path: str | Path) -> dict[str, str]:
     """Load safetensors weights into ``model`` (re-tying shared tensors), or raise a ValueError that
-    names the first mismatching tensor and, where the checkpoint records it, the differing config field.
-    Returns the file's metadata."""
+    names the first mismatching tensor and, where the checkpoint records it, the differing config field
+    (:class:`CorruptFile` for a file that is not safetensors). Returns the file's metadata."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -86,8 +89,11 @@ def load_weights(model: nn.Module, path: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
         tensors = load_file(str(path))
+    except OSError:
+        raise
     except Exception as e:  # safetensors raises its own error types for damaged files
-        raise ValueError(f"checkpoint weights {str(path)!r} cannot be read ({e}); the file is damaged") from None
+        raise CorruptFile(f"checkpoint weights {str(path)!r} cannot be read ({one_line(e)[:160]}); the file is damaged: "
+                          f"{REMEDY}") from None
     for alias, name in json.loads(metadata.get("aliases", "{}")).items():
         tensors[alias] = tensors[name]
 
@@ -134,15 +140,17 @@ def save_checkpoint(
     if final.exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    _sweep(root)
+    sweep_temporaries(root)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir()
         save_weights(model, tmp / WEIGHTS, model_config)
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):  # name the files users know
+            e.filename = str(final) + str(e.filename)[len(str(tmp)):]
         raise
     fsync_dir(root)
     return final
@@ -155,16 +163,38 @@ def load_state(path: str | Path) -> dict[str, Any]:
         path = path / STATE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint state {str(path)!r} does not exist")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # a damaged zip, a foreign pickle refused by weights_only, a truncated file
+        raise CorruptFile(f"checkpoint state {str(path)!r} cannot be read ({one_line(e)[:160]}); the file is damaged: "
+                          f"{REMEDY}") from None
+    if not isinstance(state, dict):
+        raise CorruptFile(f"checkpoint state {str(path)!r} holds a {type(state).__name__}, not lmlab's training state: "
+                          f"{REMEDY}")
+    return state
 
 
 def read_best(root: str | Path) -> dict[str, Any] | None:
+    """best.json as {"step": int, "val_loss": float}, None if there is none; CorruptFile if it is not that."""
     p = Path(root) / BEST
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not p.is_file():
+        return None
+    try:
+        best = json.loads(p.read_bytes())
+    except ValueError:  # not JSON, or not UTF-8
+        best = None
+    ok = isinstance(best, dict) and isinstance(best.get("step"), int) and not isinstance(best["step"], bool)
+    if not ok:
+        raise CorruptFile(f"{str(p)!r} is not an lmlab best.json ({{\"step\": N, \"val_loss\": x}}); delete it (it only "
+                          "marks the best checkpoint, which is then kept like any other)")
+    return best
 
 
 def write_best(root: str | Path, step: int, val_loss: float) -> None:
-    atomic_write_text(Path(root) / BEST, json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+    loss = val_loss if val_loss is not None and math.isfinite(val_loss) else None  # JSON has no NaN
+    atomic_write_text(Path(root) / BEST, json.dumps({"step": step, "val_loss": loss}) + "\n")
 
 
 def prune(root: str | Path, keep_last: int) -> list[int]:
@@ -187,11 +217,17 @@ def prune(root: str | Path, keep_last: int) -> list[int]:
     return deleted
 
 
-def _sweep(root: Path) -> None:
-    """Remove temporary directories left by an interrupted save or delete."""
+def sweep_temporaries(root: str | Path) -> None:
+    """Remove what an interrupted save or delete left under ``root``: hidden step directories and
+    temporary files of atomic writes (best.json's). Only the process holding the run's lock calls it."""
+    root = Path(root)
+    if not root.is_dir():
+        return
     for p in root.iterdir():
-        if p.name.startswith(".step_") and p.is_dir():
+        if p.name.startswith(".step_") and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file():
+            p.unlink(missing_ok=True)
 
 
 def resolve(root: str | Path, which: str | int = "latest") -> Path:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping
 
 import torch
 
 from ..config import PRESETS, ModelConfig
-from ..schema import Config, check_positive, check_range, divisors
+from ..schema import Config, check_positive, check_range, divisors, read_yaml
 from .data import DataConfig
 
 Parallel = Literal["ddp", "fsdp"]
@@ -62,6 +62,7 @@ class TrainConfig(Config):
     collective_timeout: float = 600.0  # seconds a process waits for the others in training before it gives up
     setup_timeout: float = 3600.0  # the same before the first step, while rank 0 prepares the data
     save_mode: SaveMode = "sync"  # async: sharded (DCP) checkpoints are written while training goes on
+    max_memory_gib: float | None = None  # refuse to start a run estimated to need more; None = the device's memory
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "lr", "eval_every", "eval_batches", "save_every",
@@ -75,6 +76,8 @@ class TrainConfig(Config):
             check_positive(f"train.{name}", getattr(self, name), allow_zero=True)
         if self.min_lr is not None:
             check_positive("train.min_lr", self.min_lr, allow_zero=True)
+        if self.max_memory_gib is not None:
+            check_positive("train.max_memory_gib", self.max_memory_gib)
         if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}; choose min_lr <= lr")
         if len(self.betas) != 2:
@@ -142,25 +145,28 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """The dotted key of every leaf of ``data``, repeats included (``flatten`` keeps only the last)."""
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Defaults, then the YAML file's fields, then dotted ``overrides`` (``{"model.n_layers": 6}``).
 
     A YAML file may give any subset of fields; a run's own config.yaml (with its ``provenance``) works
-    too, and is taken as resolved: its model is not rebuilt from a preset or ``init_from``."""
-    import yaml
-
+    too, and is taken as resolved: its model is not rebuilt from a preset or ``init_from``. A field
+    given twice (``lr:`` twice under ``train:``, or both ``train: {lr: ..}`` and ``train.lr:``) is refused."""
     changes: dict[str, Any] = {}
     resolved = False
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            where = f" at line {line + 1}" if line is not None else ""
-            raise ValueError(f"config file {str(p)!r} is not valid YAML{where}") from None
+        data = read_yaml(p, f"config file {str(p)!r}")
         if data is None:
             raise ValueError(f"config file {str(p)!r} is empty; give at least one of model:, data:, train:")
         if not isinstance(data, dict):
@@ -168,6 +174,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         resolved = data.pop("provenance", None) is not None
         if isinstance(data.get("data"), str):  # data: DIR
             data["data"] = {"prepared": data["data"]}
+        leaves = list(_leaves(data))
+        twice = next((k for i, k in enumerate(leaves) if k in leaves[:i]), None)
+        if twice is not None:
+            raise ValueError(f"config file {str(p)!r} gives {twice!r} twice (nested and dotted); keep one")
         changes.update(flatten(data))
     changes.update(overrides or {})
     return build_config(changes, resolved=resolved)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import shutil
 import sys
@@ -40,6 +41,7 @@ from ..schema import Config, check_choice, check_positive, suggest
 from . import shards as sh
 from .atomic import fsync_dir, write_atomic
 from .errors import CorruptFile
+from .lock import DirLock
 from .sources import open_source
 from .tokenizer import TOKENIZERS, Tokenizer, is_tokenizer_path, tokenizer_from_path, train_tokenizer
 
@@ -225,6 +227,31 @@ def _bar(enabled: bool, desc: str, total: int | None) -> Iterator[Callable[[int]
 
 
 def prepare(
+    cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False, task: str = "lm",
+    progress: bool = False,
+) -> dict:
+    """:func:`prepare_unlocked` while holding ``out_dir``'s lock (``lock.py``), so that two processes
+    never write one data directory at once: the second waits, then finds the data prepared. Data on
+    a read-only file system (shared, prepared before) is read without the lock: nobody writes there."""
+    kwargs = dict(seq_len=seq_len, overwrite=overwrite, task=task, progress=progress)
+    try:
+        lock = DirLock(out_dir, "data directory").acquire(wait=True)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return prepare_unlocked(cfg, out_dir, **kwargs)
+    for stale in Path(out_dir).glob(".*.tmp"):  # an atomic write a killed process left half-done
+        stale.unlink(missing_ok=True)
+    try:
+        meta = prepare_unlocked(cfg, out_dir, **kwargs)
+    except BaseException:
+        lock.release(remove_created=True, with_contents=True)  # a failed call leaves no directory it created
+        raise
+    lock.release()
+    return meta
+
+
+def prepare_unlocked(
     cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False, task: str = "lm",
     progress: bool = False,
 ) -> dict:

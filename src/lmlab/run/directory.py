@@ -5,19 +5,29 @@
     checkpoints/     see checkpoint.py
     data/            the prepared tokens and tokenizer (data.dir, relative to the run; absolute to share)
     tb/              TensorBoard events
+    .lock            held (flock) by the process training the run; removed when it ends
+
+One process at a time: a run directory is locked (``lock.DirLock``) before anything in it is
+checked or written, and stays locked for the life of the run; a second process is refused at
+once with the holder's PID. Prepared data and sweep directories take the same lock.
+
+Nothing is written through a symbolic link that leaves the run directory: a run whose
+config.yaml, metrics.jsonl, checkpoints/ or tb/ is such a link is refused (:meth:`RunDir.check_links`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from . import checkpoint as ckpt
-from .atomic import atomic_write_text
+from .atomic import atomic_write_text, write_atomic
 from .config import RunConfig, config_diff, load_config
+from .lock import DirLock
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -50,10 +60,15 @@ class RunDir:
     def __str__(self) -> str:
         return str(self.path)
 
+    def lock(self) -> DirLock:
+        """Take the run's lock (see the module docstring); release it with ``DirLock.release``."""
+        return DirLock(self.path, "run directory").acquire()
+
     # ---- before a run
     def check(self, cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
         """Refuse to start over an existing run unless asked to ``resume`` it or ``overwrite`` it,
         and to resume where there is nothing; the message says which run is there."""
+        self.check_links()
         exists = self.config.is_file() or bool(ckpt.list_checkpoints(self.checkpoints))
         if resume and not self.config.is_file():
             raise ValueError(f"nothing to resume: {str(self.path)!r} holds no run (no {CONFIG_FILE}); drop --resume")
@@ -62,6 +77,22 @@ class RunDir:
                 f"run directory {str(self.path)!r} already holds {self.describe(cfg)}; pass --resume to continue it "
                 "or --overwrite to replace it, or choose another --run-dir"
             )
+
+    def check_links(self) -> None:
+        """Refuse a run whose files would be written through a symbolic link that leaves the run directory."""
+        root = self.path.resolve()
+        for p in (self.config, self.metrics, self.checkpoints, self.tensorboard):
+            if not p.is_symlink():
+                continue
+            try:
+                inside = p.resolve().is_relative_to(root)
+            except (OSError, RuntimeError):  # a loop of links
+                inside = False
+            if not inside:
+                raise ValueError(
+                    f"{str(p)!r} is a symbolic link to {os.readlink(p)!r}, outside the run directory; lmlab writes a "
+                    "run's files only inside it: remove the link, or make --run-dir the directory it points into"
+                )
 
     def describe(self, cfg: RunConfig) -> str:
         """"this run, trained to step N" or "a different run (field: a vs b, there vs here)"."""
@@ -77,30 +108,56 @@ class RunDir:
     def clear(self) -> None:
         """Remove an earlier run's config, metrics, checkpoints and events (``--overwrite``)."""
         for p in (self.checkpoints, self.tensorboard, self.metrics, self.config):
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+
+    def sweep_temporaries(self) -> None:
+        """Remove the temporary files of atomic writes that a killed run left behind (config.yaml's,
+        metrics.jsonl's, and under checkpoints/). Called by the process holding the run's lock."""
+        for name in (CONFIG_FILE, METRICS_FILE):
+            for p in self.path.glob(f".{name}.*.tmp"):
+                p.unlink(missing_ok=True)
+        ckpt.sweep_temporaries(self.checkpoints)
 
     # ---- while it runs
     def write_config(self, cfg: RunConfig, entry: dict[str, Any]) -> None:
         """The resolved config, with ``entry`` appended to the provenance of earlier sessions."""
         import yaml
 
+        from ..schema import read_yaml
+
         history = []
         if self.config.is_file():
-            history = (yaml.safe_load(self.config.read_text()) or {}).get("provenance", [])
+            saved = read_yaml(self.config, f"config file {str(self.config)!r}")
+            history = saved.get("provenance", []) if isinstance(saved, dict) else []
         data = {**cfg.to_dict(), "provenance": [*history, entry]}
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config, yaml.safe_dump(data, sort_keys=False))
 
-    def trim_metrics(self, step: int) -> None:
-        """On resume, drop records logged after ``step`` (the checkpoint), which the resumed run logs again."""
+    def trim_metrics(self, step: int) -> int:
+        """On resume, keep the records of steps up to ``step`` (the checkpoint), byte for byte; the
+        resumed run logs the later ones again. Lines that cannot be read (one cut short by a crash,
+        bytes that are not UTF-8 or not a record) are dropped rather than block the resume; returns
+        how many were."""
         if not self.metrics.is_file():
-            return
+            return 0
+        kept, dropped = [], 0
+        for line in self.metrics.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            record = metrics_record(line)
+            if record is None:
+                dropped += 1
+            elif record["step"] <= step:
+                kept.append(line + b"\n")
+        write_atomic(self.metrics, b"".join(kept))
+        return dropped
 
-        def keep(line: str) -> bool:
-            try:
-                return json.loads(line)["step"] <= step
-            except (ValueError, KeyError, TypeError):  # a line cut short by a crash
-                return False
 
-        lines = [ln for ln in self.metrics.read_text().splitlines() if keep(ln)]
-        atomic_write_text(self.metrics, "".join(ln + "\n" for ln in lines))
+def metrics_record(line: bytes | str) -> dict[str, Any] | None:
+    """One line of metrics.jsonl as a record with an integer "step", or None if it is not one."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool)
+    return record if ok else None

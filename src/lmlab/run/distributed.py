@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import EnvironmentFailure
+from .errors import EnvironmentFailure, one_line
+
 
 class PeersLost(EnvironmentFailure):
     """A collective failed: another process died, or did not answer within the timeout."""
@@ -85,23 +86,31 @@ class Dist:
         return mine
 
     def on_main(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only and give every rank its result, or its ValueError/FileNotFoundError.
-        The others wait up to the setup timeout (``fn`` may prepare a large corpus)."""
+        """Run ``fn`` on rank 0 only and give every rank its result, or its failure: rank 0 raises
+        the exception itself, the others a ValueError / FileNotFoundError (bad input), an
+        EnvironmentFailure (an OSError or EnvironmentFailure on rank 0) or a RuntimeError, with its
+        message. So no rank is left waiting for a broadcast that rank 0 never reaches. The others
+        wait up to the setup timeout (``fn`` may prepare a large corpus)."""
         outcome: list[Any] = [None]
+        failure: Exception | None = None
         if self.main:
             try:
                 outcome = [("ok", fn())]
-            except (ValueError, FileNotFoundError) as e:
-                outcome = [(type(e).__name__, str(e))]
+            except Exception as e:
                 if self.world == 1:
                     raise
+                failure = e
+                outcome = [(failure_kind(e), one_line(e))]
         if self.world > 1:
             import torch.distributed as dist
 
             dist.broadcast_object_list(outcome, src=0, group=self.setup_group)
         kind, value = outcome[0]
         if kind != "ok":
-            raise (ValueError if kind == "ValueError" else FileNotFoundError)(value)
+            if failure is not None:
+                raise failure
+            raise {"bad input": ValueError, "missing": FileNotFoundError, "environment": EnvironmentFailure}.get(
+                kind, RuntimeError)(value)
         return value
 
     @contextlib.contextmanager
@@ -162,15 +171,40 @@ def is_collective_failure(e: BaseException) -> bool:
     return any(s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out"))
 
 
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+
+
+def failure_kind(e: Exception) -> str:
+    """How another rank should re-raise ``e``: see ``Dist.on_main``."""
+    if isinstance(e, FileNotFoundError):
+        return "missing"
+    if isinstance(e, ValueError):
+        return "bad input"
+    if isinstance(e, (OSError, EnvironmentFailure)):
+        return "environment"
+    return "error"
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device ``name`` names (auto: cuda if available, else cpu), or a ValueError saying why it
+    cannot be used here. A bare "cuda" under torchrun is this process's GPU (``local_rank``)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {name!r} is not valid; use {DEVICE_CHOICES}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r}: MPS is not available here; use cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 

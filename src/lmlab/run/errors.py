@@ -13,21 +13,62 @@ line turns each into one line on stderr and its exit status, and nowhere else.
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+from pathlib import Path
+
+from ..errors import CorruptFile, EnvironmentFailure, one_line
+
+__all__ = ["CorruptFile", "EnvironmentFailure", "EXIT_DIVERGED", "EXIT_ENVIRONMENT", "EXIT_USAGE",
+           "describe_os_error", "one_line", "write_failure"]
+
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 
+# errno -> (what happened, what to do); the file is named in between
+_OS_ERRORS = {
+    errno.ENOSPC: ("no space left on the device holding", "free some space (or write elsewhere) and run the command again"),
+    errno.EDQUOT: ("disk quota exceeded writing", "free some space (or write elsewhere) and run the command again"),
+    errno.EFBIG: ("file size limit reached writing", "raise the limit (ulimit -f) or write elsewhere"),
+    errno.EACCES: ("permission denied for", "check its permissions or choose another directory"),
+    errno.EPERM: ("operation not permitted on", "check its permissions or choose another directory"),
+    errno.EROFS: ("read-only file system holds", "choose a directory on a writable file system"),
+    errno.EIO: ("I/O error on", "the disk may be failing; check it (dmesg) and copy your data elsewhere"),
+    errno.ENOMEM: ("out of memory while accessing", "free memory or use a smaller configuration"),
+}
 
-class EnvironmentFailure(RuntimeError):
-    """The machine or a file on it failed, not the user's input (exit status 3). The message names
-    the file or device and what to do."""
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an operating-system failure: what happened, to which file, and what to do."""
+    files = " -> ".join(repr(str(f)) for f in (e.filename, e.filename2) if f is not None) or "a file"
+    if e.errno in _OS_ERRORS:
+        what, fix = _OS_ERRORS[e.errno]
+        return f"{what} {files}; {fix}"
+    reason = e.strerror or one_line(e)
+    return f"{reason}: {files}"
 
 
-class CorruptFile(EnvironmentFailure):
-    """A file that should hold lmlab data (a shard, a tokenizer, a checkpoint, a metrics log) cannot
-    be read back: truncated, damaged or of another kind. The message names the file."""
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (whitespace collapsed), or its type's name when it has none."""
-    return " ".join(str(e).split()) or type(e).__name__
+def write_failure(e: BaseException, path: str | Path) -> BaseException | None:
+    """The environment failure behind an exception raised while writing ``path``, naming the file;
+    None when ``e`` is not one (a bug, an interrupt), so the caller re-raises it unchanged.
+
+    Python's ``OSError`` from ``write`` or ``fsync`` has no file name; safetensors reports the OS
+    error only in its message ("(os error 28)"); torch's writer reports none at all
+    ("PytorchStreamWriter failed writing file")."""
+    if isinstance(e, OSError):
+        if e.filename is None and e.errno is not None:
+            e.filename = str(path)
+        return e
+    if type(e).__name__ == "SafetensorError" and (m := _RUST_OS_ERROR.search(str(e))):
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    if isinstance(e, RuntimeError) and not isinstance(e, EnvironmentFailure) and (
+            "PytorchStreamWriter" in str(e) or "inline_container" in str(e)):
+        return EnvironmentFailure(
+            f"writing {str(path)!r} failed ({one_line(e)[:120]}); check that its file system has free space and is writable")
+    return None

@@ -31,6 +31,8 @@ class EvalResult:
     def buckets(self, n: int = 8, boundary: int | None = None) -> list[dict[str, Any]]:
         """Mean loss over ``n`` equal ranges of positions; ``boundary`` (the training length) also
         splits the range it falls in, so no bucket mixes seen and unseen positions."""
+        if n < 1:
+            raise ValueError(f"buckets={n} is not valid; give 1 or more position ranges")
         T = len(self.per_position)
         edges = sorted({round(i * T / n) for i in range(n + 1)} | ({boundary} if boundary and 0 < boundary < T else set()))
         return [

@@ -42,7 +42,7 @@ class InitSource:
         if self.tokenizer_dir is None:
             return None
         if self.weights is None:  # Hugging Face: tokenizer.json beside config.json (eos from config.json)
-            return tokenizer_from_path(self.tokenizer_dir)
+            return tokenizer_from_path(self.tokenizer_dir, checkpoint=True)
         return load_tokenizer(self.tokenizer_dir)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -13,11 +13,13 @@ from typing import Any, Mapping
 import torch
 
 from ..hf import from_hf
+from ..memory import check_fits, loading_memory
 from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig, load_config
 from .data import read_meta, run_data_dir
 from .directory import CHECKPOINTS, CONFIG_FILE
+from .errors import CorruptFile, one_line
 from .tasks import TASKS
 from .tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
 
@@ -60,6 +62,8 @@ def load_run(
         step = int(where.name.split("_")[-1])
         raise ValueError(f"{str(where)!r} is a distributed checkpoint (train.parallel=fsdp or expert parallel); "
                          f"write its weights file first: lmlab consolidate {path} --checkpoint {step}")
+    check_fits(lambda n: loading_memory(cfg.model, parameters=n), cfg.model, torch.device(device),
+               what=f"the model of {str(path)!r}", fix="check its config (and any --model.* overrides)")
     data_dir = run_data_dir(path, cfg.data)
     meta = read_meta(data_dir) if cfg.task != "lm" else None
     if cfg.task != "lm" and meta is None:
@@ -89,7 +93,10 @@ def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torc
     model = from_hf(path)
     if model_overrides:  # e.g. rope scaling: rebuild from the overridden config and keep the weights
         state = model.state_dict()
-        model = Transformer(model.config.override(model_overrides))
+        cfg = model.config.override(model_overrides)
+        check_fits(lambda n: loading_memory(cfg, parameters=n), cfg, torch.device(device),
+                   what=f"the model of {str(path)!r} with {sorted(overrides or {})}", fix="check the --model.* overrides")
+        model = Transformer(cfg)
         model.load_state_dict(state)
     if tokenizer is None and not (path / HF_FILE).is_file():
         if not require_tokenizer:
@@ -98,6 +105,6 @@ def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torc
             f"{str(path)!r} has no tokenizer.json; lmlab reads Hugging Face tokenizers from that file only "
             "(save one with tokenizer.save_pretrained on a fast tokenizer), or give one with --tokenizer PATH"
         )
-    tok = tokenizer_from_path(tokenizer if tokenizer is not None else path)
+    tok = tokenizer_from_path(tokenizer) if tokenizer is not None else tokenizer_from_path(path, checkpoint=True)
     _check_vocab(tok, model, tokenizer)
     return LoadedRun(model.to(device).eval(), tok, None, path, None, None)

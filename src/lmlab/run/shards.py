@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from .errors import write_failure
 from .sources import Piece, Source
 from .tokenizer import Tokenizer
 
@@ -191,15 +192,19 @@ def batches(source: Source, keep: np.ndarray, max_chars: int = BATCH_CHARS) -> I
 class Shard:
     """One output file written by appending, with its element count and (for tokens) id counts."""
 
-    def __init__(self, path: Path, dtype: np.dtype, vocab: int | None = None):
+    def __init__(self, path: Path, dtype: np.dtype, vocab: int | None = None, target: Path | None = None):
         self.path, self.dtype = path, np.dtype(dtype)
+        self.target = target or path  # the file it becomes, named when a write fails
         self.file = open(path, "wb")
         self.n = 0
         self.counts = np.zeros(vocab, dtype=np.int64) if vocab else None
 
     def write(self, values: np.ndarray) -> None:
-        values = values.astype(self.dtype, copy=False)
-        values.tofile(self.file)
+        values = np.ascontiguousarray(values.astype(self.dtype, copy=False))
+        try:
+            self.file.write(memoryview(values).cast("B"))
+        except OSError as e:  # a full disk: Python's write names no file
+            raise write_failure(e, self.target) from None
         self.n += len(values)
         if self.counts is not None and len(values):
             counts = np.bincount(values, minlength=len(self.counts))
@@ -209,9 +214,13 @@ class Shard:
 
     def close(self) -> None:
         if not self.file.closed:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
+            try:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            except OSError as e:
+                raise write_failure(e, self.target) from None
+            finally:
+                self.file.close()
 
 
 class ShardSet:
@@ -223,7 +232,7 @@ class ShardSet:
         self.shards: dict[str, Shard] = {}
         try:
             for name, (dtype, vocab) in names.items():
-                self.shards[name] = Shard(out / f".{name}.tmp", dtype, vocab)
+                self.shards[name] = Shard(out / f".{name}.tmp", dtype, vocab, target=out / f"{name}.bin")
         except BaseException:
             self.discard()
             raise

@@ -398,18 +398,25 @@ class BPETokenizer(HFEncoding, ByteTableTokenizer):
 
     @classmethod
     def load(cls, directory: str | Path) -> "BPETokenizer":
-        hf, raw = read_hf_tokenizer(Path(directory) / HF_FILE, prepared=True)
+        hf, raw = read_hf_tokenizer(Path(directory) / HF_FILE, owner="prepared")
         tok = cls(hf)
         tok.source_files = {HF_FILE: raw}
         return tok
 
 
-def read_hf_tokenizer(path: Path, *, prepared: bool):
-    """(a ``tokenizers.Tokenizer``, the file's bytes) from ``path``. A file that is not one is a
-    damaged prepared file (``prepared``: CorruptFile) or bad input (ValueError), named either way."""
+DAMAGED_REMEDY = {  # whose file a damaged tokenizer.json is, and what to do about it
+    "prepared": "run `lmlab prepare --overwrite` to write it again",
+    "checkpoint": "copy the checkpoint's tokenizer files again",
+}
+
+
+def read_hf_tokenizer(path: Path, *, owner: str | None = None):
+    """(a ``tokenizers.Tokenizer``, the file's bytes) from ``path``. A file that is not one is bad
+    input (ValueError) when the user named it, and a damaged file (CorruptFile) when it belongs to
+    prepared data or a checkpoint (``owner``: "prepared" or "checkpoint"); named either way."""
     tk = hf_tokenizers()
     if not path.is_file():
-        if prepared:
+        if owner == "prepared":
             raise ValueError(f"{path} is missing; run `lmlab prepare` again (with --overwrite) to rebuild the tokenizer")
         raise ValueError(f"tokenizer file {str(path)!r} does not exist; give a tokenizer.json or a directory holding one")
     raw = path.read_bytes()
@@ -417,8 +424,11 @@ def read_hf_tokenizer(path: Path, *, prepared: bool):
         return tk.Tokenizer.from_str(raw.decode("utf-8")), raw
     except Exception as e:  # tokenizers raises bare Exceptions for unparsable files
         why = " ".join(str(e).split())[:120]
-        if prepared:
-            raise CorruptFile(f"{path} is damaged ({why}); run `lmlab prepare --overwrite` to write it again") from None
+        if owner == "prepared":
+            raise CorruptFile(f"{path} is damaged ({why}); {DAMAGED_REMEDY[owner]}") from None
+        if owner is not None:
+            raise CorruptFile(f"{str(path)!r} is not a readable Hugging Face tokenizer ({why}); "
+                              f"{DAMAGED_REMEDY[owner]}") from None
         raise ValueError(f"{str(path)!r} is not a Hugging Face tokenizer.json ({why}); give the tokenizer.json "
                          "that tokenizer.save_pretrained writes, or a checkpoint directory holding one") from None
 
@@ -446,10 +456,12 @@ def find_eos(hf, directory: Path | None) -> int | None:
     return None
 
 
-def tokenizer_from_path(path: str | Path) -> Tokenizer:
+def tokenizer_from_path(path: str | Path, *, checkpoint: bool = False) -> Tokenizer:
     """The tokenizer of an lmlab prepared-data directory (any kind), or a pretrained one from a
     ``tokenizer.json`` or a directory holding one (a Hugging Face checkpoint): byte-level ones get a
-    byte table. Bad input (missing file, not a tokenizer) is a one-line ValueError."""
+    byte table. Bad input (missing file, not a tokenizer) is a one-line ValueError; with
+    ``checkpoint`` (the tokenizer that came with a checkpoint, not one the user named) a file that
+    is not a tokenizer is a damaged checkpoint, CorruptFile."""
     p = Path(path).expanduser()
     if p.is_dir() and (p / "meta.json").is_file():
         return load_tokenizer(p)
@@ -458,7 +470,7 @@ def tokenizer_from_path(path: str | Path) -> Tokenizer:
             raise ValueError(f"{str(p)!r} holds no tokenizer.json; give a tokenizer.json file or a directory with one "
                              "(a Hugging Face checkpoint saved with tokenizer.save_pretrained)")
         p = p / HF_FILE
-    hf, raw = read_hf_tokenizer(p, prepared=False)
+    hf, raw = read_hf_tokenizer(p, owner="checkpoint" if checkpoint else None)
     tok = wrap_hf(hf, raw, find_eos(hf, p.parent))
     tok.hf_extra_files = {name: (p.parent / name).read_text(encoding="utf-8") for name in HF_COMPANIONS
                           if (p.parent / name).is_file()}
@@ -507,7 +519,7 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
     except (ValueError, KeyError, TypeError):
         raise CorruptFile(f"{meta_path} is damaged (not an lmlab meta.json); run `lmlab prepare --overwrite`") from None
     if kind == "pretrained":
-        hf, raw = read_hf_tokenizer(Path(data_dir) / HF_FILE, prepared=True)
+        hf, raw = read_hf_tokenizer(Path(data_dir) / HF_FILE, owner="prepared")
         return wrap_hf(hf, raw, eod)
     if kind not in TOKENIZERS:
         raise CorruptFile(f"{meta_path} names tokenizer {kind!r}, which this lmlab does not know; prepare again")

@@ -19,6 +19,17 @@ uninterrupted run exactly, and the same config on 1 or W processes sees the same
 The trainer is a few small pieces: setup (data, model, optimizer), the step, evaluation,
 checkpointing, logging and stopping on a signal. The run directory's layout and checks are in
 directory.py, the records in metrics.py, the files in checkpoint.py.
+
+Nothing lost, nothing half-done:
+
+- setup locks the run directory (rank 0, for the life of the run), then checks everything
+  (the directory, the data, the estimated memory against the device's, the checkpoint to resume)
+  before its first write; a refused start leaves the directory as it was, and removes it if this
+  run created it;
+- each step's record is logged before the step's checkpoint is written, so a crash at any point
+  loses no record that a checkpoint covers (resume drops and repeats the records after it);
+- a checkpoint is written only from a step whose loss, gradient, weights, and the loss those
+  weights give, are finite, so "the last good checkpoint" of a diverged run evaluates finitely.
 """
 
 from __future__ import annotations
@@ -38,11 +49,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..memory import check_fits, max_memory_bytes, training_memory
 from . import checkpoint as ckpt
 from . import dcp
 from .config import RunConfig
 from .directory import RunDir
 from .distributed import Dist, lost_peers, peak_flops, resolve_device
+from .errors import CorruptFile
+from .lock import DirLock
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate
 from .parallel import global_moe_stats, parallelize
@@ -166,24 +180,13 @@ class Trainer:
         self.log: MetricsLog | None = None
         self.data: RunData | None = None
         self.saver: dcp.ShardedSaver | None = None
-        existed = self.run_dir.exists()
+        self.lock: DirLock | None = None  # rank 0's hold on the run directory
         try:
             with self.dist.collectives():
                 self._setup(cfg, resume, overwrite, command)
         except BaseException as e:
-            self.dist.close(peers_lost=lost_peers(e))
-            self._undo_setup(existed)
+            self._abandon(peers_lost=lost_peers(e))
             raise
-
-    def _undo_setup(self, existed: bool) -> None:
-        """A run that failed to start leaves nothing behind: not its directory, if this call created
-        it, nor data it prepared (rank 0 only, which is the one that writes)."""
-        if not self.dist.main:
-            return
-        if not existed:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-        elif self.data is not None and self.data.prepared_now:
-            shutil.rmtree(self.data.dir, ignore_errors=True)
 
     # ---- setup
     def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None) -> None:
@@ -193,12 +196,16 @@ class Trainer:
                 f"global batch is batch_size * grad_accum, so set train.grad_accum to a multiple of {self.dist.world}"
             )
         cfg = resolve_data_config(cfg)  # absolute paths; with --data DIR, how DIR was prepared
-        self.dist.on_main(lambda: self.run.check(cfg, resume=resume, overwrite=overwrite))  # before any rank reads it
+        self.dist.on_main(lambda: self._claim(cfg, resume, overwrite))  # before any rank reads it
+        self._check_memory(cfg)  # before the data is prepared: a refused size leaves nothing behind
         self.task = TASKS[cfg.task]()
         self.cfg = self._setup_data(cfg, resume, overwrite)
+        if self.cfg.model.vocab_size != cfg.model.vocab_size:
+            self._check_memory(self.cfg)
         self._setup_model()
         self.step, self.bad_steps, self.skipped_steps, self.tokens = 0, 0, 0, 0
         self.best_val: float | None = None
+        self.best_step: int | None = None
         self.last_checkpoint: Path | None = None
         self.stop = StopRequest(self.dist.world)
         if resume:
@@ -212,15 +219,58 @@ class Trainer:
             self._print(f"warning: train.warmup_steps={self.cfg.train.warmup_steps} >= train.steps="
                         f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
         if self.dist.main:
-            if overwrite:
-                self.run.clear()
-            self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
-                                                       world_size=self.dist.world, data=identity(self.data)))
-            self.run.trim_metrics(self.step)
-            # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
-            self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard,
-                                  purge_step=self.step + 1 if self.step else None, say=self._print)
+            self._start_records(overwrite, command)
         self.dist.barrier()
+
+    def _claim(self, cfg: RunConfig, resume: bool, overwrite: bool) -> None:
+        """Rank 0: lock the run directory for the life of the run, then check what it holds."""
+        self.lock = self.run.lock()
+        self.run.check(cfg, resume=resume, overwrite=overwrite)
+
+    def _check_memory(self, cfg: RunConfig) -> None:
+        """Refuse, before allocating, a run estimated to need more than the device has (or train.max_memory_gib)."""
+        t = cfg.train
+        bf16 = self.device.type == "cuda"
+        fix = "make the model, train.batch_size or the sequence length smaller"
+        if t.max_memory_gib is None:
+            fix += " (or set train.max_memory_gib if the estimate is wrong for this machine)"
+        check_fits(
+            lambda n: training_memory(cfg.model, batch_size=t.batch_size, seq_len=cfg.seq_len, parameters=n,
+                                      bytes_per_activation=2 if bf16 else 4),
+            cfg.model, self.device, what="training this model", limit_bytes=max_memory_bytes(t.max_memory_gib), fix=fix,
+        )
+
+    def _start_records(self, overwrite: bool, command: Sequence[str] | None) -> None:
+        """Rank 0's first writes, after every check has passed: replace an earlier run (``overwrite``),
+        drop records after the resumed step, append this session's provenance, open the log."""
+        if overwrite:
+            self.run.clear()
+        self.run.sweep_temporaries()
+        dropped = self.run.trim_metrics(self.step)
+        if dropped:
+            self._print(f"note: dropped {dropped} unreadable line(s) of {self.run.metrics}")
+        if self.best_step is not None:  # a crash between a checkpoint and best.json: point it at the best again
+            best = ckpt.read_best(self.run.checkpoints)
+            if (best or {}).get("step") != self.best_step and ckpt.step_dir(self.run.checkpoints, self.best_step).is_dir():
+                ckpt.write_best(self.run.checkpoints, self.best_step, self.best_val)
+        self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
+                                                   world_size=self.dist.world, data=identity(self.data)))
+        # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
+        self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard,
+                              purge_step=self.step + 1 if self.step else None, say=self._print)
+
+    def _abandon(self, peers_lost: bool = False) -> None:
+        """A start that failed leaves nothing behind: close what was opened; remove the run directory
+        if this run created it (rank 0, which holds the lock), or else data this run prepared."""
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        if self.lock is not None:
+            if self.data is not None and self.data.prepared_now and not self.lock.created:
+                shutil.rmtree(self.data.dir, ignore_errors=True)
+            self.lock.release(remove_created=True, with_contents=True)
+            self.lock = None
+        self.dist.close(peers_lost=peers_lost)
 
     def _setup_data(self, cfg: RunConfig, resume: bool, overwrite: bool) -> RunConfig:
         """Prepare (or open) the run's data on rank 0, open its splits on every rank, and take the
@@ -281,9 +331,13 @@ class Trainer:
                 self.step += 1
                 self.tokens += tokens_per_step
                 record = self._record(loss, grad_norm, aux, tokens_per_step, bar)
+                now, improved = None, False
+                if self.bad_steps < t.max_bad_steps:
+                    now, improved = self._evaluate_if_due(record)
+                    val_loss = now if now is not None else val_loss
+                self._log(record)  # before the checkpoint: a crash in between loses no record
                 self._check_diverged()
-                val_loss = self._evaluate_and_save(record, val_loss)
-                self._log(record)
+                self._save_if_due(improved, now)
             if self.stop.stopping and self._takes_part:
                 self._save()
         if self.saver is not None:
@@ -341,22 +395,29 @@ class Trainer:
                 f"gradient (train.max_bad_steps={t.max_bad_steps}); last good checkpoint: {last}"
             )
 
-    def _evaluate_and_save(self, record: dict[str, Any], val_loss: float | None) -> float | None:
-        """At evaluation steps add val_loss to ``record``; checkpoint when due, improved or stopping."""
-        t, improved = self.cfg.train, False
-        if self.step % t.eval_every == 0 or self.step == t.steps:
-            val_loss, improved = self._evaluate()
-            if val_loss is not None:
-                record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
-                record.update({f"val_{k}": v for k, v in self.last_eval.metrics.items()})
-                extra = "".join(f", {k} {v:.4f}" for k, v in self.last_eval.metrics.items())
-                self._print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
-        if self._takes_part:
-            if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
-                self._save(best=improved)
-            if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
-                self._print(f"sample at step {self.step}: {self.sample()!r}")
-        return val_loss
+    def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
+        """At evaluation steps add val_loss (and the task's metrics) to ``record``; returns (this
+        step's val loss or None, improved)."""
+        t = self.cfg.train
+        if not (self.step % t.eval_every == 0 or self.step == t.steps):
+            return None, False
+        val_loss, improved = self._evaluate()
+        if val_loss is not None:
+            record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
+            record.update({f"val_{k}": v for k, v in self.last_eval.metrics.items()})
+            extra = "".join(f", {k} {v:.4f}" for k, v in self.last_eval.metrics.items())
+            self._print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
+        return val_loss, improved
+
+    def _save_if_due(self, improved: bool, val_loss: float | None) -> None:
+        """Checkpoint when due, improved or stopping; print a sample when due (where :attr:`_takes_part`)."""
+        t = self.cfg.train
+        if not self._takes_part:
+            return
+        if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
+            self._save(best=improved, val_loss=val_loss)
+        if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
+            self._print(f"sample at step {self.step}: {self.sample()!r}")
 
     # ---- evaluation, checkpoints, samples
     @property
@@ -377,20 +438,24 @@ class Trainer:
         if self.parallel.sharded:
             mine = torch.tensor([loss if self.dist.main else 0.0], dtype=torch.float64, device=self.device)
             loss = float(self.dist.all_reduce_sum(mine)[0])
-        improved = self.best_val is None or loss < self.best_val
+        improved = math.isfinite(loss) and (self.best_val is None or loss < self.best_val)
         if improved:
-            self.best_val = loss
+            self.best_val, self.best_step = loss, self.step
         return loss, improved
 
-    def _save(self, best: bool = False) -> Path | None:
-        """Checkpoint the current step (rank 0; every rank when sharded, with DCP), unless any weight
-        is non-finite: a bad checkpoint never joins the good ones. ``best`` points best.json at it.
-        Prunes to keep_last plus the best."""
-        if not self.parallel.all_finite(self.model.parameters(), self.dist):
-            self._print(f"step {self.step}: weights are not finite; checkpoint not written")
+    def _save(self, best: bool = False, val_loss: float | None = None) -> Path | None:
+        """Checkpoint the current step (rank 0; every rank when sharded, with DCP) if it is a good
+        one (see :meth:`_unsaveable`): a bad checkpoint never joins the good ones. ``best`` points
+        best.json at it. Prunes to keep_last plus the best. The records logged so far are made
+        durable first."""
+        why_not = self._unsaveable(val_loss)
+        if why_not:
+            self._print(f"step {self.step}: checkpoint not written: {why_not}")
             return None
+        if self.log is not None:
+            self.log.sync()
         counters = {"step": self.step, "skipped_steps": self.skipped_steps, "tokens": self.tokens,
-                    "best_val": self.best_val}
+                    "best_val": self.best_val, "best_step": self.best_step}
         root = self.run.checkpoints
         if self.saver is not None:
             self.last_checkpoint = self.saver.save(root, self.step, self.model, self.optimizer, counters,
@@ -404,6 +469,23 @@ class Trainer:
             ckpt.prune(root, self.cfg.train.keep_last)
         return self.last_checkpoint
 
+    def _unsaveable(self, val_loss: float | None) -> str | None:
+        """Why this step must not be checkpointed, or None: its own loss or gradient was not finite,
+        a weight is not finite, or the weights give a non-finite loss (``val_loss`` when this step
+        was evaluated, else one validation batch). A huge but finite update passes the first two
+        and fails the third: the checkpoint named after a divergence must evaluate finitely."""
+        if self.bad_steps:
+            return "this step's loss or gradient was not finite"
+        if not self.parallel.all_finite(self.model.parameters(), self.dist):
+            return "weights are not finite"
+        if val_loss is None:  # every process that saves evaluates the same batch with the same weights
+            t = self.cfg.train
+            val_loss = self.task.evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
+                                          max_batches=1, autocast=self.autocast).loss
+        if not math.isfinite(val_loss):
+            return f"the weights give a validation loss of {val_loss}"
+        return None
+
     def _load_latest(self) -> None:
         found = ckpt.list_checkpoints(self.run.checkpoints)
         if not found:
@@ -415,12 +497,17 @@ class Trainer:
         else:
             ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
             state = ckpt.load_state(path)
+            missing = [k for k in ("step", "optimizer", "skipped_steps", "tokens", "best_val") if k not in state]
+            if missing:
+                raise CorruptFile(f"checkpoint state {str(path / ckpt.STATE)!r} lacks {missing}: it is not lmlab's "
+                                  f"training state; {ckpt.REMEDY}")
             self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.read_best(self.run.checkpoints)  # a damaged best.json is refused now, not at the first save
         for group in self.optimizer.param_groups:  # hyperparameters come from the config, which may have changed
             group.update(betas=tuple(self.cfg.train.betas), eps=self.cfg.train.eps)
             group["weight_decay"] = self.cfg.train.weight_decay if group["weight_decay"] > 0 else 0.0
         self.step, self.skipped_steps, self.tokens = state["step"], state["skipped_steps"], state["tokens"]
-        self.best_val = state["best_val"]
+        self.best_val, self.best_step = state["best_val"], state.get("best_step")
         self.last_checkpoint = path
         self._print(f"resumed from {path} (step {step})")
 
@@ -529,6 +616,9 @@ class Trainer:
         if self.log is not None:
             self.log.close()
             self.log = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
         self.dist.close(peers_lost=peers_lost)
 
     def __enter__(self) -> "Trainer":

@@ -1,0 +1,162 @@
+"""How much memory a model needs, estimated from its config before anything is allocated, and how
+much the device has: an absurd size is refused in one line instead of dying in the allocator.
+
+    need = training_memory(cfg, batch_size=16, seq_len=128)       # MemoryEstimate, bytes by part
+    check_fits(need, cfg, torch.device("cpu"), what="training")   # ValueError naming the sizes if not
+
+Parameters are counted twice over, cheaply first. :func:`parameter_floor` is arithmetic on the
+config (the embedding and each layer's query and output projections: fewer than the model has),
+so a config whose floor already does not fit is refused without building anything; a model that
+large cannot even be described on PyTorch's ``meta`` device (its storage size overflows int64).
+Otherwise :func:`parameter_count` builds the model on ``meta`` (shapes only: no storage and no
+initialization) and counts exactly, with the model's own code.
+
+Training holds, per parameter, fp32 weights, gradients and AdamW's two moments (16 bytes), plus
+the activations kept for the backward pass (:func:`activation_bytes`: a deliberately low count,
+so a refusal is never a false alarm; fused attention is assumed, no T x T scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import ModelConfig
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int  # number of parameters (exact, or the floor)
+    weights: int  # bytes, fp32
+    gradients: int = 0
+    optimizer: int = 0  # AdamW: two fp32 moments per parameter
+    activations: int = 0  # kept for the backward pass of one micro-batch
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = [f"weights {gib(self.weights)}"]
+        parts += [f"gradients {gib(self.gradients)}"] if self.gradients else []
+        parts += [f"AdamW state {gib(self.optimizer)}"] if self.optimizer else []
+        parts += [f"activations {gib(self.activations)}"] if self.activations else []
+        return f"{self.parameters:,} parameters: {', '.join(parts)}"
+
+
+def gib(n: float) -> str:
+    """A byte count in binary units: "1.5 GiB", "64.0 MiB", "4.0 EiB"."""
+    units = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"]
+    k = 0
+    while k + 1 < len(units) and n >= 2 ** (10 * (k + 2)):
+        k += 1
+    return f"{n / 2 ** (10 * (k + 1)):,.1f} {units[k]}"
+
+
+# ============================================================== counting
+def parameter_floor(cfg: ModelConfig) -> int:
+    """Fewer parameters than ``cfg``'s model has, by arithmetic alone: the token embedding and every
+    layer's query and output projections."""
+    return cfg.vocab_size * cfg.d_model + cfg.n_layers * 2 * cfg.d_model * cfg.n_heads * cfg.head_dim
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Every parameter of ``Transformer(cfg)``, counted on a model built on the meta device."""
+    from .model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(cfg).num_params()["total"]
+
+
+def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, bytes_per_value: int = 4) -> int:
+    """A low estimate of the activations one micro-batch keeps for backward: per token and layer
+    the residual stream, norms, q, k, v and attention output (about 8 d_model values) and the
+    feed-forward's hidden units (2 or 3 per unit, by ``ffn``), plus the logits and their softmax."""
+    hidden = cfg.d_ff
+    if cfg.moe is not None:
+        d_expert = cfg.moe.d_expert or cfg.d_ff
+        hidden = max(hidden, (cfg.moe.top_k + cfg.moe.n_shared) * d_expert)
+    per_layer = 8 * cfg.d_model + (3 if cfg.ffn == "glu" else 2) * hidden
+    tokens = batch_size * seq_len
+    return tokens * (cfg.n_layers * per_layer + 2 * cfg.vocab_size) * bytes_per_value
+
+
+def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, parameters: int | None = None,
+                    bytes_per_activation: int = 4) -> MemoryEstimate:
+    """What training ``cfg`` with AdamW in fp32 needs (``parameters``: a count already made)."""
+    n = parameter_count(cfg) if parameters is None else parameters
+    return MemoryEstimate(n, weights=4 * n, gradients=4 * n, optimizer=8 * n,
+                          activations=activation_bytes(cfg, batch_size, seq_len, bytes_per_activation))
+
+
+def loading_memory(cfg: ModelConfig, *, parameters: int | None = None) -> MemoryEstimate:
+    """What holding ``cfg``'s model in fp32 needs (evaluation, generation, conversion)."""
+    n = parameter_count(cfg) if parameters is None else parameters
+    return MemoryEstimate(n, weights=4 * n)
+
+
+# ============================================================== the device
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes, description) of ``device``'s memory: a GPU's total, or for the CPU (and MPS, whose
+    memory is the system's) the physical RAM or the container's memory limit, whichever is lower.
+    (None, ...) where it cannot be told."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total, f"the {gib(total)} of {device} ({torch.cuda.get_device_name(device)})"
+    if device.type not in ("cpu", "mps"):
+        return None, str(device)
+    ram = system_memory()
+    return ram, (f"the {gib(ram)} of memory of this machine" if ram else "this machine's memory")
+
+
+def system_memory() -> int | None:
+    """Physical RAM, or a lower cgroup (container) limit; None where neither can be read."""
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
+
+
+# ============================================================== the check
+def check_fits(
+    estimate: Callable[[int], MemoryEstimate], cfg: ModelConfig, device: torch.device, *, what: str,
+    limit_bytes: int | None = None, fix: str = "make the model smaller",
+) -> MemoryEstimate | None:
+    """Raise a one-line ValueError if ``estimate(parameters)`` exceeds ``limit_bytes`` (default: the
+    device's memory). The parameter floor is tried first, the exact count only when the floor fits.
+    Returns the exact estimate, or None when there is no limit to check against."""
+    if limit_bytes is not None:
+        limit, where = limit_bytes, f"the limit of {gib(limit_bytes)}"
+    else:
+        limit, where = device_memory(device)
+    if limit is None:
+        return None
+    need = None
+    for count, about in ((parameter_floor, "at least"), (parameter_count, "about")):
+        need = estimate(count(cfg))
+        if need.total > limit:
+            raise ValueError(
+                f"{what} needs {about} {gib(need.total)} ({need.describe()}), more than {where}; {fix}"
+            )
+    return need
+
+
+def max_memory_bytes(gib_limit: float | None) -> int | None:
+    """``train.max_memory_gib`` in bytes (None stays None)."""
+    return None if gib_limit is None else int(math.floor(gib_limit * GIB))

@@ -1,0 +1,702 @@
+"""Every failure is one line with the right exit status, and changes nothing: the fault corpus.
+
+Each row of ``CASES`` sets up one fault (bad input, a full disk, no permission, a read-only file
+system, a corrupt or foreign file, an absurd size, a directory in use), runs the ``lmlab``
+command in-process, and asserts:
+
+- the exit status (2 bad input, 3 the environment; see ``lmlab --help``);
+- exactly one line on stderr, with no traceback, naming what it should;
+- the test's whole temporary directory is unchanged, file by file (content hashes, links and
+  empty directories included), unless the row says what may change and checks that instead.
+
+Rows for faults fixed on another branch are marked xfail with the branch's name; the lead
+removes the marks at merge. The kill -9 crash tests and the two-process lock test are in
+test_crash.py; the pieces (lock, metrics, YAML, memory estimate, ...) are tested below the corpus.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import errno
+import hashlib
+import io
+import json
+import math
+import os
+import resource
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import lmlab
+from lmlab import cli
+from lmlab.run import checkpoint as ckpt
+from lmlab.run.errors import CorruptFile
+
+WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
+TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.max_seq_len", "32"]
+FAST = ["--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2", "--train.log_every", "1",
+        "--train.tensorboard", "false", "--train.sample_tokens", "0", "--train.device", "cpu", "--quiet"]
+ROOT = os.geteuid() == 0  # root ignores file modes: permission faults are then simulated at the system calls
+
+
+def corpus(path: Path, n_words: int = 6000) -> Path:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
+    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
+    return path
+
+
+def digest(root: Path) -> dict[str, str]:
+    """Every entry under ``root``: file content hashes, link targets, directories (empty ones too)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "link:" + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err and err.endswith("\n") and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished tiny run (4 steps, checkpoints at 2 and 4), its data inside it. Tests copy it."""
+    root = tmp_path_factory.mktemp("faults")
+    source = corpus(root / "corpus.txt")
+    code = cli.main(["train", "--run-dir", str(root / "run"), "--data.source", str(source), *TINY, *FAST,
+                     "--train.steps", "4", "--train.eval_every", "2", "--train.save_every", "2"])
+    assert code == 0
+    return root
+
+
+@dataclasses.dataclass
+class Env:
+    """One case's world: a temporary directory (snapshotted), the trained run to copy, monkeypatch."""
+
+    tmp: Path
+    trained: Path
+    monkeypatch: pytest.MonkeyPatch
+    lock: object = None  # a DirLock the case holds, released at teardown
+
+    def run(self) -> Path:
+        """A fresh copy of the trained run at tmp/run."""
+        dst = self.tmp / "run"
+        if not dst.exists():
+            shutil.copytree(self.trained / "run", dst, symlinks=True)
+        return dst
+
+    def corpus(self) -> Path:
+        path = self.tmp / "corpus.txt"
+        return path if path.exists() else corpus(path)
+
+    def spec(self) -> Path:
+        path = self.tmp / "spec.yaml"
+        if not path.exists():
+            path.write_text("name: t\nbase:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
+                            "  train: {steps: 2, batch_size: 2, eval_every: 2, device: cpu}\n"
+                            "variants:\n  - {name: a, overrides: {}}\n")
+        return path
+
+    def deny_writes(self, under: Path, code: int) -> None:
+        """Creating or writing anything under ``under`` fails with ``code`` (EACCES, EROFS): a real
+        chmod 0555 where file modes bind, else the same failure raised at the system calls."""
+        if code == errno.EACCES and not ROOT:
+            under.mkdir(parents=True, exist_ok=True)
+            under.chmod(0o555)  # fault_env's teardown restores the mode
+            return
+        deny_writes(self.monkeypatch, under, code)
+
+
+def deny_writes(monkeypatch: pytest.MonkeyPatch, under: Path, code: int) -> None:
+    prefix = str(under)
+    inside = lambda path: os.path.abspath(os.fspath(path)).startswith(prefix)  # noqa: E731
+
+    def fail(path):
+        raise OSError(code, os.strerror(code), os.fspath(path))
+
+    real_open, real_mkdir, real_io_open = os.open, os.mkdir, io.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and inside(path):
+            fail(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):
+        if inside(path):
+            fail(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def fake_io_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+") and inside(file):
+            fail(file)
+        return real_io_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    monkeypatch.setattr(io, "open", fake_io_open)
+    monkeypatch.setattr(builtins, "open", fake_io_open)
+
+
+def llama_tensors() -> dict[str, torch.Tensor]:
+    """The weights of hf_dir's one-layer llama (hidden 32, 4 heads of 8, 2 kv heads, ffn 64, vocab 64)."""
+    layer = {"self_attn.q_proj": (32, 32), "self_attn.k_proj": (16, 32), "self_attn.v_proj": (16, 32),
+             "self_attn.o_proj": (32, 32), "mlp.gate_proj": (64, 32), "mlp.up_proj": (64, 32), "mlp.down_proj": (32, 64)}
+    g = torch.Generator().manual_seed(0)
+    out = {f"model.layers.0.{k}.weight": torch.randn(shape, generator=g) * 0.02 for k, shape in layer.items()}
+    out.update({f"model.layers.0.{k}.weight": torch.ones(32) for k in ("input_layernorm", "post_attention_layernorm")})
+    out.update({"model.norm.weight": torch.ones(32), "model.embed_tokens.weight": torch.randn(64, 32, generator=g),
+                "lm_head.weight": torch.randn(64, 32, generator=g)})
+    return out
+
+
+def hf_dir(path: Path, weights: bytes | None = None, **config) -> Path:
+    """A Hugging Face llama directory: config.json (tiny unless overridden) and model.safetensors."""
+    from safetensors.torch import save
+
+    path.mkdir(parents=True)
+    hf = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    (path / "config.json").write_text(json.dumps({**hf, **config}))
+    (path / "model.safetensors").write_bytes(save(llama_tensors()) if weights is None else weights)
+    return path
+
+
+def truncated_safetensors() -> bytes:
+    from safetensors.torch import save
+
+    return save(llama_tensors())[:300]
+
+
+def enospc_in_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors' save writes part of the file, then reports the full disk as it does (os error 28)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def enospc_in_writes(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Writing a file called ``name`` stops half way with a full disk (as Python's write reports it: no file name)."""
+    real = Path.write_bytes
+
+    def write_bytes(self, data):
+        if Path(self).name.startswith(f".{name}."):  # atomic_write's temporary file for ``name``
+            real(self, bytes(memoryview(data))[: len(memoryview(data)) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+
+
+def enospc_in_shard(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """prepare's token shard ``name`` (train, val) meets a full disk half way through a write, at the
+    file object prepare writes through (Python's write reports it with no file name)."""
+    from lmlab.run import shards
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            view = memoryview(data)
+            super().write(view[: len(view) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if Path(path).name == f".{name}.tmp":
+            return FullDisk(path, mode.replace("b", ""))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "open", fake_open, raising=False)
+
+
+# ============================================================== the corpus
+@dataclasses.dataclass
+class Case:
+    id: str
+    setup: Callable[[Env], list]  # prepares the fault, returns the command line
+    code: int  # expected exit status
+    says: tuple[str, ...]  # substrings of the one line (may use {tmp})
+    after: Callable[[Env, dict, dict], None] | None = None  # custom check instead of "nothing changed"
+    mark: object = None
+
+
+def resumable(env: Env, before: dict, after: dict) -> None:
+    """A run that failed mid-way: earlier checkpoints byte-identical, nothing half-written, and
+    once the fault is gone, --resume completes it with every record exactly once."""
+    run = env.tmp / "run"
+    old = {k: v for k, v in before.items() if k.startswith("run/checkpoints/step_")}
+    assert {k: after[k] for k in old} == old
+    leftovers = [k for k in after if Path(k).name.startswith(".") and Path(k).name != ".lock"]
+    assert not leftovers and "run/.lock" not in after, leftovers
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # every line whole
+    env.monkeypatch.undo()
+    assert cli.main(["train", "--run-dir", str(run), "--resume", "--train.steps", "8", "--quiet"]) == 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
+def new_run(env: Env, *extra: str) -> list:
+    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *TINY, *FAST, *extra]
+
+
+def resume(env: Env, *extra: str) -> list:
+    return ["train", "--run-dir", env.run(), "--resume", "--train.steps", "8", "--quiet", *extra]
+
+
+def garbage(path: Path, data: bytes = b"\x00garbage\xff{") -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def setup_lock_held(env: Env) -> list:
+    from lmlab.run.lock import DirLock
+
+    env.lock = DirLock(env.run()).acquire()  # held here; test_crash.py holds it from another process
+    return resume(env)
+
+
+def setup_symlinked_checkpoints(env: Env) -> list:
+    run = env.run()
+    shutil.move(run / "checkpoints", env.tmp / "elsewhere")
+    (run / "checkpoints").symlink_to(env.tmp / "elsewhere")
+    return ["train", "--run-dir", run, "--overwrite", *FAST]
+
+
+def setup_dangling_metrics(env: Env) -> list:
+    run = env.run()
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(env.tmp / "outside" / "metrics.jsonl")
+    return resume(env)
+
+
+def setup_token_ids(env: Env) -> list:
+    data = env.tmp / "chars"
+    assert cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "char"]) == 0
+    shard = bytearray((data / "train.bin").read_bytes())
+    shard[100] = 250  # the char vocabulary has ~20 ids
+    (data / "train.bin").write_bytes(bytes(shard))
+    return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST, "--train.steps", "50"]
+
+
+def setup_bpe_tokenizer(env: Env) -> list:
+    data = env.tmp / "bpe"
+    assert cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "bpe", "--vocab-size", "280"]) == 0
+    garbage(data / "tokenizer.json")
+    return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
+
+
+def setup_huge_hf(env: Env) -> list:
+    hf_dir(env.tmp / "hf", hidden_size=1e9, intermediate_size=4e9)
+    return ["generate", env.tmp / "hf"]
+
+
+CASES = [
+    # ---- item 1: one process per run directory
+    Case("run directory locked by another process", setup_lock_held, 2, ("is in use by process", "run/.lock")),
+    # ---- item 3: the environment, exit 3
+    Case("ENOSPC inside safetensors during a checkpoint",
+         lambda env: (enospc_in_safetensors(env.monkeypatch), resume(env))[1], 3,
+         ("no space left on the device holding", "model.safetensors'"), after=resumable),
+    Case("ENOSPC writing a token shard in prepare",
+         lambda env: (enospc_in_shard(env.monkeypatch, "train"),
+                      ["prepare", env.corpus(), "--out", env.tmp / "data"])[1], 3,
+         ("no space left on the device holding", "data/train.bin'")),
+    Case("prepare into an unwritable directory",
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES), ["prepare", env.corpus(), "--out", env.tmp / "ro" / "d"])[1],
+         3, ("permission denied for", "ro/d'")),
+    Case("prepare onto a read-only file system",
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EROFS), ["prepare", env.corpus(), "--out", env.tmp / "ro" / "d"])[1],
+         3, ("read-only file system holds", "ro/d'")),
+    Case("train into an unwritable directory",
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES),
+                      ["train", "--run-dir", env.tmp / "ro" / "r", "--data.source", env.corpus(), *TINY, *FAST])[1],
+         3, ("permission denied for", "ro/r'")),
+    Case("resume a run on a read-only file system",
+         lambda env: (env.deny_writes(env.run(), errno.EROFS), resume(env))[1], 3, ("read-only file system holds", "run/.lock'")),
+    Case("sweep into an unwritable directory",
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES), ["sweep", env.spec(), "--out", env.tmp / "ro" / "s"])[1],
+         3, ("permission denied for", "ro/s'")),
+    Case("experiment onto a read-only file system",
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EROFS),
+                      ["experiment", "norm", "--quick", "--out", env.tmp / "ro" / "x"])[1],
+         3, ("read-only file system holds", "ro/x'")),
+    Case("truncated Hugging Face shard", lambda env: (hf_dir(env.tmp / "hf", truncated_safetensors()), ["generate", env.tmp / "hf"])[1],
+         3, ("hf/model.safetensors' is not a readable safetensors file", "download or convert")),
+    Case("Hugging Face shard that is not safetensors",
+         lambda env: (hf_dir(env.tmp / "hf", b"PK\x03\x04 a zip, a pickle, anything"), ["generate", env.tmp / "hf"])[1],
+         3, ("hf/model.safetensors' is not a readable safetensors file",)),
+    Case("garbage tokenizer.json of a Hugging Face directory",
+         lambda env: (garbage(hf_dir(env.tmp / "hf") / "tokenizer.json"), ["generate", env.tmp / "hf"])[1],
+         3, ("hf/tokenizer.json' is not a readable Hugging Face tokenizer",)),
+    Case("garbage tokenizer.json of prepared data", setup_bpe_tokenizer, 3, ("tokenizer.json",)),
+    Case("garbage best.json", lambda env: (garbage(env.run() / "checkpoints" / "best.json"), ["eval", env.run()])[1],
+         3, ("checkpoints/best.json' is not an lmlab best.json", "delete it")),
+    Case("best.json that is JSON but not lmlab's",
+         lambda env: (garbage(env.run() / "checkpoints" / "best.json", b'["step", 4]'), resume(env))[1],
+         3, ("best.json' is not an lmlab best.json",)),
+    Case("garbage state.pt (and no provenance appended)",
+         lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "state.pt"), resume(env))[1],
+         3, ("step_0000004/state.pt' cannot be read", "delete its step_* directory")),
+    Case("state.pt of another program",
+         lambda env: (torch.save({"epoch": 3}, env.run() / "checkpoints" / "step_0000004" / "state.pt"), resume(env))[1],
+         3, ("state.pt' lacks ['step', 'optimizer'",)),
+    Case("garbage model.safetensors of a run",
+         lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "model.safetensors"), ["eval", env.run(), "--checkpoint", "4"])[1],
+         3, ("step_0000004/model.safetensors' cannot be read",)),
+    Case("token ids beyond the vocabulary in a shard", setup_token_ids, 3, ("train.bin",)),
+    # ---- item 3: arguments that raised tracebacks
+    Case("eval --buckets 0", lambda env: ["eval", env.run(), "--buckets", "0"], 2, ("--buckets 0 is not valid",)),
+    Case("generate --device toaster", lambda env: ["generate", env.run(), "--device", "toaster"], 2,
+         ("device 'toaster' is not valid; use auto, cpu, cuda, cuda:N or mps",)),
+    Case("sweep --out naming a file", lambda env: ["sweep", env.spec(), "--out", garbage(env.tmp / "afile")], 2,
+         ("sweep directory", "afile' is a file")),
+    Case("experiment --threads -2", lambda env: ["experiment", "norm", "--quick", "--out", env.tmp / "x", "--threads", "-2"], 2,
+         ("--threads -2 is not valid",)),
+    Case("--overwrite over a symlinked checkpoints/", setup_symlinked_checkpoints, 2,
+         ("run/checkpoints' is a symbolic link to", "outside the run directory")),
+    Case("generate --temperature nan", lambda env: ["generate", env.run(), "--temperature", "nan"], 2,
+         ("argument --temperature: 'nan' is not a finite number",)),
+    # ---- item 4: absurd sizes, refused before allocating
+    Case("--model.d_model 1073741824 (and no data/ left behind)",
+         lambda env: new_run(env, "--model.d_model", "1073741824"), 2, ("training this model needs at least", "EiB")),
+    Case("config.json with hidden_size 1e9", setup_huge_hf, 2, ("config.json' needs at least", "more than the")),
+    Case("train.max_memory_gib below the estimate", lambda env: new_run(env, "--train.max_memory_gib", "0.001"), 2,
+         ("training this model needs", "more than the limit of 1.0 MiB")),
+    Case("eval --model.d_model 1073741824", lambda env: ["eval", env.run(), "--model.d_model", "1073741824"], 2,
+         ("the model of", "needs at least")),
+    # ---- item 5: a failing resume overwrites nothing (the state.pt rows above check config.yaml too)
+    Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
+         ("is missing from the checkpoint", "model.n_layers is 2")),
+    # ---- item 6: validation gaps
+    Case("--train.lr inf", lambda env: new_run(env, "--train.lr", "inf"), 2, ("lr='inf' is not valid; it must be a finite number",)),
+    Case("--model.init_std inf", lambda env: new_run(env, "--model.init_std", "inf"), 2, ("init_std='inf' is not valid",)),
+    Case("train.lr: .inf in YAML",
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("train:\n  lr: .inf\n"), ["train", "--config", env.tmp / "c.yaml",
+                                                                                    "--run-dir", env.tmp / "r"])[1],
+         2, ("lr=inf is not valid",)),
+    Case("duplicate key in a run config",
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n"),
+                      ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
+         2, ("c.yaml': key 'lr' is given twice (lines 2 and 4); keep one",)),
+    Case("a field nested and dotted in one run config",
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("train:\n  lr: 0.1\ntrain.lr: 0.2\n"),
+                      ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
+         2, ("gives 'train.lr' twice",)),
+    Case("duplicate key in a sweep spec",
+         lambda env: (env.spec().write_text(env.spec().read_text() + "name: u\n"), ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
+         2, ("spec.yaml': key 'name' is given twice (lines 1 and 7)",)),
+    # ---- item 9: never write through a link that leaves the run
+    Case("dangling metrics.jsonl link", setup_dangling_metrics, 2,
+         ("run/metrics.jsonl' is a symbolic link to", "outside the run directory")),
+    # ---- bad input that was already handled, kept in the corpus
+    Case("missing data source", lambda env: ["train", "--run-dir", env.tmp / "r", "--data.source", env.tmp / "nope.txt"], 2,
+         ("nope.txt",)),
+    Case("unknown config key", lambda env: ["train", "--run-dir", env.tmp / "r", "--model.n_layer", "2"], 2,
+         ("did you mean 'n_layers'?",)),
+    Case("invalid YAML", lambda env: (env.tmp.joinpath("c.yaml").write_text("model: [1, 2\n"),
+                                      ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
+         2, ("is not valid YAML at line",)),
+    Case("resume where nothing is", lambda env: ["train", "--run-dir", env.tmp / "nothing", "--resume"], 2, ("nothing to resume",)),
+    Case("run directory holding another run", lambda env: ["train", "--run-dir", env.run(), *TINY, *FAST, "--model.n_layers", "3"],
+         2, ("already holds a different run",)),
+    Case("a checkpoint step that does not exist", lambda env: ["eval", env.run(), "--checkpoint", "3"], 2,
+         ("no checkpoint at step 3",)),
+]
+
+
+@pytest.fixture
+def fault_env(tmp_path, trained, monkeypatch):
+    env = Env(tmp_path / "w", trained, monkeypatch)
+    env.tmp.mkdir()
+    yield env
+    monkeypatch.undo()
+    if env.lock is not None:
+        env.lock.release()
+    for p in [env.tmp, *env.tmp.rglob("*")]:  # undo a chmod 0555, so the temporary directory can be removed
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.mark or ()) for c in CASES])
+def test_fault_is_one_line_and_changes_nothing(case, fault_env, capsys):
+    env = fault_env
+    args = [str(a) for a in case.setup(env)]
+    capsys.readouterr()
+    before = digest(env.tmp)
+    usage_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    code = cli.main(args)
+    _, err = capsys.readouterr()
+    after = digest(env.tmp)
+    assert code == case.code, err
+    line = one_line(err)
+    assert line.startswith(f"lmlab {args[0]}: error: ")
+    for text in case.says:
+        assert text in line, line
+    # no big allocation happened (maxrss is this process's peak; the absurd sizes ask for terabytes)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - usage_before < 1_000_000  # KiB
+    if case.after is None:
+        assert after == before
+    else:
+        case.after(env, before, after)
+
+
+# ============================================================== the pieces
+def test_exit_codes_are_documented_in_every_help(capsys):
+    for command in ([], ["prepare"], ["train"], ["eval"], ["generate"], ["sweep"], ["experiment"]):
+        assert cli.main([*command, "--help"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "2 bad input" in out and "3 the environment failed: a full disk, no permission" in out, command
+
+
+def test_every_environment_failure_maps_to_exit_3_with_one_line():
+    cases = {
+        OSError(errno.ENOSPC, "No space left on device", "/d/f"): "no space left on the device holding '/d/f'; free some space",
+        PermissionError(errno.EACCES, "Permission denied", "/d/f"): "permission denied for '/d/f'; check its permissions",
+        OSError(errno.EROFS, "Read-only file system", "/d/f"): "read-only file system holds '/d/f'; choose a directory",
+        OSError(errno.EIO, "Input/output error", "/d/f"): "I/O error on '/d/f'; the disk may be failing",
+        OSError(errno.EFBIG, "File too large", "/d/f"): "file size limit reached writing '/d/f'",
+        OSError(errno.ENAMETOOLONG, "File name too long", "/d/f"): "File name too long: '/d/f'",
+        CorruptFile("'x' is damaged"): "'x' is damaged",
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"): "out of memory (CUDA out of memory.",
+        RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried"): "out of memory (",
+    }
+    for e, message in cases.items():
+        code, line = cli.exit_status(e)
+        assert code == 3 and line.startswith(message) and "\n" not in line, (e, line)
+    assert cli.exit_status(FileNotFoundError(2, "No such file or directory", "x"))[0] == 2  # a path the user gave
+    assert cli.exit_status(RuntimeError("a bug")) is None and cli.exit_status(KeyError("k")) is None  # keep the traceback
+
+
+def test_checkpoint_files_have_the_usual_permissions(tmp_path):
+    """safetensors recreates the file it writes (mode 0600); the atomic writer sets 0666 & ~umask after."""
+    old = os.umask(0o022)
+    try:
+        model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
+        path = ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, model.config.to_dict())
+        ckpt.write_best(tmp_path, 1, 2.5)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in [*path.iterdir(), tmp_path / "best.json"]}
+        assert modes == {"model.safetensors": 0o644, "state.pt": 0o644, "best.json": 0o644}
+        os.umask(0o027)
+        ckpt.save_weights(model, tmp_path / "w.safetensors")
+        assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_a_failed_write_names_the_target_and_leaves_nothing(tmp_path, monkeypatch):
+    enospc_in_safetensors(monkeypatch)
+    model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
+    with pytest.raises(OSError) as e:
+        ckpt.save_checkpoint(tmp_path, 7, model, {"step": 7})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "step_0000007" / "model.safetensors")
+    assert list(tmp_path.iterdir()) == []  # no temporary directory, no half-written file
+
+
+def test_metrics_are_strict_json_and_unreadable_lines_never_block_a_resume(tmp_path):
+    from lmlab.run.directory import RunDir
+    from lmlab.run.metrics import MetricsLog, read_metrics
+
+    run = RunDir(tmp_path)
+    log = MetricsLog(run, tensorboard=False, purge_step=None)
+    log.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "moe": [{"max_load": float("-inf")}]})
+    log.write({"step": 2, "loss": 2.5})
+    log.close()
+    lines = run.metrics.read_text().splitlines()
+    assert lines[0] == '{"step": 1, "loss": null, "grad_norm": null, "moe": [{"max_load": null}]}'
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": None, "grad_norm": None, "moe": [{"max_load": None}]},
+                                      {"step": 2, "loss": 2.5}]
+
+    good = run.metrics.read_bytes()
+    run.metrics.write_bytes(good + b'{"step": 3, "lo\xff\xfess": 1}\n' + b'{"step": 4}\n[1, 2]\n{"step": 5, "loss": 2.')
+    with pytest.raises(CorruptFile, match=r"metrics.jsonl' line 3 is not a metrics record"):
+        read_metrics(tmp_path)  # for a reader, a bad line in the middle is named
+    assert run.trim_metrics(4) == 3  # invalid UTF-8, a list, a torn last line: dropped
+    assert run.metrics.read_bytes() == good + b'{"step": 4}\n'  # the rest kept byte for byte
+    assert read_metrics(tmp_path)[-1] == {"step": 4}
+    run.metrics.write_bytes(good + b'{"step": 3, "loss": 2.')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # a torn last line is a crash: skipped
+
+    class FullDisk(io.StringIO):
+        def flush(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as Python reports it: no file name
+
+    log = MetricsLog(run, tensorboard=False, purge_step=None)
+    log.file.close()
+    log.file = FullDisk()
+    with pytest.raises(OSError) as e:
+        log.write({"step": 3})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(run.metrics)  # named, for the one-line message
+
+
+def test_resume_through_a_damaged_metrics_file(trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_bytes(b"".join(lines[:2]) + b"\xff\xfe not utf-8\n" + b"".join(lines[2:]) + b'{"step": 5, "lo')
+    assert cli.main(["train", "--run-dir", str(run), "--resume", "--train.steps", "6"]) == 0
+    assert f"note: dropped 2 unreadable line(s) of {run / 'metrics.jsonl'}" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_record_survives_a_crash_right_after_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """The old order (checkpoint, then log) lost step 4's record for good when the process died in
+    between: resume restarts after the checkpoint. Records now reach the file first."""
+    source = corpus(tmp_path / "c.txt")
+    args = [*TINY, *FAST, "--data.source", str(source), "--train.steps", "6", "--train.eval_every", "2",
+            "--train.save_every", "2"]
+    assert cli.main(["train", "--run-dir", str(tmp_path / "ref"), *args]) == 0
+    real = ckpt.save_checkpoint
+
+    def save_then_die(root, step, *a, **kw):
+        path = real(root, step, *a, **kw)
+        if step == 4:
+            raise KeyboardInterrupt  # the process dies right after the checkpoint is published
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_die)
+    assert cli.main(["train", "--run-dir", str(tmp_path / "run"), *args]) == 130
+    monkeypatch.undo()
+    assert cli.main(["train", "--run-dir", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
+    ref, got = ((tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in ("ref", "run"))
+    drop_speed = lambda line: {k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}  # noqa: E731
+    assert [drop_speed(line) for line in got] == [drop_speed(line) for line in ref]  # steps 1-6, bit-identical values
+
+
+def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys):
+    """lr jumps to 1e10 after step 3: step 4's update is huge but finite, and the old guard
+    checkpointed it (and the skipped steps after it) and named it as the last good one."""
+    from lmlab.run.config import RunConfig, TrainConfig
+    from lmlab.run.data import DataConfig
+    from lmlab.run.trainer import Trainer, TrainingDiverged
+
+    cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
+                    data=DataConfig(source=str(corpus(tmp_path / "c.txt"))),
+                    train=TrainConfig(steps=20, batch_size=4, warmup_steps=0, lr=3e-3, eval_every=100, eval_batches=2,
+                                      save_every=1, keep_last=20, max_bad_steps=3, tensorboard=False, sample_tokens=0,
+                                      device="cpu"))
+
+    def explode(trainer, record):
+        if record["step"] == 3:
+            trainer.cfg = trainer.cfg.override({"train.lr": 1e10})
+
+    with pytest.raises(TrainingDiverged) as e, Trainer(cfg, tmp_path / "run", quiet=True, callbacks=[explode]) as t:
+        t.fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert str(e.value).endswith(f"last good checkpoint: {root / 'step_0000003'}")
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 2, 3]
+    code = cli.main(["eval", str(tmp_path / "run"), "--checkpoint", "latest", "--json", "--max-batches", "2"])
+    assert code == 0 and math.isfinite(json.loads(capsys.readouterr().out)["loss"])
+
+
+def test_non_finite_floats_are_refused_everywhere():
+    from lmlab.run.config import TrainConfig
+
+    for make in (lambda v: lmlab.ModelConfig(init_std=v), lambda v: lmlab.ModelConfig(norm_eps=v),
+                 lambda v: lmlab.RopeConfig(base=v), lambda v: TrainConfig(lr=v), lambda v: TrainConfig(betas=(0.9, v)),
+                 lambda v: TrainConfig(max_memory_gib=v)):
+        for value in (float("inf"), float("-inf"), float("nan"), "inf", "1e999"):
+            with pytest.raises(ValueError, match="is not valid"):
+                make(value)
+
+
+def test_yaml_duplicate_keys_are_named_with_their_lines(tmp_path):
+    from lmlab.schema import parse_yaml, read_yaml
+
+    with pytest.raises(ValueError, match=r"^x: key 'b' is given twice \(lines 3 and 4\); keep one$"):
+        parse_yaml("a: 1\nm:\n  b: 2\n  b: 3\n", "x")
+    with pytest.raises(ValueError, match="key 'k' is given twice"):
+        parse_yaml("v: [{k: 1, k: 2}]\n", "x")  # in a flow mapping, on one line
+    assert parse_yaml("base: &b {lr: 1, steps: 2}\nrun: {<<: *b, lr: 3}\n", "x")["run"] == {"lr": 3, "steps": 2}
+    assert parse_yaml("a: 1\nb: {a: 2}\n", "x") == {"a": 1, "b": {"a": 2}}  # the same key in two mappings is fine
+    with pytest.raises(ValueError, match="is not valid YAML at line 2"):  # where the parser noticed
+        parse_yaml("a: [1, 2\n", "x")
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ValueError, match=r"latin1.yaml is not UTF-8 text \(byte offset 9\)"):
+        read_yaml(tmp_path / "latin1.yaml", "latin1.yaml")
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"positions": "learned"}, {"positions": "relative"}, {"tie_embeddings": True}, {"bias": True, "ffn": "mlp"},
+    {"n_kv_heads": 1}, {"moe": {"n_experts": 8, "top_k": 2, "n_shared": 1, "granularity": 2, "first_dense": 1}},
+])
+def test_the_parameter_floor_is_below_the_exact_count_and_the_count_is_exact(overrides):
+    from lmlab.memory import parameter_count, parameter_floor
+
+    cfg = lmlab.ModelConfig.from_preset("llama", vocab_size=96, d_model=64, n_layers=3, n_heads=4, max_seq_len=32,
+                                        **overrides)
+    exact = lmlab.Transformer(cfg).num_params()["total"]
+    assert parameter_count(cfg) == exact  # on the meta device: no storage, no initialization
+    assert 0 < parameter_floor(cfg) <= exact
+
+
+def test_size_check_refuses_before_allocating_and_names_the_sizes():
+    from lmlab.memory import check_fits, loading_memory, training_memory
+
+    huge = lmlab.ModelConfig.from_preset("llama", d_model=2**30, n_heads=4, n_kv_heads=2, n_layers=4, max_seq_len=128)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=r"^training needs at least .* EiB \(9,223,372,311,732,682,752 parameters: weights "):
+        check_fits(lambda n: training_memory(huge, batch_size=16, seq_len=128, parameters=n), huge, torch.device("cpu"),
+                   what="training")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing was built
+    small = lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32)
+    n = lmlab.Transformer(small).num_params()["total"]
+    need = check_fits(lambda n: loading_memory(small, parameters=n), small, torch.device("cpu"), what="x")
+    assert need.weights == 4 * n == 4 * 20_576
+    # a limit above the floor (64 x 32 embedding + 2 x 32 x 32 projections: 16 KiB) but below the exact count
+    with pytest.raises(ValueError, match=r"^x needs about 80\.4 KiB \(20,576 parameters: weights 80\.4 KiB\), more than "
+                                         r"the limit of 20\.0 KiB; make the model smaller$"):
+        check_fits(lambda n: loading_memory(small, parameters=n), small, torch.device("cpu"), what="x", limit_bytes=20 * 1024)
+
+
+def test_from_hf_refuses_an_absurd_config_before_reading_or_allocating(tmp_path):
+    hf_dir(tmp_path / "hf", weights=b"never read", hidden_size=1e9, intermediate_size=4e9)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=r"config.json' needs at least [\d.,]+ EiB .* more than the [\d.,]+ GiB of memory"):
+        lmlab.from_hf(tmp_path / "hf")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000
+
+
+def test_lock_refuses_a_second_holder_and_is_gone_when_released(tmp_path):
+    from lmlab.run.lock import DirectoryInUse, DirLock, locked
+
+    first = DirLock(tmp_path / "a" / "run").acquire()
+    assert (tmp_path / "a" / "run" / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(DirectoryInUse, match=rf"run directory '.*a/run' is in use by process {os.getpid()} \(this one\)"):
+        DirLock(tmp_path / "a" / "run").acquire()
+    inner = DirLock(tmp_path / "a" / "run", "data directory").acquire(wait=True)  # waiting for itself: proceeds
+    inner.release()
+    assert (tmp_path / "a" / "run" / ".lock").exists()  # still held by ``first``
+    first.release(remove_created=True)
+    assert not (tmp_path / "a").exists()  # it created a/ and a/run: both empty again, both gone
+
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / ".lock").write_text("999999\n")  # left by a killed process: no flock on it
+    DirLock(tmp_path / "stale").acquire().release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stale"] and not list((tmp_path / "stale").iterdir())
+
+    with pytest.raises(ZeroDivisionError), locked(tmp_path / "new", "sweep directory"):
+        1 / 0
+    assert not (tmp_path / "new").exists()  # created here and empty: removed
+    with pytest.raises(ZeroDivisionError), locked(tmp_path / "work", "sweep directory"):
+        (tmp_path / "work" / "result.json").write_text("{}")
+        1 / 0
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["result.json"]  # work done is never deleted
