@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,17 +46,26 @@ class Claim:
     def verdict(self) -> Verdict | None:
         return None if self.interval is None else decide(self.interval, self.margin, self.claimed)
 
+    @property
+    def negligible(self) -> bool:
+        """A difference whose interval excludes zero yet lies inside the tie margin: real, but smaller
+        than what reseeding one run moves it by."""
+        iv = self.interval
+        return bool(iv is not None and iv.excludes_zero() and math.isfinite(self.margin) and -self.margin < iv.lo and iv.hi < self.margin)
+
     def line(self) -> str:
         """A markdown bullet: the claim, its verdict and the interval."""
         iv = self.interval.text() if self.interval is not None else "not measured"
         margin = f"; margin ±{self.margin:.3f}" if math.isfinite(self.margin) else ""
-        return f"- **{self.id}** — {self.claim}: {label(self.verdict)}. Difference {iv} {self.unit}{margin}. {self.detail}".rstrip()
+        small = " (inside the tie margin: a real difference, but smaller than reseeding one run moves it)" if self.negligible else ""
+        return f"- **{self.id}** — {self.claim}: {label(self.verdict)}{small}. Difference {iv} {self.unit}{margin}. {self.detail}".rstrip()
 
     def to_json(self) -> dict[str, Any]:
         iv = self.interval
         return {"id": self.id, "claim": self.claim, "criterion": self.criterion, "verdict": self.verdict,
                 "difference": iv.mean if iv else None, "ci95": [iv.lo, iv.hi] if iv else None, "n": iv.n if iv else 0,
-                "margin": self.margin, "claimed": self.claimed, "unit": self.unit, "detail": self.detail}
+                "margin": self.margin, "claimed": self.claimed, "unit": self.unit, "negligible": self.negligible,
+                "detail": self.detail}
 
 
 def capped(row: dict, init_loss: float) -> float:
@@ -119,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results, table = Path(args[0]), claims_table(args[0])
     for f in map(Path, args[1:]):
-        link = "" if f.resolve().parent == results.resolve() else f"{results.as_posix().rstrip('/')}/"
-        atomic_write_text(f, replace_table(f.read_text(), table, link))
+        rel = Path(os.path.relpath(results.resolve(), f.resolve().parent)).as_posix()
+        atomic_write_text(f, replace_table(f.read_text(), table, "" if rel == "." else rel + "/"))
         print(f"updated {f}")
     return 0
 

@@ -40,6 +40,7 @@ MULTIPLES = (1, 2, 4, 8, 16)
 LONG = (8, 16)  # lengths whose per-position curves and copy probes are kept
 METHODS = {"pi": "linear", "ntk": "ntk", "yarn": "yarn"}  # report name -> rope.scaling
 FT_METHODS = ("none", "pi", "yarn")
+DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 SNAPSHOT_FRACTIONS = (1 / 16, 1 / 4)  # of the fine-tune's steps: 25 and 100 of 400
 COPY_K, COPY_N = 16, 32  # copy-probe segment length and sequences
 SNAPSHOTS = "snapshots.json"
@@ -216,7 +217,7 @@ def positions_claims(rows: list[dict], *, L: int) -> list[Claim]:
         ra, rb = seeds_of(rows, f"rope-ft-{method}"), seeds_of(rows, "rope-ft-none")
         effects = [extension_effect(ra[s], rb[s], None) for s in sorted(set(ra) & set(rb))]
         claims.append(Claim("positions", f"ft-extension-{method}",
-                            f"fine-tuning with {method.upper()} helps beyond the training length more than within it",
+                            f"fine-tuning with {DISPLAY[method]} helps beyond the training length more than within it",
                             f"At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range positions minus the "
                             "same on in-range positions, per seed, below 0 (an extension effect, not a general gain).",
                             mean_interval(effects) if effects else None, margin, "lower",
