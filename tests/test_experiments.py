@@ -10,11 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
-from lmlab.experiments import EXPERIMENTS, claims, load_experiment_spec, moe, norm, positions, run_experiment, sweep
-from lmlab.model import Transformer
-
+from lmlab.experiments import EXPERIMENTS, claims, load_experiment_spec, moe, norm, positions, readme_table, run_experiment, sweep
 PNG = b"\x89PNG\r\n\x1a\n"
 SEEDS = (0, 1, 2)
 SHARED = (0.0, 0.02, -0.02)  # per-seed noise every arm shares (same seed, same data order): std 0.02
@@ -259,13 +256,9 @@ def test_gpu_profile_sizes_models_of_10_to_100_million_parameters():
     """The mechanism is tested here at full size without training (the profile has not run on a GPU)."""
     for name in EXPERIMENTS:
         spec = load_experiment_spec(name, profile="gpu")
-        sizes = {}
-        for variant, cfg in spec.configs.items():
-            key = repr(cfg.model)
-            if key not in sizes:
-                with torch.device("meta"):
-                    sizes[key] = Transformer(cfg.model).num_params()["total"]
-        assert 10e6 <= min(sizes.values()) and max(sizes.values()) <= 100e6, (name, sorted(sizes.values()))
+        sizes = [sweep.model_accounting(cfg.model, cfg.seq_len) for cfg in spec.configs.values()]  # cached by the spec check
+        assert 10e6 <= min(n["active_params"] for n in sizes), name
+        assert max(n["total_params"] for n in sizes) <= 100e6, (name, sorted(n["total_params"] for n in sizes))
         assert spec.seeds == [0] and all(c.train.device == "auto" for c in spec.configs.values())
 
 
@@ -284,7 +277,7 @@ def test_claims_table_is_generated_from_verdict_files(tmp_path):
     assert "an older report without intervals" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{claims.BEGIN}\nstale\n{claims.END}\noutro\n")
-    assert claims.main([str(results), str(readme)]) == 0
+    assert readme_table.main([str(results), str(readme)]) == 0
     text = readme.read_text()
     assert "stale" not in text and "](results/norm/report.md)" in text and text.startswith("intro") and text.endswith("outro\n")
     with pytest.raises(ValueError, match="no claims table markers"):
@@ -300,4 +293,4 @@ def test_the_committed_readmes_match_the_committed_verdict_files():
     table = claims.claims_table(results)
     for readme, link in ((root / "README.md", "results/"), (results / "README.md", "")):
         text = readme.read_text()
-        assert claims.replace_table(text, table, link) == text, f"{readme}: rerun python -m lmlab.experiments.claims results README.md results/README.md"
+        assert claims.replace_table(text, table, link) == text, f"{readme}: rerun python -m lmlab.experiments.readme_table results README.md results/README.md"

@@ -64,3 +64,13 @@ def test_xavier_with_gpt2_scaling_is_refused_with_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="init"):
         tiny_config(init="kaiming")
+
+
+def test_a_model_on_the_meta_device_counts_parameters_without_drawing_them():
+    cfg = tiny_config(d_model=64, n_layers=3, n_heads=4, **{"moe": {"n_experts": 4, "top_k": 2}})
+    real = Transformer(cfg)
+    with torch.device("meta"):
+        meta = Transformer(cfg)
+    assert all(p.is_meta for p in meta.parameters())
+    assert meta.num_params() == real.num_params() and meta.flops_per_token(16) == real.flops_per_token(16)
+    assert torch.equal(Transformer(cfg).embed.weight, real.embed.weight)  # a real model's draws are unchanged

@@ -40,6 +40,8 @@ class Init:
 
     @torch.no_grad()
     def normal(self, p: torch.Tensor, std: float) -> None:
+        if p.is_meta:  # a model on the meta device has shapes only (parameter counting): nothing to draw
+            return
         p.copy_(self.draw(p.shape) * std)
 
     def xavier(self, w: torch.Tensor, gain: float) -> None:

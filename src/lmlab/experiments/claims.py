@@ -6,8 +6,8 @@
     claims_table("results")                           # the README's table, from every verdict.json
 
 The README's table of results is generated from the verdict files by :func:`claims_table`
-(``python -m lmlab.experiments.claims results README.md results/README.md`` rewrites it between
-its markers), and a test checks that the committed README matches the committed verdict files.
+(``python -m lmlab.experiments.readme_table results README.md results/README.md`` rewrites it
+between its markers), and a test checks that the committed README matches the committed verdict files.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -119,21 +117,3 @@ def replace_table(text: str, table: str, results_link: str = "") -> str:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{table}{END}{tail}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lmlab.experiments.claims RESULTS FILE...``: rewrite each FILE's claims table."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2:
-        print("usage: python -m lmlab.experiments.claims RESULTS_DIR FILE [FILE...]", file=sys.stderr)
-        return 2
-    results, table = Path(args[0]), claims_table(args[0])
-    for f in map(Path, args[1:]):
-        rel = Path(os.path.relpath(results.resolve(), f.resolve().parent)).as_posix()
-        atomic_write_text(f, replace_table(f.read_text(), table, "" if rel == "." else rel + "/"))
-        print(f"updated {f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

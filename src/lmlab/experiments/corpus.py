@@ -16,7 +16,12 @@ training and another in validation:
   - exact duplicates: identical text (sha256), the first in path order kept;
   - near duplicates: MinHash (Broder 1997) over word 5-gram shingles with LSH banding; a document
     whose estimated Jaccard similarity to an earlier *kept* document is at least ``NEAR`` is
-    dropped (greedy in path order, so the result does not depend on cluster chaining).
+    dropped (greedy in path order, so the result does not depend on cluster chaining);
+  - repeated spans: Lee et al.'s ExactSubstr rule at the byte level. Every 64-byte window that
+    also occurs in an earlier document is cut out of the later one (licence headers, shared
+    boilerplate, copied helpers: ~6% of the bytes here). Without this step a random document split
+    of the standard library leaves ~3.8% of validation's 64-byte windows verbatim in training;
+    with it, ~0.02%.
 
 Order. Documents are written sorted by the sha256 of their text: a fixed pseudo-random order. The
 split itself belongs to ``lmlab prepare`` (by document); written in this order, even a split that
@@ -267,9 +272,9 @@ def window_hashes(data: bytes, width: int = WINDOW) -> np.ndarray:
     w = 1
     with np.errstate(over="ignore"):
         while w < width:
-            h = h[:-w] * p + h[w:]
-            p = p * p
-            w *= 2
+            nxt = h[:-w] * p  # two arrays alive at a time: ~16 bytes per input byte
+            nxt += h[w:]
+            h, p, w = nxt, p * p, w * 2
     return h
 
 
@@ -278,9 +283,10 @@ def window_overlap(val: bytes, train: bytes, width: int = WINDOW) -> float:
     v = window_hashes(val, width)
     if not len(v):
         return float("nan")
-    t = np.unique(window_hashes(train, width))
+    t = window_hashes(train, width)
     if not len(t):
         return 0.0
+    t.sort()  # in place: duplicates do no harm to the search
     at = np.minimum(np.searchsorted(t, v), len(t) - 1)
     return float((t[at] == v).mean())
 

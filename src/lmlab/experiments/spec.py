@@ -11,10 +11,13 @@ validated here, before any training: a bad override names the spec, the variant 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from pathlib import Path
 from typing import Any, Mapping
+
+import torch
 
 from ..model import Transformer
 from ..run.config import RunConfig
@@ -335,9 +338,12 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
 
 
 # ============================================================== accounting
+@functools.lru_cache(maxsize=256)
 def model_accounting(model_cfg, seq_len: int) -> dict[str, float]:
-    """Total and active parameters and training FLOPs per token of a model config (built on the CPU)."""
-    model = Transformer(model_cfg)
+    """Total and active parameters and training FLOPs per token of a model config (built on the
+    meta device; cached, since configs are frozen and a GPU-size MoE takes seconds to draw)."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
     n = model.num_params()
     return {"total_params": n["total"], "active_params": n["active"], "flops_per_token": model.flops_per_token(seq_len)}
 

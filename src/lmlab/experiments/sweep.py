@@ -333,6 +333,12 @@ def code_revision() -> tuple[str, bool]:
     return rev, git("status", "--porcelain", "--", str(package)) == ""
 
 
+def finished(sw: "Sweep", name: str, seed: int) -> bool:
+    """Whether the run has a result for exactly its current config."""
+    key, done = sw.key(sw.spec.variant(name), seed), read_result(run_dir_of(sw.out, name, seed))
+    return key is not None and done is not None and done.get("config_hash") == key
+
+
 def read_result(run_dir: Path) -> dict | None:
     p = run_dir / RESULT_FILE
     return json.loads(p.read_text()) if p.is_file() else None
@@ -531,11 +537,14 @@ def execute(sw: Sweep, jobs: int, threads: int | None, log: Callable[[str], None
             p.start()
         _join(procs)
         codes = [p.exitcode for p in procs]
-        if any(c == INTERRUPTED for c in codes):
+        missing = [f"{name} seed {seed}" for _, name, seed in tasks if not finished(sw, name, seed)]
+        if missing and any(c == INTERRUPTED for c in codes):
             raise SweepInterrupted(f"sweep {sw.spec.name} stopped by a signal; rerun the same command to resume")
-        if any(c != 0 for c in codes):
-            raise SweepFailed(f"a worker of sweep {sw.spec.name} failed (exit codes {codes}; its error is above); "
-                              "fix it and rerun the same command to resume")
+        if missing:
+            raise SweepFailed(f"a worker of sweep {sw.spec.name} failed (exit codes {codes}; its error is above) and "
+                              f"{len(missing)} runs are unfinished ({missing[0]}, ...); rerun the same command to resume")
+        if any(c != 0 for c in codes):  # another worker finished what the failed one left
+            log(f"a worker exited with code {[c for c in codes if c != 0][0]}, but every run finished")
     return [read_result(run_dir_of(sw.out, name, seed)) for _, name, seed in tasks]
 
 
@@ -563,10 +572,27 @@ def _join(procs: list) -> None:
 
 
 # ============================================================== the sweep
+@contextlib.contextmanager
+def setup_lock(out: Path) -> Iterator[None]:
+    """A blocking exclusive lock on out/locks/setup.lock: two invocations on one out dir build the
+    corpus and prepare the data one after the other, never into the same files at once."""
+    import fcntl
+
+    path = out / "locks" / "setup.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def setup(spec: SweepSpec, out: Path, hooks: Hooks, trainer_cls, quiet: bool, log) -> tuple[Sweep, dict | None]:
     """Corpus, shared data, data identities and loss limits: everything before the first run."""
-    spec, corpus_meta = with_corpus(spec, out, log)
-    data_dirs = prepare_shared_data(spec, out)
+    with setup_lock(out):
+        spec, corpus_meta = with_corpus(spec, out, log)
+        data_dirs = prepare_shared_data(spec, out)
     limits, ids, vocabs = {}, {}, {}
     fe = spec.final_eval
     for d in set(data_dirs.values()):
