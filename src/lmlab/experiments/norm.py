@@ -281,11 +281,12 @@ def markdown(spec, rows, claims, tune: dict | None, *, command, wall_s, data, li
     n_layers = {d: next(spec.configs[r["variant"]].model.n_layers for r in rows if r["depth"] == d) for d in depths}
     cfg = spec.configs[rows[0]["variant"]]
     t = cfg.train
+    warm = max(spec.configs[r["variant"]].train.warmup_steps for r in rows)
     text = report_header("Claim 1: pre-norm trains deep models stably where post-norm struggles", command, spec, wall_s, rows, data)
     text += (
         "## What was measured\n\n"
         f"Arch (placement and init) {{{', '.join(dict.fromkeys(r['arch'] for r in rows))}}} × depth "
-        f"{{{', '.join(str(n_layers[d]) for d in depths)}}} × warmup {{{t.warmup_steps if False else 'on, off'}}}. Model: d_model "
+        f"{{{', '.join(str(n_layers[d]) for d in depths)}}} × warmup {{{warm} steps, none}}. Model: d_model "
         f"{cfg.model.d_model}, {cfg.model.n_heads} heads, {cfg.model.norm}, {cfg.model.ffn}/{cfg.model.activation}, "
         f"{cfg.model.positions} positions, context {cfg.seq_len}, vocab {cfg.model.vocab_size}. Every run: {t.steps} AdamW steps "
         f"of {t.batch_size}×{cfg.seq_len} tokens ({t.steps * t.batch_size * cfg.seq_len:,} tokens), cosine decay to lr/10, "
@@ -310,8 +311,9 @@ def markdown(spec, rows, claims, tune: dict | None, *, command, wall_s, data, li
 def tune_text(tune: dict | None) -> str:
     if not tune:
         return ""
-    return (f"Learning rate per arch, chosen from {tune['values']} by the lowest mean final loss of a tuning run (at 12 layers "
-            "with warmup, its own seed, not reused): " + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ".\n\n")
+    at = ", ".join(tune.get("at", {}).values())
+    return (f"Learning rate per arch, chosen from {tune['values']} by the lowest mean final loss of its tuning runs (at {at}; "
+            f"seed {tune['seeds']}, which no main run reuses): " + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ".\n\n")
 
 
 def paper_note(claims: list[Claim]) -> str:

@@ -373,9 +373,40 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
         "### Rope zero-shot (factor = length / training length)\n\n" + markdown_table(zero_shot_table(rows))
         + "\n### Rope fine-tuned at 8×: the steps sweep\n\n" + markdown_table(finetune_table(rows))
         + "\n![fine-tune steps](finetune_steps.png)\n\n![rope extension per position](rope_extension_per_position.png)\n\n"
-        "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n"
+        "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg)
     )
     return text
+
+
+def yarn_bands(head_dim: int, L: int, base: float, beta_fast: float, beta_slow: float) -> tuple[int, int, int]:
+    """How many rotary frequency pairs YaRN interpolates fully (fewer than beta_slow rotations over the
+    training length L), on its ramp, and leaves unchanged (more than beta_fast rotations)."""
+    rotations = [L * base ** (-2 * i / head_dim) / (2 * math.pi) for i in range(head_dim // 2)]
+    full = sum(r < beta_slow for r in rotations)
+    kept = sum(r > beta_fast for r in rotations)
+    return full, head_dim // 2 - full - kept, kept
+
+
+def paper_note(claims: list[Claim], cfg) -> str:
+    """Where a result disagrees with the papers, the setup difference that plausibly explains it."""
+    v = {c.id: c.verdict for c in claims}
+    notes = []
+    if v.get("shaw-flat-from-clip") == "reproduced":
+        notes.append("Shaw's relative positions degrade beyond the training length once their clip covers it: the flat curve of "
+                     "the first version came from clip 16 < 64, where every offset past 16 shares one trained embedding. The "
+                     "clip-16 arm is that setup, shown.")
+    if v.get("zero-shot-yarn-8x") != "reproduced" or v.get("zero-shot-yarn-16x") != "reproduced":
+        r = cfg.model.rope
+        full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
+        notes.append(f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 (4,096 training "
+                     f"positions, head_dim 128), where many frequency pairs complete more than {r.beta_fast:g} rotations in "
+                     f"training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} and {cfg.seq_len} training positions, "
+                     f"{full} of {cfg.model.head_dim // 2} pairs complete less than {r.beta_slow:g} rotation (YaRN interpolates them "
+                     f"fully), {ramp} are on its ramp and {kept} are left unchanged: YaRN acts close to plain interpolation here.")
+    if any(v.get(f"ft-extension-{m}") not in ("reproduced", None) for m in ("yarn", "pi")):
+        notes.append("A fine-tune whose gain is as large in range as beyond it is a general gain from more training at a new "
+                     "length, not an extension effect: the in-range positions are the control that separates the two.")
+    return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 
 
 def per_position_csv(rows: list[dict], out: Path, names: list[str], L: int) -> None:
