@@ -369,6 +369,8 @@ def train_one(sw: Sweep, variant: Variant, seed: int, key: str, tag: str, log: C
         log(f"{tag}: config changed since it ran: {_stale_reason(sw, variant, seed, run_dir)}; rerunning")
         clear_run(run_dir)
         start = None
+    elif start is None and run_dir.exists():  # stopped before it recorded its config hash: nothing says it is this run
+        clear_run(run_dir)
     cfg = sw.config(variant, seed)
     t0 = time.perf_counter()
     trainer = sw.trainer_cls(cfg, run_dir, resume=(run_dir / "config.yaml").is_file(), quiet=sw.quiet)
@@ -481,31 +483,34 @@ def claim(lock: Path) -> Iterator[bool]:
 def work(sw: Sweep, tasks: Sequence[tuple[int, str, int]], log: Callable[[str], None], announce: bool = True) -> None:
     """Train every task (index, variant, seed) not yet done, claiming each; returns when all are done.
     A task whose init_from run is unfinished waits; a task another process holds is skipped until free."""
-    total = len(tasks)
-    pending, first = list(tasks), announce
-    parent = os.getppid()
+    total, parent = len(tasks), os.getppid()
+    pending = []
+    for task in tasks:
+        i, name, seed = task
+        if not finished(sw, name, seed):
+            pending.append(task)
+        elif announce:
+            done = read_result(run_dir_of(sw.out, name, seed))
+            log(f"[{i}/{total}] {name} seed {seed}: done earlier (val loss {fmt(done['final_val_loss'])})")
     while pending:
         if os.getppid() != parent:  # orphaned: whoever started us is gone
             raise SweepInterrupted("the sweep's main process exited; stopping")
         progressed = False
         for task in list(pending):
             i, name, seed = task
-            variant, tag = sw.spec.variant(name), f"[{i}/{total}] {name} seed {seed}"
+            variant = sw.spec.variant(name)
             key = sw.key(variant, seed)
-            done = read_result(run_dir_of(sw.out, name, seed))
-            if key is not None and done is not None and done.get("config_hash") == key:
-                if first:
-                    log(f"{tag}: done earlier (val loss {fmt(done['final_val_loss'])})")
-                pending.remove(task)
-                continue
             if key is None:
                 continue  # its init_from run is not finished yet
+            if finished(sw, name, seed):  # another process finished it
+                pending.remove(task)
+                continue
             with claim(sw.lock(variant, seed)) as mine:
+                if mine and not finished(sw, name, seed):
+                    train_one(sw, variant, seed, key, f"[{i}/{total}] {name} seed {seed}", log)
                 if mine:
-                    train_one(sw, variant, seed, key, tag, log)
                     pending.remove(task)
                     progressed = True
-        first = False
         if pending and not progressed:
             time.sleep(POLL_S)
 
