@@ -369,7 +369,7 @@ CASES = [
     Case("sweep --out naming a file", lambda env: ["sweep", env.spec(), "--out", garbage(env.tmp / "afile")], 2,
          ("sweep directory", "afile' is a file")),
     Case("experiment --threads -2", lambda env: ["experiment", "norm", "--quick", "--out", env.tmp / "x", "--threads", "-2"], 2,
-         ("--threads -2 is not valid",)),
+         ("--threads=-2 is not valid",)),
     Case("--overwrite over a symlinked checkpoints/", setup_symlinked_checkpoints, 2,
          ("run/checkpoints' is a symbolic link to", "outside the run directory")),
     Case("generate --temperature nan", lambda env: ["generate", env.run(), "--temperature", "nan"], 2,

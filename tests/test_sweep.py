@@ -1,8 +1,12 @@
-"""lmlab.experiments.sweep: whole-spec validation, equal-budget accounting, resumption, tables."""
+"""lmlab.experiments.sweep: whole-spec validation, seeds, equal-budget accounting, resumption,
+reuse only of identical configs, honest labels, parallel workers, tuning, tables."""
 
 from __future__ import annotations
 
 import csv
+import json
+import math
+import re
 import signal
 
 import numpy as np
@@ -11,7 +15,8 @@ import yaml
 
 from lmlab import cli
 from lmlab.experiments import report, sweep
-from lmlab.experiments.sweep import Hooks, SweepInterrupted, load_spec, parse_spec, run_sweep
+from lmlab.experiments.spec import parse_spec
+from lmlab.experiments.sweep import Hooks, SweepInterrupted, load_spec, run_sweep
 from lmlab.run.trainer import Trainer
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(400))
@@ -30,8 +35,8 @@ def corpus(tmp_path):
     return p
 
 
-def spec_file(tmp_path, corpus, **changes):
-    data = {"name": "tiny", "base": {**TINY, "data": {"source": str(corpus), "val_fraction": 0.1}},
+def spec_file(tmp_path, text_file, **changes):
+    data = {"name": "tiny", "base": {**TINY, "data": {"source": str(text_file), "val_fraction": 0.1}},
             "variants": [{"name": "one", "overrides": {"model.n_layers": 1}}, {"name": "two", "overrides": {"model.n_layers": 2}}]}
     data.update(changes)
     p = tmp_path / "spec.yaml"
@@ -45,6 +50,10 @@ class CountingTrainer(Trainer):
     def __init__(self, cfg, run_dir, **kw):
         super().__init__(cfg, run_dir, **kw)
         CountingTrainer.made.append((str(run_dir), self.step, kw.get("resume")))
+
+
+def quiet(message):
+    pass
 
 
 # ============================================================== validation before training
@@ -72,6 +81,12 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "variant 'wide'" in err and "n_heads=3" in err
     assert not out.exists()  # nothing prepared, nothing trained
+    for flags, message in ((["--jobs", "0"], "--jobs=0 is not valid"), (["--threads", "0"], "--threads=0 is not valid"),
+                           (["--quick", "--profile", "gpu"], "exclude each other"), (["--profile", "huge"], "no profile 'huge'")):
+        assert cli.main(["sweep", str(spec_file(tmp_path, corpus)), "--out", str(out), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, (flags, err)
+        assert not out.exists()
 
 
 @pytest.mark.parametrize("change, message", [
@@ -79,12 +94,22 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     ({"variants": [{"name": "a"}, {"name": "a"}]}, "variant name 'a' appears twice"),
     ({"variants": [{"name": "a", "overides": {}}]}, "unknown key 'overides'"),
     ({"seeds": "three"}, "seeds='three' is not valid"),
+    ({"seeds": [1, 1]}, "repeats a seed"),
     ({"variant": []}, "unknown key 'variant'"),
     ({"variants": [{"name": "a/b"}]}, "without spaces or slashes"),
+    ({"variants": [{"name": "a", "seeds": 0}]}, "seeds=0 is not valid"),
+    ({"seed_fields": ["model.d_model"]}, "seed_fields=['model.d_model'] is not valid"),
+    ({"final_eval": {"windows": 3}}, "final_eval must be {tokens: N}"),
+    ({"corpus": {"name": "wikipedia"}}, "corpus must be {name: stdlib}"),
+    ({"tune": {"field": "train.lr"}}, "tune needs field"),
+    ({"tune": {"field": "train.lr", "values": [1e-3], "by": ["depth"]}}, "tune names axis 'depth'"),
+    ({"profiles": {"gpu": {"overides": {}}}}, "profile 'gpu': unknown key 'overides'"),
 ])
 def test_spec_structure_errors(tmp_path, corpus, change, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_spec(spec_file(tmp_path, corpus, **change))
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "tiny", "base": TINY, "variants": [{"name": "one"}], **change}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_spec(path)
 
 
 def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, corpus):
@@ -103,6 +128,25 @@ def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, c
     assert [spec.configs[n].train.steps for n in ("pre-L1", "pre-L3")] == [1, 2]  # base quick, then the level's quick
 
 
+def test_profiles_change_sizes_seeds_and_tuning_and_a_variant_may_train_fewer_seeds():
+    data = {"base": TINY, "seeds": 5, "final_eval": {"tokens": 64},
+            "tune": {"field": "train.lr", "values": [1e-3, 3e-3], "seeds": [7]},
+            "profiles": {"gpu": {"overrides": {"model.d_model": 32}, "seeds": [0], "tune": None, "final_eval": {"tokens": 999}},
+                         "mid": {"tune": {"values": [2e-3]}}},
+            "variants": [{"name": "a"}, {"name": "b", "seeds": 3, "profiles": {"gpu": {"model.n_layers": 3}}}]}
+    full = parse_spec(data).resolve()
+    assert full.tasks() == [("a", s) for s in range(5)] + [("b", s) for s in range(3)]
+    assert full.configs["b"].model.d_model == 16 and full.tune.values == [1e-3, 3e-3]
+    gpu = parse_spec(data).resolve(profile="gpu")
+    assert gpu.tune is None and gpu.seeds == [0] and gpu.final_eval == {"tokens": 999}
+    assert gpu.configs["a"].model.d_model == 32 and gpu.configs["b"].model.n_layers == 3 and gpu.configs["a"].model.n_layers == 1
+    assert parse_spec(data).resolve(profile="mid").tune.values == [2e-3]
+    # a sweep seed sets both the init seed and the data-order seed, unless the spec names one of them
+    assert (full.seed_config("a", 4).model.init_seed, full.seed_config("a", 4).train.seed) == (4, 4)
+    only_init = parse_spec({**data, "seed_fields": ["model.init_seed"]}).resolve()
+    assert (only_init.seed_config("a", 4).model.init_seed, only_init.seed_config("a", 4).train.seed) == (4, 0)
+
+
 def test_active_parameter_matching_names_the_variant_that_is_off(tmp_path, corpus):
     base = {"model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 16}}
     ok = parse_spec({"base": base, "match_active_params": {"reference": "dense", "tolerance": 0.05}, "variants": [
@@ -119,7 +163,7 @@ def test_active_parameter_matching_names_the_variant_that_is_off(tmp_path, corpu
         bad.resolve()
 
 
-# ============================================================== running and resuming
+# ============================================================== running, resuming, reusing
 def test_interrupted_sweep_resumes_without_rerunning_finished_variants(tmp_path, corpus):
     spec = load_spec(spec_file(tmp_path, corpus))
     out = tmp_path / "out"
@@ -132,14 +176,14 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_variants(tmp_path,
 
     CountingTrainer.made = []
     with pytest.raises(SweepInterrupted, match="two seed 0 stopped at step 2"):
-        run_sweep(spec, out, hooks=StopSecondAtStep2(), trainer_cls=CountingTrainer, log=lambda m: None)
+        run_sweep(spec, out, hooks=StopSecondAtStep2(), trainer_cls=CountingTrainer, log=quiet)
     assert [step for _, step, _ in CountingTrainer.made] == [0, 0]
     first = out / "runs/one/seed0/result.json"
     assert first.is_file() and not (out / "runs/two/seed0/result.json").exists()
     before = first.read_text()
 
     CountingTrainer.made = []
-    rows = run_sweep(load_spec(spec_file(tmp_path, corpus)), out, trainer_cls=CountingTrainer, log=lambda m: None)
+    rows = run_sweep(load_spec(spec_file(tmp_path, corpus)), out, trainer_cls=CountingTrainer, log=quiet)
     # only the half-finished run was constructed again, and it continued from its step-2 checkpoint
     assert CountingTrainer.made == [(str(out / "runs/two/seed0"), 2, True)]
     assert first.read_text() == before
@@ -148,12 +192,34 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_variants(tmp_path,
     assert [r["step"] for r in curve if "loss" in r] == [1, 2, 3, 4]  # no step logged twice across the resume
 
     CountingTrainer.made = []
-    run_sweep(load_spec(spec_file(tmp_path, corpus)), out, trainer_cls=CountingTrainer, log=lambda m: None)
+    run_sweep(load_spec(spec_file(tmp_path, corpus)), out, trainer_cls=CountingTrainer, log=quiet)
     assert CountingTrainer.made == []  # everything done: nothing is trained
 
 
+def test_a_finished_run_is_reused_only_if_its_resolved_config_is_identical(tmp_path, corpus):
+    out = tmp_path / "out"
+    run_sweep(load_spec(spec_file(tmp_path, corpus)), out, log=quiet)
+    one = json.loads((out / "runs/one/seed0/result.json").read_text())
+    assert one["config_hash"].startswith("sha256:")
+    changed = spec_file(tmp_path, corpus, variants=[{"name": "one", "overrides": {"model.n_layers": 1}},
+                                                    {"name": "two", "overrides": {"model.n_layers": 2, "train.lr": 1e-3}}])
+    CountingTrainer.made, lines = [], []
+    run_sweep(load_spec(changed), out, trainer_cls=CountingTrainer, log=lines.append)
+    # the changed variant reran from scratch and said why; the unchanged one was read back
+    assert CountingTrainer.made == [(str(out / "runs/two/seed0"), 0, False)]
+    assert any("two seed 0: config changed since it ran: train.lr: 0.002 vs 0.001 (then vs now); rerunning" in m for m in lines), lines
+    assert any("one seed 0: done earlier" in m for m in lines)
+    assert json.loads((out / "runs/one/seed0/result.json").read_text()) == one
+    # a result.json from before config hashes (or of another config) is not trusted either
+    legacy = out / "runs/one/seed0/result.json"
+    legacy.write_text(json.dumps({k: v for k, v in one.items() if k != "config_hash"}))
+    CountingTrainer.made = []
+    run_sweep(load_spec(changed), out, trainer_cls=CountingTrainer, log=quiet)
+    assert CountingTrainer.made == [(str(out / "runs/one/seed0"), 0, False)]
+
+
 def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
-    path = spec_file(tmp_path, corpus, seeds=2, diverged_above=100.0, variants=[
+    path = spec_file(tmp_path, corpus, seeds=2, variants=[
         {"name": "base"},
         {"name": "ft", "init_from": "base", "overrides": {"train.steps": 2, "train.lr": 1e-4, "train.min_lr": 1e-5}},
     ])
@@ -167,21 +233,24 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
     assert int(base0["tokens"]) == 4 * 2 * 16 and int(rows[2]["tokens"]) == 2 * 2 * 16
     assert int(base0["total_params"]) == int(base0["active_params"]) > 0 and float(base0["flops_per_token"]) > 0
     assert float(base0["tokens_per_s"]) > 0 and base0["diverged"] == "False"
-    assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]  # seeds differ in data order
+    # seed s means init seed s and data order s
+    assert [(r["init_seed"], r["data_seed"]) for r in rows[:2]] == [("0", "0"), ("1", "1")]
+    assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]
+    assert len(base0["revision"]) == 40 and base0["tree_clean"] in ("True", "False")
     # every run read the one shared prepared copy
     for r in ("base/seed0", "ft/seed1"):
         cfg = yaml.safe_load((out / "runs" / r / "config.yaml").read_text())
-        assert cfg["data"]["dir"] == str(out / "data")
+        assert cfg["data"]["dir"] == str((out / "data").resolve())
     assert not (out / "runs/base/seed0/data").exists()
     summary = (out / "summary.md").read_text()
-    base_vals = [float(r["final_val_loss"]) for r in rows[:2]]
-    assert f"{np.mean(base_vals):.4f} ± {np.std(base_vals, ddof=1):.4f}" in summary
+    base_vals = [json.loads((out / f"runs/base/seed{s}/result.json").read_text())["final_val_loss"] for s in (0, 1)]
+    assert report.mean_std(base_vals) in summary
     assert "| base | 2 | 0/2 |" in summary
     # the fine-tune started from base's final weights (2 small steps away), not from a fresh init
     from safetensors.torch import load_file
 
-    from lmlab.run import checkpoint as ckpt
     from lmlab.model import Transformer
+    from lmlab.run import checkpoint as ckpt
 
     def weights(run):
         return load_file(str(ckpt.resolve(out / "runs" / run / "checkpoints", "latest") / ckpt.WEIGHTS))["embed.weight"]
@@ -191,10 +260,23 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
     assert (ft_w - base_w).norm() < 0.2 * (base_w - init_w).norm()
 
 
-def test_divergence_threshold_and_unigram_loss(tmp_path, corpus):
-    spec = load_spec(spec_file(tmp_path, corpus, diverged_above=0.5, variants=[{"name": "one"}]))
-    rows = run_sweep(spec, tmp_path / "out", log=lambda m: None)
-    assert rows[0]["diverged"] and "above 0.500" in rows[0]["diverge_reason"]
+def test_run_status_separates_divergence_from_learning_nothing():
+    limits = {"unigram": 3.0, "init": 5.5}
+    assert sweep.run_status(2.5, "", limits, "init") == ("ok", "")
+    status, why = sweep.run_status(3.1, "", limits, "init")
+    assert status == "no better than unigram" and "3.100 >= the unigram loss 3.000" in why
+    assert sweep.run_status(5.6, "", limits, "init")[0] == "diverged"
+    assert sweep.run_status(float("nan"), "", limits, "init") == ("diverged", "non-finite validation loss")
+    assert sweep.run_status(2.0, "non-finite loss/gradient: x", limits, "init") == ("diverged", "non-finite loss/gradient: x")
+    assert sweep.run_status(2.0, "", limits, 1.5)[0] == "diverged"
+
+
+def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
+    rows = run_sweep(load_spec(spec_file(tmp_path, corpus, diverged_above=0.5, variants=[{"name": "one"}])), tmp_path / "out", log=quiet)
+    assert rows[0]["status"] == "diverged" and "above 0.500" in rows[0]["status_reason"]
+    rows = run_sweep(load_spec(spec_file(tmp_path, corpus, variants=[{"name": "lazy", "overrides": {"train.lr": 1e-6}}])),
+                     tmp_path / "out2", log=quiet)
+    assert rows[0]["status"] == "no better than unigram" and not rows[0]["diverged"]  # 4 steps at lr 1e-6 learn nothing
     data = tmp_path / "out" / "data"
     from lmlab.run.data import TokenData
 
@@ -202,8 +284,98 @@ def test_divergence_threshold_and_unigram_loss(tmp_path, corpus):
     counts = np.bincount(train, minlength=256) + 1.0
     expected = -np.log(counts / counts.sum())[val].mean()
     assert sweep.unigram_loss(data) == pytest.approx(expected, rel=1e-9)
+    starts = sweep.spread_starts(len(val), 16, 3)
+    assert starts.tolist() == [0, (len(val) - 17) // 2, len(val) - 17] or starts[0] == 0 and starts[-1] == len(val) - 17
+    on_slice = -np.log(counts / counts.sum())[val[starts[:, None] + 1 + np.arange(16)]].mean()
+    assert sweep.unigram_loss(data, 16, 3) == pytest.approx(on_slice, rel=1e-9)
 
 
+def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus):
+    path = spec_file(tmp_path, corpus, final_eval={"tokens": 96}, variants=[{"name": "one"}])
+    out = tmp_path / "out"
+    rows = run_sweep(load_spec(path), out, log=quiet)
+    assert rows[0]["eval_tokens"] == 96  # 6 windows of 16
+    from lmlab.model import Transformer
+    from lmlab.run import checkpoint as ckpt
+    from lmlab.run.data import TokenData
+    from lmlab.run.evaluate import evaluate
+
+    cfg = yaml.safe_load((out / "runs/one/seed0/config.yaml").read_text())
+    from lmlab.run.config import RunConfig
+
+    model = Transformer(RunConfig.from_dict({k: v for k, v in cfg.items() if k != "provenance"}).model)
+    ckpt.load_weights(model, ckpt.resolve(out / "runs/one/seed0/checkpoints", "latest") / ckpt.WEIGHTS)
+    val = TokenData(out / "data", "val")
+    expected = evaluate(model, sweep.SpreadSlice(val, 6), batch_size=8, seq_len=16).loss
+    assert rows[0]["final_val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert "over 96 validation tokens" in (out / "summary.md").read_text()
+
+
+# ============================================================== parallel workers
+def test_claims_are_exclusive_and_released(tmp_path):
+    lock = tmp_path / "locks" / "a.lock"
+    with sweep.claim(lock) as first:
+        assert first
+        with sweep.claim(lock) as second:  # another open file description: refused while held
+            assert not second
+    with sweep.claim(lock) as again:
+        assert again
+
+
+def test_two_workers_give_the_rows_one_process_gives(tmp_path, corpus):
+    path = spec_file(tmp_path, corpus, seeds=2, variants=[
+        {"name": "one"}, {"name": "two", "overrides": {"model.n_layers": 2}},
+        {"name": "ft", "init_from": "two", "overrides": {"model.n_layers": 2, "train.steps": 2}}])
+    serial = run_sweep(load_spec(path), tmp_path / "serial", log=quiet, threads=1)
+    lines: list[str] = []
+    parallel = run_sweep(load_spec(path), tmp_path / "parallel", log=lines.append, jobs=2, threads=1)
+    keys = ("variant", "seed", "steps", "final_val_loss", "best_val_loss", "final_train_loss", "config_hash")
+    assert [tuple(r[k] for k in keys) for r in parallel] == [tuple(r[k] for k in keys) for r in serial]
+    made = sorted(p.parent.name + "/" + p.name for p in (tmp_path / "parallel" / "runs").glob("*/seed*"))
+    assert made == ["ft/seed0", "ft/seed1", "one/seed0", "one/seed1", "two/seed0", "two/seed1"]
+    # every run trained exactly once: one session each in its provenance
+    for run in (tmp_path / "parallel" / "runs").glob("*/seed*"):
+        assert len(yaml.safe_load((run / "config.yaml").read_text())["provenance"]) == 1
+
+
+# ============================================================== tuning
+def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
+    tune = sweep.Tune("train.lr", [1e-3, 3e-3, 1e-2], ["arch"], {}, [7, 8], {})
+
+    def row(group, value, loss, status="ok"):
+        return {"tune_group": group, "tune_value": str(value), "final_val_loss": loss, "status": status}
+
+    rows = [row("post", 1e-3, 3.0), row("post", 1e-3, 3.2), row("post", 3e-3, 2.9), row("post", 3e-3, 3.2),
+            row("post", 1e-2, 1.0, "diverged"), row("post", 1e-2, 2.0),
+            row("pre", 1e-3, 3.0), row("pre", 1e-3, 3.0), row("pre", 3e-3, 2.5), row("pre", 3e-3, 2.6),
+            row("pre", 1e-2, 2.4), row("pre", 1e-2, 2.45)]
+    choices, table = sweep.choose(tune, rows)
+    assert choices == {"post": 3e-3, "pre": 1e-2}  # post's 1e-2 has a diverged seed: +inf
+    assert next(t for t in table if t["group"] == "post" and t["value"] == 1e-2)["mean_final_val_loss"] is None
+    assert math.isclose(next(t for t in table if t["group"] == "pre" and t["value"] == 3e-3)["mean_final_val_loss"], 2.55)
+
+
+def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus):
+    path = spec_file(tmp_path, corpus, variants=None, grid=[
+        {"axis": "arch", "levels": [{"name": "pre", "overrides": {"model.norm_position": "pre"}},
+                                    {"name": "post", "overrides": {"model.norm_position": "post"}}]},
+        {"axis": "depth", "levels": [{"name": "L1", "overrides": {"model.n_layers": 1}},
+                                     {"name": "L2", "overrides": {"model.n_layers": 2}}]}],
+        tune={"field": "train.lr", "values": [1e-6, 3e-3], "by": ["arch"], "at": {"depth": "L2"}, "seeds": [9],
+              "overrides": {"train.steps": 3}})
+    out = tmp_path / "out"
+    rows = run_sweep(load_spec(path), out, log=quiet)
+    tune = json.loads((out / "tune.json").read_text())
+    assert tune["chosen"] == {"pre": 3e-3, "post": 3e-3}  # 1e-6 learns nothing in 3 steps
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "post-L1", "post-L2", "pre-L1", "pre-L2", "tune-post-lr0.003", "tune-post-lr1e-06", "tune-pre-lr0.003", "tune-pre-lr1e-06"]
+    assert all((out / "runs" / n / "seed9").is_dir() for n in ("tune-pre-lr0.003", "tune-post-lr1e-06"))
+    for r in rows:
+        cfg = yaml.safe_load((out / "runs" / r["variant"] / "seed0" / "config.yaml").read_text())
+        assert cfg["train"]["lr"] == 3e-3 and cfg["train"]["steps"] == 4
+
+
+# ============================================================== tables
 def test_mean_std_and_markdown():
     assert report.mean_std([1.0, 2.0, 3.0]) == "2.0000 ± 1.0000"
     assert report.mean_std([2.5]) == "2.5000"
@@ -215,5 +387,7 @@ def test_subcommands_show_defaults_in_help(capsys):
     assert cli.main(["experiment", "--help"]) == 0
     text = capsys.readouterr().out
     assert "norm" in text and "positions" in text and "moe" in text and "(default: None)" in text
+    assert "--jobs" in text and "--profile" in text
     assert cli.main(["sweep", "--help"]) == 0
-    assert "--seeds" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--seeds" in text and "--jobs" in text and "--threads" in text

@@ -493,36 +493,46 @@ def set_threads(n: int | None) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .experiments.sweep import SweepInterrupted, load_spec, run_sweep
+    from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
     from .run.lock import locked
 
+    check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
-    spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds)
+    spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds, profile=args.profile)
     out = Path(args.out or Path("sweeps") / spec.name)
     try:
         with locked(out, "sweep directory"):
-            print(f"sweep {spec.name}: {len(spec.variants)} variants x {len(spec.seeds)} seeds -> {out}", flush=True)
-            run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True))
+            print(f"sweep {spec.name}: {len(spec.variants)} variants, {len(spec.tasks())} runs -> {out}"
+                  + (f" ({args.jobs} processes)" if args.jobs > 1 else ""), flush=True)
+            run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True), jobs=args.jobs, threads=args.threads)
     except SweepInterrupted as e:
         print(str(e), file=sys.stderr)
         return 130
+    except SweepFailed as e:
+        print(str(e), file=sys.stderr)
+        return 1
     print(f"wrote {out / 'results.csv'} and {out / 'summary.md'}")
     return 0
 
 
 def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments import run_experiment
-    from .experiments.sweep import SweepInterrupted
+    from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel
     from .run.lock import locked
 
+    check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
     command = " ".join(["lmlab", *argv]) if args.command_line is None else args.command_line
     try:
         with locked(args.out, "experiment directory"):
-            report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command)
+            report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command,
+                                    profile=args.profile, jobs=args.jobs, threads=args.threads)
     except SweepInterrupted as e:
         print(str(e), file=sys.stderr)
         return 130
+    except SweepFailed as e:
+        print(str(e), file=sys.stderr)
+        return 1
     print(f"wrote {report}")
     return 0
 
@@ -539,7 +549,10 @@ def add_sweep_parsers(sub) -> None:
     s.add_argument("--out", default=None, help="output directory; sweeps/<spec name> when not given")
     s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
     s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1; the spec's seeds when not given")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
+    s.add_argument("--profile", default=None, help="a named size from the spec's profiles: (e.g. gpu)")
+    s.add_argument("--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
 
     e = sub.add_parser(
         "experiment", help="reproduce one of the design's claims: norm, positions or moe", formatter_class=Formatter,
@@ -549,7 +562,10 @@ def add_sweep_parsers(sub) -> None:
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
     e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads; torch's choice when not given")
+    e.add_argument("--profile", default=None, help="a named size: gpu sizes the experiment for one modern GPU (~15 min)")
+    e.add_argument("--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
 
 

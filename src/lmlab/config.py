@@ -29,6 +29,7 @@ Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2"]
 SecondExpert = Literal["always", "random"]
 SharedGate = Literal["none", "sigmoid"]
+InitRule = Literal["normal", "xavier"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -258,6 +259,7 @@ class ModelConfig(Config):
     norm_eps: float = 1e-5
     dropout: float = 0.0
     init_std: float = 0.02
+    init: InitRule = "normal"  # normal: N(0, init_std); xavier: Xavier-normal matrices (see model.init_weights)
     init_seed: int = 0  # weights are a pure function of (config, init_seed)
 
     def __post_init__(self) -> None:
@@ -312,6 +314,11 @@ class ModelConfig(Config):
             raise ValueError(
                 "residual_scaling='deepnorm' needs norm_position='post' (DeepNorm up-scales the residual "
                 "before a post-norm); set norm_position='post' or choose residual_scaling in ['none', 'gpt2']"
+            )
+        if self.init == "xavier" and self.residual_scaling == "gpt2":
+            raise ValueError(
+                "init='xavier' and residual_scaling='gpt2' are two rules for the same weights; choose "
+                "init='normal' for GPT-2's scaled init, or residual_scaling in ['none', 'deepnorm']"
             )
         if self.positions != "rope" and self.rope.scaling != "none":
             raise ValueError(

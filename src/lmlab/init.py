@@ -29,6 +29,8 @@ class Init:
     std: float  # most weights ~ N(0, std)
     out_std: float  # projections that write into the residual stream (gpt2 scaling shrinks them)
     beta: float | None = None  # DeepNorm's β: matrices are Xavier-normal instead, with gain 1 or β
+    rule: str = "normal"  # ModelConfig.init: "xavier" makes every matrix Xavier-normal (gain 1 unless DeepNorm)
+    embed_std: float | None = None  # token/position embeddings ~ N(0, embed_std); None = std
 
     def draw(self, shape: torch.Size) -> torch.Tensor:
         """Standard normal samples drawn on the CPU in fp32, whatever the default device and dtype,
@@ -38,7 +40,7 @@ class Init:
 
     @torch.no_grad()
     def normal(self, p: torch.Tensor, std: float) -> None:
-        if p.is_meta:  # a model built on the meta device holds no values: nothing to draw (from_hf, counting)
+        if p.is_meta:  # a model on the meta device has shapes only (from_hf, parameter counting): nothing to draw
             return
         p.copy_(self.draw(p.shape) * std)
 
@@ -54,11 +56,14 @@ class Init:
 
         Under DeepNorm each matrix is Xavier-normal on its own (Wang et al. 2022, Algorithm 1): each
         expert of a stack (n, out, in), and each block of ``rows`` of a fused weight ([q; k; v],
-        [gate; up]), with ``deepnorm_gain`` (1 or β), or one gain per block."""
-        if self.beta is None:
+        [gate; up]), with ``deepnorm_gain`` (1 or β), or one gain per block. With ``rule="xavier"``
+        and no DeepNorm, the same per-matrix Xavier-normal with gain 1."""
+        if self.beta is None and self.rule == "normal":
             self.normal(w, std)
             return
         rows = rows or (w.shape[-2],)
+        if self.beta is None:
+            deepnorm_gain = 1.0
         gains = deepnorm_gain if isinstance(deepnorm_gain, tuple) else (deepnorm_gain,) * len(rows)
         for matrix in w.unbind(0) if w.ndim == 3 else (w,):
             for block, gain in zip(matrix.split(rows, dim=0), gains):
@@ -79,9 +84,14 @@ def init_module(module: nn.Module, init: Init) -> None:
     if hasattr(module, "init_params"):
         module.init_params(init)  # the module owns its subtree
         return
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        init.normal(module.weight, init.std)
-        init.zeros(getattr(module, "bias", None))
+    if isinstance(module, nn.Linear):
+        if init.rule == "xavier":
+            init.xavier(module.weight, 1.0)
+        else:
+            init.normal(module.weight, init.std)
+        init.zeros(module.bias)
+    elif isinstance(module, nn.Embedding):
+        init.normal(module.weight, init.std if init.embed_std is None else init.embed_std)
     elif isinstance(module, (nn.LayerNorm, RMSNorm)):
         module.weight.fill_(1.0)
         init.zeros(getattr(module, "bias", None))

@@ -246,10 +246,16 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     - ``deepnorm``: attention and feed-forward matrices (each expert's too) are Xavier-normal, with
       gain β = (8L)^(-1/4) for the value, output and feed-forward projections and 1 for queries and
       keys (Wang et al. 2022, Table 1 and Algorithm 1); routers and gates keep N(0, init_std).
+    - ``init="xavier"``: every matrix (attention, feed-forward, each expert, the output head) is
+      Xavier-normal, std sqrt(2 / (fan_in + fan_out)) (Glorot & Bengio 2010), and embeddings
+      ~ N(0, d_model^-1/2), as in the fairseq Transformer that Xiong et al. (2020) measured; routers,
+      gates and relative tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
+      which decides whether post-norm's sublayers move the residual stream at all at init.
     Each module whose weights need more than the defaults says how in an ``init_params(init)`` hook
     (attention, feed-forward, relative tables, experts); :func:`lmlab.init.init_module` applies the
     hooks, and the defaults everywhere else.
     """
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.residual_scaling == "gpt2" else cfg.init_std
     beta = deepnorm_beta(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else None
-    init_module(model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta))
+    embed_std = cfg.d_model ** -0.5 if cfg.init == "xavier" else None
+    init_module(model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta, cfg.init, embed_std))

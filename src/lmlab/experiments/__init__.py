@@ -1,26 +1,33 @@
-"""Many runs compared: the sweep engine, report helpers, and the design's three claims as experiments.
+"""Many runs compared: the sweep engine, statistics, the corpus, and the design's three claims.
 
-    sweep.py       ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable
-    report.py      tables, mean ± std, plots, report headers
-    norm.py        claim 1: pre-norm vs post-norm vs DeepNorm over depth, learning rate and warmup
-    positions.py   claim 2: six position schemes at 1x-8x the training length; rope context extension
+    spec.py        a sweep spec: variants, grid, seeds, profiles (quick, gpu), tuning
+    sweep.py       ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
+    stats.py       Student's t, paired intervals over seeds, tie margins, verdicts
+    claims.py      claims with their intervals -> verdict.json and the README's results table
+    corpus.py      the experiment corpus: the stdlib's source, deduplicated; split overlap
+    report.py      tables, mean ± std, seed-band plots, report headers
+    norm.py        claim 1: pre-norm vs post-norm vs DeepNorm over init, depth and warmup
+    positions.py   claim 2: six position schemes at 1x-16x the training length; rope context extension
     moe.py         claim 3: dense vs Switch, GShard, DeepSeekMoE at equal active parameters; balancing
 
 An experiment is a sweep spec (``<name>.yaml`` beside its module) plus a module with its extra
-measurements (sweep ``Hooks``) and ``analyze``, which writes PNG plots and report.md. A report's
-verdict is computed from the numbers with criteria the report states; nothing is hard-coded.
-``lmlab experiment norm|positions|moe [--quick] --out DIR`` runs one.
+measurements (sweep ``Hooks``) and ``analyze``, which splits into a pure verdict function over
+result rows, plots and markdown. A report's verdicts are computed from the numbers with criteria
+the report states before them; nothing is hard-coded.
+``lmlab experiment norm|positions|moe [--quick | --profile gpu] --out DIR [--jobs N --threads T]`` runs one.
 
 Dependencies run one way: this package imports ``lmlab.run`` and the model modules, never ``lmlab.cli``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
-from . import moe, norm, positions
-from .sweep import SweepSpec, load_spec, run_sweep
+from ..run.atomic import atomic_write_text
+from . import corpus, moe, norm, positions
+from .sweep import Outcome, SweepSpec, data_identity, load_spec, sweep_outcome
 
 EXPERIMENTS = {"norm": norm, "positions": positions, "moe": moe}
 
@@ -29,20 +36,38 @@ def spec_path(name: str) -> Path:
     return Path(__file__).with_name(f"{name}.yaml")
 
 
-def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = None) -> SweepSpec:
+def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = None, profile: str | None = None) -> SweepSpec:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
-    return load_spec(spec_path(name), quick=quick, seeds=seeds)
+    return load_spec(spec_path(name), quick=quick, seeds=seeds, profile=profile)
 
 
-def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None,
-                   command: str | None = None, log=print) -> Path:
+def data_report(out: Path, outcome: Outcome) -> dict:
+    """The corpus identity, tokenizer, split sizes and verbatim 64-byte overlap of the prepared data
+    (the overlap is cached in out/overlap.json, keyed by the data's identity)."""
+    meta = json.loads((outcome.data_dir / "meta.json").read_text())
+    ident = data_identity(outcome.data_dir)
+    cache = out / "overlap.json"
+    cached = json.loads(cache.read_text()) if cache.is_file() else {}
+    if cached.get("data_identity") != ident:
+        cached = {"data_identity": ident, **corpus.split_overlap(outcome.data_dir)}
+        atomic_write_text(cache, json.dumps(cached, indent=1) + "\n")
+    return {"corpus": outcome.corpus, "overlap": cached, "tokenizer": meta.get("tokenizer"), "vocab_size": meta.get("vocab_size"),
+            "data_identity": ident, "val_fraction": meta.get("val_fraction")}
+
+
+def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None, profile: str | None = None,
+                   command: str | None = None, log=print, jobs: int = 1, threads: int | None = None) -> Path:
     """Run experiment ``name`` into ``out`` (resuming what is there) and write its report; returns report.md."""
     module = EXPERIMENTS[name]
-    spec = load_experiment_spec(name, quick=quick, seeds=seeds)
+    spec = load_experiment_spec(name, quick=quick, seeds=seeds, profile=profile)
     out = Path(out)
     t0 = time.perf_counter()
-    rows = run_sweep(spec, out, hooks=module.Hooks(spec), quiet=True, log=lambda m: log(m, flush=True))
+    outcome = sweep_outcome(spec, out, hooks=module.Hooks(spec), quiet=True, log=lambda m: log(m, flush=True),
+                            jobs=jobs, threads=threads)
+    data = data_report(out, outcome)
     wall = time.perf_counter() - t0
-    command = command or f"lmlab experiment {name}{' --quick' if quick else ''} --out {out}"
-    return module.analyze(spec, out, rows, command=command, wall_s=wall)
+    flags = " --quick" if quick else (f" --profile {profile}" if profile else "")
+    command = command or f"lmlab experiment {name}{flags} --out {out}"
+    return module.analyze(outcome.spec, out, outcome.rows, command=command, wall_s=wall, data=data,
+                          limits=outcome.limits, tune=outcome.tune)

@@ -1,44 +1,114 @@
 """Claim 2, measured: rotary positions let context be extended by adjusting the rotation range.
 
-Every trained model is evaluated on the validation split at 1x, 2x, 4x and 8x its training length
-L (loss by evaluation length, and loss at each position). Learned positions stop at their table:
-recorded as "n/a", never a crash. The trained rope model is also evaluated with linear, NTK-aware
-and YaRN scaling applied zero-shot at factor = evaluation length / L; the *-ft variants are the
-same three (and no scaling, a control) after a short fine-tune at 8L from rope's weights.
+Every trained model is evaluated at 1x, 2x, 4x, 8x and 16x its training length L, on validation
+windows spread over the whole split, and each long evaluation is split by position: *in range*
+(positions < L, which training covered) and *beyond range* (positions >= L). Learned positions
+stop at their table ("n/a", never a crash). The trained rope model is also evaluated with linear
+(PI), NTK-aware and YaRN scaling applied zero-shot at factor = length / L. The rope-ft-* variants
+fine-tune rope's weights at 8L with no scaling, PI and YaRN, at a constant learning rate; the
+same measurements are taken after 1/16, 1/4 and all of the fine-tune's steps (25, 100, 400).
 
-Verdict criteria (stated in the report too):
-  zero-shot  reproduced if at every length > L some scaling method gives a lower loss than
-             unscaled rope at that length;
-  fine-tune  reproduced if the best scaled fine-tune's loss at 8L is below rope's own loss at L
-             (the model reads 8x the context at no cost per token) and below the unscaled
-             fine-tune's at 8L by more than TIE nats (the adjustment, not the fine-tune, did it).
+A retrieval probe sits beside the loss (an induction/copy probe in the manner of Olsson et al.
+2022): a random K-token segment is written into a window of validation text twice, the second time
+at the end; the probe is the accuracy of predicting the repeat's tokens 2..K. "far" puts the first
+copy at position 0 (distance ~ the window length, beyond L at 8x and 16x), "near" L/2 before the
+repeat (in range as a distance, at positions beyond L).
+
+The claims and their criteria are in :func:`positions_claims`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
-from ..model import Transformer
-from ..run.evaluate import evaluate
-from ..run.atomic import atomic_write_text
-from .sweep import Hooks as SweepHooks
-from .report import figure, markdown_table, report_header, save, verdict, write_json
+import numpy as np
+import torch
 
-MULTIPLES = (1, 2, 4, 8)
-METHODS = ("linear", "ntk", "yarn")
-EVAL_WINDOWS = 256  # validation tokens per evaluation length = EVAL_WINDOWS x training length (16,384 at 64)
-TIE = 0.01  # nats
+from ..model import Transformer
+from ..run.atomic import atomic_write_text
+from .claims import Claim, criteria_text, write_verdicts
+from .report import band_plot, figure, markdown_table, report_header, save
+from .stats import mean_interval, paired_interval, tie_margin
+from .sweep import Hooks as SweepHooks
+from .sweep import eval_slice_text, spread_eval, spread_starts
+
+MULTIPLES = (1, 2, 4, 8, 16)
+LONG = (8, 16)  # lengths whose per-position curves and copy probes are kept
+METHODS = {"pi": "linear", "ntk": "ntk", "yarn": "yarn"}  # report name -> rope.scaling
+FT_METHODS = ("none", "pi", "yarn")
+DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
+SNAPSHOT_FRACTIONS = (1 / 16, 1 / 4)  # of the fine-tune's steps: 25 and 100 of 400
+COPY_K, COPY_N = 16, 32  # copy-probe segment length and sequences
+SNAPSHOTS = "snapshots.json"
 NA_LEARNED = "n/a — learned table ends at {L}"
 
 
-def eval_at(model, data, seq_len: int, tokens: int) -> tuple[float, list[float]]:
-    """Loss and loss at each position over about ``tokens`` validation tokens, in windows of ``seq_len``."""
-    bs = max(1, min(8, tokens // (4 * seq_len)))
-    batches = max(1, math.ceil(tokens / (bs * seq_len)))
-    r = evaluate(model, data, batch_size=bs, seq_len=seq_len, max_batches=batches)
-    return r.loss, r.per_position
+# ============================================================== measurements
+def eval_tokens(spec) -> int:
+    return spec.final_eval["tokens"] if spec.final_eval else 16384
+
+
+def length_metrics(model, data, L: int, multiples, tokens: int) -> dict[str, Any]:
+    """loss_{m}x over ~``tokens`` validation tokens at length m L; for m > 1 also in_{m}x (positions
+    < L) and beyond_{m}x (>= L); pp_{m}x, the loss at each position, for the LONG lengths."""
+    out: dict[str, Any] = {}
+    for m in multiples:
+        T = m * L
+        try:
+            r = spread_eval(model, data, T, max(1, tokens // T), batch_size=max(1, min(8, 2048 // T)))
+        except ValueError as e:
+            if "learned" not in str(e):
+                raise
+            out[f"loss_{m}x"] = NA_LEARNED.format(L=model.config.max_seq_len)
+            continue
+        out[f"loss_{m}x"] = r.loss
+        if m > 1:
+            out[f"in_{m}x"] = statistics.fmean(r.per_position[:L])
+            out[f"beyond_{m}x"] = statistics.fmean(r.per_position[L:])
+        if m in LONG:
+            out[f"pp_{m}x"] = [round(v, 4) for v in r.per_position]
+    return out
+
+
+@torch.no_grad()
+def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N, seed: int = 0) -> float:
+    """Accuracy of predicting tokens 2..k of a random k-token segment repeated at the end of a
+    ``length``-token window of validation text, its first copy at ``first_at``."""
+    tokens = data.tokens
+    starts = spread_starts(len(tokens), length, n)
+    x = np.stack([np.asarray(tokens[s : s + length]) for s in starts]).astype(np.int64)  # (n, length)
+    seg = np.random.default_rng(seed).integers(0, model.config.vocab_size, size=(len(x), k))
+    x[:, first_at : first_at + k] = seg
+    x[:, length - k :] = seg
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    hits = 0
+    try:
+        for i in range(0, len(x), 4):
+            xb = torch.from_numpy(x[i : i + 4]).to(device)  # (b, length)
+            logits = model(xb).logits[:, length - k : length - 1]  # predictions of the repeat's tokens 2..k
+            hits += int((logits.argmax(-1).cpu().numpy() == seg[i : i + 4, 1:]).sum())
+    finally:
+        model.train(was)
+    return hits / (len(x) * (k - 1))
+
+
+def copy_metrics(model, data, L: int, multiples) -> dict[str, float]:
+    """copy_1x (first copy at 0, in range), and at each long length copy_{m}x_far and copy_{m}x_near."""
+    k = min(COPY_K, L // 4)
+    out = {"copy_1x": copy_probe(model, data, L, 0, k)}
+    for m in multiples:
+        T = m * L
+        if model.config.positions == "learned" and T > model.config.max_seq_len:
+            continue
+        out[f"copy_{m}x_far"] = copy_probe(model, data, T, 0, k)
+        out[f"copy_{m}x_near"] = copy_probe(model, data, T, T - k - L // 2, k)
+    return out
 
 
 def rescaled(model, method: str, factor: float, original: int):
@@ -49,198 +119,319 @@ def rescaled(model, method: str, factor: float, original: int):
     return m.to(next(model.parameters()).device)
 
 
+class Snapshots:
+    """Trainer callback: at the given steps, measure the fine-tune and keep it in snapshots.json (resume-safe)."""
+
+    def __init__(self, run_dir: Path, steps: set[int], measure):
+        self.path, self.steps, self.measure = run_dir / SNAPSHOTS, steps, measure
+
+    def read(self) -> dict[str, Any]:
+        return json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def __call__(self, trainer, record: dict) -> None:
+        done = self.read()
+        if record["step"] in self.steps and str(record["step"]) not in done:
+            done[str(record["step"])] = self.measure(trainer.model, trainer.val_data)
+            atomic_write_text(self.path, json.dumps(done) + "\n")
+
+
 class Hooks(SweepHooks):
     def __init__(self, spec):
-        self.spec = spec
         self.L = spec.configs["rope"].seq_len  # the training length of every scheme
+        self.tokens = eval_tokens(spec)
+        total = spec.configs["rope-ft-none"].train.steps
+        self.snap_steps = {max(1, round(total * f)) for f in SNAPSHOT_FRACTIONS} - {total}
+
+    def ft_measure(self, model, data) -> dict[str, Any]:
+        m = {k: v for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items() if not k.startswith("pp_")}
+        return {**m, **copy_metrics(model, data, self.L, LONG)}
+
+    def callbacks(self, variant, seed, run_dir):
+        return [Snapshots(run_dir, self.snap_steps, self.ft_measure)] if variant.init_from else []
 
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
-        out: dict[str, Any] = {}
-        for m in MULTIPLES:
-            try:
-                loss, pp = eval_at(model, data, m * L, EVAL_WINDOWS * L)
-            except ValueError as e:
-                if "learned" not in str(e):
-                    raise
-                out[f"loss_{m}x"] = NA_LEARNED.format(L=model.config.max_seq_len)
-                continue
-            out[f"loss_{m}x"], out[f"pp_{m}x"] = loss, pp
+        out = {**length_metrics(model, data, L, MULTIPLES, self.tokens), **copy_metrics(model, data, L, LONG)}
+        if variant.init_from:
+            snaps = Snapshots(run_dir, self.snap_steps, self.ft_measure).read()
+            out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
         if variant.name == "rope":  # zero-shot context extension of the trained model
-            for method in METHODS:
+            for name, method in METHODS.items():
                 for m in MULTIPLES[1:]:
-                    loss, pp = eval_at(rescaled(model, method, float(m), L), data, m * L, EVAL_WINDOWS * L)
-                    out[f"zs_{method}_{m}x"] = loss
-                    out[f"pp_zs_{method}_{m}x"] = pp
+                    r = length_metrics(rescaled(model, method, float(m), L), data, L, (m,), self.tokens)
+                    out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
+                for m in LONG:
+                    out[f"zs_{name}_copy_{m}x_far"] = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4))
         return out
 
 
-# ============================================================== analysis
-def _num(x: Any) -> float:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else float("nan")
+# ============================================================== verdicts (pure: rows in, claims out)
+def num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else float("nan")
 
 
-def _smooth(v: list[float], w: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x - (v[i - w] if i >= w else 0.0)
-        out.append(acc / min(i + 1, w))
+def seeds_of(rows: list[dict], variant: str) -> dict[int, dict]:
+    return {r["seed"]: r for r in rows if r["variant"] == variant}
+
+
+def paired(rows: list[dict], a: str, b: str, fa, fb=None):
+    """Paired interval of fa(row of a) - fb(row of b) over the seeds both have, with the two lists."""
+    ra, rb = seeds_of(rows, a), seeds_of(rows, b)
+    seeds = sorted(set(ra) & set(rb))
+    va, vb = [fa(ra[s]) for s in seeds], [(fb or fa)(rb[s]) for s in seeds]
+    return (paired_interval(va, vb) if seeds else None), va, vb
+
+
+def ft_value(r: dict, step: str | None, key: str) -> float:
+    """A fine-tune's measurement at snapshot ``step`` (None: its last)."""
+    snaps = r.get("snapshots") or {}
+    if step is None:
+        step = max(snaps, key=int) if snaps else None
+    return num((snaps.get(step) or {}).get(key)) if step else num(r.get(key))
+
+
+def extension_effect(r: dict, base: dict, step: str | None, m: int = 8) -> float:
+    """(scaled - unscaled fine-tune) beyond range minus the same in range, at m x: < 0 means the
+    scaling helps specifically where the positions are new, an extension effect."""
+    return ((ft_value(r, step, f"beyond_{m}x") - ft_value(base, step, f"beyond_{m}x"))
+            - (ft_value(r, step, f"in_{m}x") - ft_value(base, step, f"in_{m}x")))
+
+
+def _m(v: list[float]) -> str:
+    v = [x for x in v if math.isfinite(x)]
+    return f"{statistics.fmean(v):.3f}" if v else "—"
+
+
+def positions_claims(rows: list[dict], *, L: int) -> list[Claim]:
+    """Every claim of the positions experiment."""
+    schemes = [n for n in dict.fromkeys(r["variant"] for r in rows) if not n.startswith("rope-ft")]
+    margin = tie_margin([[num(r.get("beyond_8x")) for r in seeds_of(rows, n).values()] for n in schemes])
+    claims = []
+    for m in LONG:
+        iv, a, b = paired(rows, "rope", "rope", lambda r: num(r.get(f"zs_yarn_beyond_{m}x")), lambda r: num(r.get(f"beyond_{m}x")))
+        claims.append(Claim("positions", f"zero-shot-yarn-{m}x", f"YaRN extends rope zero-shot to {m}x the training length",
+                            f"Beyond-range loss (positions >= {L}) at {m * L} tokens: rope with YaRN (factor {m}) minus unscaled "
+                            "rope, the same trained model, paired by seed, below 0.", iv, margin, "lower",
+                            detail=f"YaRN {_m(a)}, unscaled {_m(b)}."))
+    for method in ("yarn", "pi"):
+        ra, rb = seeds_of(rows, f"rope-ft-{method}"), seeds_of(rows, "rope-ft-none")
+        effects = [extension_effect(ra[s], rb[s], None) for s in sorted(set(ra) & set(rb))]
+        claims.append(Claim("positions", f"ft-extension-{method}",
+                            f"fine-tuning with {DISPLAY[method]} helps beyond the training length more than within it",
+                            f"At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range positions minus the "
+                            "same on in-range positions, per seed, below 0 (an extension effect, not a general gain).",
+                            mean_interval(effects) if effects else None, margin, "lower",
+                            detail=f"Gain beyond {_m([ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb])}, "
+                                   f"in range {_m([ft_value(ra[s], None, 'in_8x') - ft_value(rb[s], None, 'in_8x') for s in ra if s in rb])} nats."))
+    copy_margin = tie_margin([[num(r.get("copy_8x_far")) for r in seeds_of(rows, n).values()] for n in schemes])
+    iv, a, b = paired(rows, "rope-ft-yarn", "rope-ft-none", lambda r: ft_value(r, None, "copy_8x_far"))
+    claims.append(Claim("positions", "retrieval-yarn", "a YaRN fine-tune retrieves across more than the training length",
+                        f"Copy-probe accuracy with the first copy {8 * L - COPY_K} tokens back (8x window): YaRN fine-tune minus "
+                        "unscaled fine-tune, paired by seed, above 0.", iv, copy_margin, "higher", "accuracy",
+                        f"YaRN {_m(a)}, unscaled {_m(b)}."))
+    grow = lambda r: num(r.get("beyond_8x")) - num(r.get("loss_1x"))  # noqa: E731
+    iv, a, b = paired(rows, "relative", "relative-clip16", grow)
+    claims.append(Claim("positions", "shaw-flat-from-clip", "Shaw's relative positions looked flat beyond the training length "
+                        "only because their clip (16) was shorter than it", f"(Beyond-range loss at 8x minus loss at 1x) with clip "
+                        f"{L} minus the same with clip 16, paired by seed, above 0.", iv, margin, "higher",
+                        detail=f"Growth with clip {L}: {_m(a)}; with clip 16: {_m(b)}."))
+    return claims
+
+
+# ============================================================== tables
+def _ms(values: list[float], digits: int = 3) -> str:
+    v = [x for x in values if math.isfinite(x)]
+    if not v:
+        return "—"
+    return f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}" if len(v) > 1 else f"{v[0]:.{digits}f}"
+
+
+def scheme_table(rows: list[dict], names: list[str]) -> list[dict]:
+    out = []
+    for n in names:
+        runs = list(seeds_of(rows, n).values())
+        na = runs and isinstance(runs[0].get("loss_8x"), str)
+        row = {"scheme": n, "1× loss": _ms([num(r.get("loss_1x")) for r in runs])}
+        for m in LONG:
+            for part in ("in", "beyond"):
+                row[f"{m}× {part}"] = "n/a" if na else _ms([num(r.get(f"{part}_{m}x")) for r in runs])
+        row["copy 1×"] = _ms([num(r.get("copy_1x")) for r in runs], 2)
+        for m in LONG:
+            row[f"copy {m}× far"] = "n/a" if na else _ms([num(r.get(f"copy_{m}x_far")) for r in runs], 2)
+        out.append(row)
     return out
 
 
-def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float) -> Path:
-    plt = figure()
-    L = spec.configs["rope"].seq_len
-    by = {r["variant"]: r for r in rows if r["seed"] == spec.seeds[0]}
-    schemes = [v.name for v in spec.variants if v.init_from is None]
-    fts = [v.name for v in spec.variants if v.init_from is not None]
-    lengths = [m * L for m in MULTIPLES]
-    rope = by["rope"]
-    w = max(1, L // 4)  # smoothing window for per-position curves
-    plots = []
+def zero_shot_table(rows: list[dict]) -> list[dict]:
+    runs = list(seeds_of(rows, "rope").values())
+    out = [{"rope": "no scaling", **{f"{m}× {p}": _ms([num(r.get(f"{p}_{m}x")) for r in runs]) for m in LONG for p in ("in", "beyond")},
+            "copy 8× far": _ms([num(r.get("copy_8x_far")) for r in runs], 2)}]
+    for name in METHODS:
+        out.append({"rope": f"{name}, zero-shot", **{f"{m}× {p}": _ms([num(r.get(f"zs_{name}_{p}_{m}x")) for r in runs])
+                                                   for m in LONG for p in ("in", "beyond")},
+                    "copy 8× far": _ms([num(r.get(f"zs_{name}_copy_8x_far")) for r in runs], 2)})
+    return out
 
-    # 1. loss by evaluation length
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in schemes + fts:
-        ys = [_num(by[name].get(f"loss_{m}x")) for m in MULTIPLES]
-        ax.plot(lengths, ys, marker="o", linestyle="-" if name in schemes else "--", label=name)
+
+def finetune_table(rows: list[dict]) -> list[dict]:
+    """Per method and snapshot: losses, copy, and the extension effect's interval against the unscaled fine-tune."""
+    base = seeds_of(rows, "rope-ft-none")
+    steps = sorted({s for r in rows if r["variant"].startswith("rope-ft") for s in (r.get("snapshots") or {})}, key=int)
+    out = []
+    for method in FT_METHODS:
+        runs = seeds_of(rows, f"rope-ft-{method}")
+        for step in steps:
+            effect = [extension_effect(runs[s], base[s], step) for s in runs if s in base] if method != "none" else []
+            out.append({"fine-tune": method, "steps": int(step),
+                        **{f"8× {p}": _ms([ft_value(r, step, f"{p}_8x") for r in runs.values()]) for p in ("in", "beyond")},
+                        "16× beyond": _ms([ft_value(r, step, "beyond_16x") for r in runs.values()]),
+                        "copy 8× far": _ms([ft_value(r, step, "copy_8x_far") for r in runs.values()], 2),
+                        "extension effect vs none [95% CI]": mean_interval(effect).text() if effect else "—"})
+    return out
+
+
+# ============================================================== plots
+def plot_lengths(rows: list[dict], out: Path, names: list[str], L: int, seeds: list[int]) -> str:
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for n in names:
+        runs = seeds_of(rows, n)
+        curves = [[(m * L, num(r.get("loss_1x") if m == 1 else r.get(f"beyond_{m}x"))) for m in MULTIPLES
+                   if math.isfinite(num(r.get("loss_1x") if m == 1 else r.get(f"beyond_{m}x")))] for r in runs.values()]
+        band_plot(ax, curves, label=n, linestyle="--" if n.startswith("rope-ft") else "-", marker="o")
     ax.axvline(L, color="gray", linestyle=":", label=f"training length {L}")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xticks([m * L for m in MULTIPLES], [str(m * L) for m in MULTIPLES])
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("mean validation loss (nats/token)")
-    ax.set_title("Loss by evaluation length (trained at %d)" % L)
+    ax.set_ylabel("loss at 1x; beyond-range loss at longer lengths")
+    ax.set_title(f"Loss beyond the training length ({L}), mean ± 1 std over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    plots.append(save(fig, out / "loss_by_length.png"))
+    return save(fig, out / "loss_by_length.png")
 
-    # 2. per-position loss at 8x, each scheme
+
+def _smooth(v: list[float], w: int) -> list[float]:
+    c = np.cumsum(np.insert(np.asarray(v, dtype=float), 0, 0.0))
+    return [(c[i + 1] - c[max(0, i + 1 - w)]) / min(i + 1, w) for i in range(len(v))]
+
+
+def plot_per_position(rows: list[dict], out: Path, names: list[str], L: int, key: str, fname: str, title: str) -> str:
+    plt = figure()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name in schemes:
-        key = f"pp_{MULTIPLES[-1]}x" if f"pp_{MULTIPLES[-1]}x" in by[name] else "pp_1x"
-        pp = by[name].get(key)
-        if pp:
-            ax.plot(range(len(pp)), _smooth(pp, w), label=name + (" (up to its table)" if key == "pp_1x" else ""))
+    w = max(1, L // 4)
+    for n in names:
+        curves = [[(i, y) for i, y in enumerate(_smooth(r[key], w))] for r in seeds_of(rows, n).values() if r.get(key)]
+        band_plot(ax, curves, label=n, marker=None)
     ax.axvline(L, color="gray", linestyle=":", label=f"training length {L}")
-    ax.set_xlabel("position in the sequence (tokens)")
-    ax.set_ylabel(f"loss at position (nats/token, mean of {w})")
-    ax.set_title(f"Per-position loss at {MULTIPLES[-1] * L} tokens")
-    ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+    ax.set_xlabel("position in the window (tokens)")
+    ax.set_ylabel(f"loss at position (nats/token, running mean of {w})")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    plots.append(save(fig, out / "per_position.png"))
+    ax.legend(fontsize=7)
+    return save(fig, out / fname)
 
-    # 3. rope context extension: zero-shot and fine-tuned, loss against length
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    ax = axes[0]
-    ax.plot(lengths, [_num(rope.get(f"loss_{m}x")) for m in MULTIPLES], "k-o", label="rope, no scaling")
-    for method in METHODS:
-        ax.plot(lengths, [_num(rope.get("loss_1x"))] + [_num(rope.get(f"zs_{method}_{m}x")) for m in MULTIPLES[1:]],
-                marker="o", label=f"{method} (factor = length / {L})")
-    ax.set_title("zero-shot")
-    ax = axes[1]
-    ax.plot(lengths, [_num(rope.get(f"loss_{m}x")) for m in MULTIPLES], "k-o", label="rope, no scaling, no fine-tune")
-    for name in fts:
-        ax.plot(lengths, [_num(by[name].get(f"loss_{m}x")) for m in MULTIPLES], marker="s", linestyle="--", label=name)
-    ax.set_title(f"after fine-tuning at {MULTIPLES[-1] * L} tokens")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [str(n) for n in lengths])
-        ax.set_xlabel("evaluation length (tokens)")
+
+def plot_finetune(rows: list[dict], out: Path) -> str:
+    plt = figure()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in FT_METHODS:
+        runs = seeds_of(rows, f"rope-ft-{method}").values()
+        for ax, key in zip(axes, ("beyond_8x", "copy_8x_far")):
+            curves = [sorted((int(s), num(v.get(key))) for s, v in (r.get("snapshots") or {}).items()) for r in runs]
+            band_plot(ax, curves, label=method, marker="o")
+    for ax, what in zip(axes, ("beyond-range loss at 8x", "copy accuracy, first copy at 0, 8x")):
+        ax.set_xscale("log")
+        ax.set_xlabel("fine-tune steps at 8x")
+        ax.set_ylabel(what)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
-    axes[0].set_ylabel("mean validation loss (nats/token)")
-    plots.append(save(fig, out / "rope_extension.png"))
+    return save(fig, out / "finetune_steps.png")
 
-    # 4. per-position at 8x for the rope extensions
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    M = MULTIPLES[-1]
-    ax.plot(_smooth(rope.get(f"pp_{M}x", []), w), "k", label="rope, no scaling")
-    for method in METHODS:
-        ax.plot(_smooth(rope.get(f"pp_zs_{method}_{M}x", []), w), alpha=0.7, label=f"{method}, zero-shot")
-    for name in fts:
-        ax.plot(_smooth(by[name].get(f"pp_{M}x", []), w), linestyle="--", label=name)
-    ax.axvline(L, color="gray", linestyle=":", label=f"training length {L}")
-    ax.set_xlabel("position in the sequence (tokens)")
-    ax.set_ylabel(f"loss at position (nats/token, mean of {w})")
-    ax.set_title(f"Rope extended to {M * L} tokens: per-position loss")
-    ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    plots.append(save(fig, out / "rope_extension_per_position.png"))
 
-    # ---- tables
-    def cell(r, key):
-        v = r.get(key)
-        return v if isinstance(v, str) else (f"{v:.3f}" if isinstance(v, float) and math.isfinite(v) else "nan")
-
-    length_table = [{"scheme": n, **{f"{m * L} ({m}×)": cell(by[n], f"loss_{m}x") for m in MULTIPLES},
-                     "8× − 1×": (f"{_num(by[n].get(f'loss_{MULTIPLES[-1]}x')) - _num(by[n].get('loss_1x')):+.3f}"
-                                 if not isinstance(by[n].get(f"loss_{MULTIPLES[-1]}x"), str) else "n/a")}
-                    for n in schemes + fts]
-    ext_table = [{"rope variant": "no scaling", **{f"{m * L}": cell(rope, f"loss_{m}x") for m in MULTIPLES[1:]}}]
-    ext_table += [{"rope variant": f"{method}, zero-shot", **{f"{m * L}": cell(rope, f"zs_{method}_{m}x") for m in MULTIPLES[1:]}}
-                  for method in METHODS]
-    ext_table += [{"rope variant": f"{n} (fine-tuned)", **{f"{m * L}": cell(by[n], f"loss_{m}x") for m in MULTIPLES[1:]}} for n in fts]
-
-    # ---- verdicts
-    zs_wins = {}
-    for m in MULTIPLES[1:]:
-        best = min(METHODS, key=lambda k: _num(rope.get(f"zs_{k}_{m}x")) if math.isfinite(_num(rope.get(f"zs_{k}_{m}x"))) else 1e9)
-        zs_wins[m] = (best, _num(rope.get(f"zs_{best}_{m}x")), _num(rope.get(f"loss_{m}x")))
-    zs_ok = all(b < plain for _, b, plain in zs_wins.values())
-    scaled_fts = [n for n in fts if not n.endswith("-none")]
-    control = next((n for n in fts if n.endswith("-none")), None)
-    ft_ok, ft_line = None, "no fine-tune variants"
-    if scaled_fts:
-        best_ft = min(scaled_fts, key=lambda n: _num(by[n].get(f"loss_{M}x")))
-        b = _num(by[best_ft].get(f"loss_{M}x"))
-        base1 = _num(rope.get("loss_1x"))
-        ctrl = _num(by[control].get(f"loss_{M}x")) if control else float("nan")
-        ft_ok = b < base1 and (not control or b < ctrl - TIE)
-        ft_line = (f"best scaled fine-tune {best_ft}: {b:.3f} at {M * L} tokens vs rope's {base1:.3f} at {L}; "
-                   f"unscaled fine-tune control {control}: {ctrl:.3f} at {M * L}")
-    ranking = sorted(schemes, key=lambda n: _num(by[n].get(f"loss_{M}x")) if not isinstance(by[n].get(f"loss_{M}x"), str) else 1e9)
-
-    cfg0 = spec.configs["rope"]
-    t = cfg0.train
-    ftc = spec.configs[fts[0]] if fts else None
-    text = report_header("Claim 2: rotary positions let context be extended by adjusting the rotation range", command, spec, wall_s, rows)
+# ============================================================== markdown and analysis
+def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
+    schemes = [v.name for v in spec.variants if v.init_from is None]
+    cfg, ft = spec.configs["rope"], spec.configs["rope-ft-none"]
+    t = cfg.train
+    text = report_header("Claim 2: rotary positions let context be extended by adjusting the rotation range", command, spec,
+                         wall_s, rows, data)
     text += (
         "## What was measured\n\n"
-        f"Six position schemes ({', '.join(schemes)}), each a {cfg0.model.n_layers}-layer, d_model {cfg0.model.d_model} "
-        f"{cfg0.model.ffn}/{cfg0.model.activation} model trained at context {L} for {t.steps} steps of {t.batch_size}×{L} tokens "
-        f"({t.steps * t.batch_size * L:,} tokens, identical data order). Each was evaluated on up to {EVAL_WINDOWS * L:,} validation "
-        f"tokens at {', '.join(map(str, lengths))} tokens (loss by evaluation length; loss at every position). "
-        + (f"Rope was then fine-tuned at {ftc.seq_len} tokens for {ftc.train.steps} steps of {ftc.train.batch_size}×{ftc.seq_len} "
-           f"tokens (lr {ftc.train.lr:g}) with each scaling at factor {ftc.model.rope.factor:g}, and once without scaling "
-           "as a control. " if ftc else "")
-        + "Zero-shot scaling uses factor = evaluation length / training length.\n\n"
-        "### Loss by evaluation length (nats/token)\n\n" + markdown_table(length_table)
-        + "\n![loss by length](loss_by_length.png)\n\n![per-position loss](per_position.png)\n\n"
-        "### Rope context extension (nats/token at each length)\n\n" + markdown_table(ext_table)
-        + "\n![rope extension](rope_extension.png)\n\n![rope extension per position](rope_extension_per_position.png)\n\n"
-        "## Verdict\n\n"
-        "Criteria, fixed before the runs: (a) zero-shot: at every length beyond training, at least one of linear / NTK / "
-        f"YaRN scaling gives a lower loss than unscaled rope; (b) fine-tune: the best scaled fine-tune's loss at {M}× is below "
-        f"rope's own loss at 1× (the model uses {M}× the context at no cost per token) and more than {TIE} nats below the "
-        "unscaled fine-tune's (the rotation-range adjustment, not the extra training, does it). One seed.\n\n"
-        f"- (a) Zero-shot extension by adjusting the rotation range: {verdict(zs_ok)}. "
-        + "; ".join(f"{m}×: best {k} {b:.3f} vs unscaled {p:.3f}" for m, (k, b, p) in zs_wins.items()) + ".\n"
-        f"- (b) Extension after a short fine-tune: {verdict(ft_ok)}. {ft_line}.\n\n"
-        f"Length extrapolation without any adjustment, best first by loss at {M * L} tokens: "
-        + ", ".join(f"{n} ({cell(by[n], f'loss_{M}x')})" for n in ranking) + ". "
-        "The claim that rotary encodes relative position \"at many scales\" is not tested directly here; what is measured is "
-        "its consequence for extension.\n"
+        f"Schemes {', '.join(schemes)}, each a {cfg.model.n_layers}-layer, d_model {cfg.model.d_model} {cfg.model.ffn}/"
+        f"{cfg.model.activation} model (vocab {cfg.model.vocab_size}) trained at context {L} for {t.steps} steps of "
+        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). Each is evaluated on ~{eval_tokens(spec):,} "
+        f"validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, in windows spread over the split; "
+        f"in range = positions < {L}, beyond range = positions >= {L}. Rope is then fine-tuned at {ft.seq_len} tokens "
+        f"({ft.train.steps} steps of {ft.train.batch_size}×{ft.seq_len}, constant lr {ft.train.lr:g} after "
+        f"{ft.train.warmup_steps} warmup steps) with no scaling, PI (linear) and YaRN at factor {ft.seq_len // L}; the "
+        f"snapshots after fewer steps are the fine-tune-steps sweep. {eval_slice_text(spec)}.\n\n"
+        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, data order "
+        f"and, for fine-tunes, the same rope model they start from), 95% t intervals; tie margin 2 × the median seed std "
+        f"(loss ±{claims[0].margin:.3f} nats, copy accuracy ±{claims[-2].margin:.3f}).\n\n" + criteria_text(claims)
+        + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n" + markdown_table(scheme_table(rows, schemes))
+        + "\n![loss by length](loss_by_length.png)\n\n![per-position loss at 16x](per_position.png)\n\n"
+        "### Rope zero-shot (factor = length / training length)\n\n" + markdown_table(zero_shot_table(rows))
+        + "\n### Rope fine-tuned at 8×: the steps sweep\n\n" + markdown_table(finetune_table(rows))
+        + "\n![fine-tune steps](finetune_steps.png)\n\n![rope extension per position](rope_extension_per_position.png)\n\n"
+        "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg)
     )
-    atomic_write_text(out / "report.md", text)
-    # per-position curves at the longest length, small enough to commit
-    lines = ["variant,eval_len,position,loss"]
-    for name in schemes + fts:
-        for key, label in [(f"pp_{M}x", name)] + ([(f"pp_zs_{k}_{M}x", f"rope-zs-{k}") for k in METHODS] if name == "rope" else []):
-            for i, v in enumerate(by[name].get(key) or []):
-                lines.append(f"{label},{M * L},{i},{v:.5f}")
+    return text
+
+
+def yarn_bands(head_dim: int, L: int, base: float, beta_fast: float, beta_slow: float) -> tuple[int, int, int]:
+    """How many rotary frequency pairs YaRN interpolates fully (fewer than beta_slow rotations over the
+    training length L), on its ramp, and leaves unchanged (more than beta_fast rotations)."""
+    rotations = [L * base ** (-2 * i / head_dim) / (2 * math.pi) for i in range(head_dim // 2)]
+    full = sum(r < beta_slow for r in rotations)
+    kept = sum(r > beta_fast for r in rotations)
+    return full, head_dim // 2 - full - kept, kept
+
+
+def paper_note(claims: list[Claim], cfg) -> str:
+    """Where a result disagrees with the papers, the setup difference that plausibly explains it."""
+    v = {c.id: c.verdict for c in claims}
+    notes = []
+    if v.get("shaw-flat-from-clip") == "reproduced":
+        notes.append("Shaw's relative positions degrade beyond the training length once their clip covers it: the flat curve of "
+                     "the first version came from clip 16 < 64, where every offset past 16 shares one trained embedding. The "
+                     "clip-16 arm is that setup, shown.")
+    if v.get("zero-shot-yarn-8x") != "reproduced" or v.get("zero-shot-yarn-16x") != "reproduced":
+        r = cfg.model.rope
+        full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
+        notes.append(f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 (4,096 training "
+                     f"positions, head_dim 128), where many frequency pairs complete more than {r.beta_fast:g} rotations in "
+                     f"training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} and {cfg.seq_len} training positions, "
+                     f"{full} of {cfg.model.head_dim // 2} pairs complete less than {r.beta_slow:g} rotation (YaRN interpolates them "
+                     f"fully), {ramp} are on its ramp and {kept} are left unchanged: YaRN acts close to plain interpolation here.")
+    if any(v.get(f"ft-extension-{m}") not in ("reproduced", None) for m in ("yarn", "pi")):
+        notes.append("A fine-tune whose gain is as large in range as beyond it is a general gain from more training at a new "
+                     "length, not an extension effect: the in-range positions are the control that separates the two.")
+    return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
+
+
+def per_position_csv(rows: list[dict], out: Path, names: list[str], L: int) -> None:
+    lines = ["variant,eval_len,position,mean_loss,seeds"]
+    for n in names:
+        runs = [r for r in seeds_of(rows, n).values() if r.get("pp_16x")]
+        if runs:
+            for i, vals in enumerate(zip(*(r["pp_16x"] for r in runs))):
+                lines.append(f"{n},{16 * L},{i},{statistics.fmean(vals):.5f},{len(runs)}")
     atomic_write_text(out / "per_position.csv", "\n".join(lines) + "\n")
-    write_json(out / "verdict.json", {"zero_shot": zs_ok, "fine_tune": ft_ok, "plots": plots})
+
+
+def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, data: dict | None = None,
+            limits: dict | None = None, tune: dict | None = None) -> Path:
+    L = spec.configs["rope"].seq_len
+    schemes = [v.name for v in spec.variants if v.init_from is None]
+    fts = [v.name for v in spec.variants if v.init_from is not None]
+    claims = positions_claims(rows, L=L)
+    zs = [{**r, "variant": "rope-zs-yarn", "pp_16x": r.get("zs_yarn_pp_16x")} for r in rows if r["variant"] == "rope"]
+    plots = [plot_lengths(rows, out, schemes + fts, L, spec.seeds),
+             plot_per_position(rows, out, schemes, L, "pp_16x", "per_position.png", f"Per-position loss at {16 * L} tokens"),
+             plot_per_position(rows + zs, out, ["rope", "rope-zs-yarn", *fts], L, "pp_16x", "rope_extension_per_position.png",
+                               f"Rope extended to {16 * L} tokens: per-position loss"),
+             plot_finetune(rows, out)]
+    per_position_csv(rows, out, schemes + fts, L)
+    atomic_write_text(out / "report.md", markdown(spec, rows, claims, command=command, wall_s=wall_s, data=data, L=L))
+    write_verdicts(out, "positions", claims, {"plots": plots, "data": data, "seeds": spec.seeds})
     return out / "report.md"

@@ -18,7 +18,6 @@ from typing import Any, Sequence
 
 from ..run.atomic import atomic_write_text
 from ..run.metrics import jsonable
-from ..run.provenance import git_revision
 
 
 # ============================================================== numbers and tables
@@ -65,10 +64,6 @@ def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(jsonable(data)) + "\n")
 
 
-def verdict(ok: bool | None) -> str:
-    return {True: "**REPRODUCED**", False: "**NOT REPRODUCED**", None: "**INCONCLUSIVE**"}[ok]
-
-
 # ============================================================== plots
 def figure():
     """matplotlib.pyplot with the file-only Agg backend (no display needed)."""
@@ -88,24 +83,82 @@ def save(fig, path: Path) -> str:
     return path.name
 
 
+def band_plot(ax, curves: Sequence[Sequence[tuple[float, float]]], *, label: str, color=None, linestyle: str = "-",
+              marker: str | None = ".") -> None:
+    """Mean over seeds of curves sampled at the same x (one list of (x, y) per seed), with a
+    shaded ±1 std band; points where a seed has no finite value are averaged over the others."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return
+    xs = sorted({x for c in curves for x, _ in c})
+    by_seed = [dict(c) for c in curves]
+    mean, lo, hi = [], [], []
+    for x in xs:
+        ys = [d[x] for d in by_seed if x in d and isinstance(d[x], (int, float)) and math.isfinite(d[x])]
+        m = statistics.fmean(ys) if ys else float("nan")
+        s = statistics.stdev(ys) if len(ys) > 1 else 0.0
+        mean.append(m)
+        lo.append(m - s)
+        hi.append(m + s)
+    (line,) = ax.plot(xs, mean, linestyle=linestyle, marker=marker, color=color, label=f"{label} (n={len(curves)})")
+    if len(curves) > 1:
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+
+
 # ============================================================== headers
-def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict]) -> str:
+def provenance_text(rows: list[dict]) -> str:
+    """The revisions the runs *started* from (recorded in each run at its start), and whether the tree was clean."""
+    revs = list(dict.fromkeys(str(r.get("revision", "unknown")) for r in rows))
+    dirty = sum(not r.get("tree_clean", False) for r in rows)
+    clean = "every run started from a clean tree" if dirty == 0 else f"{dirty} of {len(rows)} runs started from a tree with uncommitted changes"
+    moved = sum(r.get("revision_end", r.get("revision")) != r.get("revision") for r in rows)
+    return (f"The runs started from lmlab revision{'s' if len(revs) > 1 else ''} {', '.join(r[:12] for r in revs)}; {clean}"
+            + (f"; {moved} runs were resumed at another revision" if moved else "") + ".")
+
+
+def data_text(data: dict | None) -> str:
+    """The corpus identity, the split sizes and the verbatim overlap between validation and training."""
+    if not data:
+        return ""
+    c, o = data.get("corpus") or {}, data.get("overlap") or {}
+    parts = []
+    if c:
+        parts.append(f"Corpus: the Python {c['recipe']['python']} standard library's source and pydoc topics "
+                     f"(experiments/corpus.py, recipe v{c['recipe']['version']}), {c['documents']:,} documents, "
+                     f"{c['bytes'] / 1e6:.1f} MB after removing {c['exact_duplicates']} exact and {c['near_duplicates']} near-duplicate "
+                     f"documents and {c.get('repeated_span_bytes_removed', 0) / 1e6:.2f} MB of repeated 64-byte spans; content "
+                     f"{c['content_hash']} (it changes with the Python version)")
+    if o:
+        parts.append(f"Tokenizer: {data.get('tokenizer', '?')} (vocab {data.get('vocab_size', '?')}). Split by prepare: train "
+                     f"{o['train_tokens']:,} tokens ({o['train_bytes'] / 1e6:.1f} MB), validation {o['val_tokens']:,} tokens "
+                     f"({o['val_bytes'] / 1e6:.1f} MB); {o['val_windows_in_train']:.3%} of validation's {o['window']}-byte windows "
+                     "occur verbatim in training")
+    return ". ".join(parts) + ".\n\n" if parts else ""
+
+
+def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict], data: dict | None = None) -> str:
     train_s = sum(r.get("wall_s") or 0.0 for r in rows)
-    timing = (f"the runs trained for {train_s / 60:.1f} min in total (sum of per-run wall times, evaluation included); "
-              f"the invocation that wrote this report took {wall_s / 60:.1f} min (runs finished by an earlier "
-              "invocation are reused)")
-    first = spec.configs[spec.variants[0].name]
+    timing = (f"the runs trained for {train_s / 3600:.2f} h in total (sum of per-run wall times, evaluation included; "
+              f"longest run {max((r.get('wall_s') or 0.0 for r in rows), default=0) / 60:.1f} min); the invocation that "
+              f"wrote this report took {wall_s / 60:.1f} min (finished runs are reused)")
+    seeds = f"seeds {spec.seeds}, each setting {' and '.join(spec.seed_fields)}"
+    size = "  (quick size: checks the machinery, not the claim)" if spec.is_quick else (
+        f"  (profile {spec.profile})" if spec.profile else "")
     return (
         f"# {title}\n\n"
-        f"Made by: `{command}`{'  (quick size: checks the machinery, not the claim)' if spec.is_quick else ''}\n\n"
-        f"lmlab git revision {git_revision()}; {timing}. "
-        f"Data: {first.data.source} corpus, {first.data.tokenizer} tokenizer; seeds {spec.seeds}. Machine: {machine()}; "
-        "wall times and tokens/s depend on whatever else ran on it at the time.\n\n"
+        f"Made by: `{command}`{size}\n\n"
+        f"{provenance_text(rows)} {timing.capitalize()}. Machine: {machine(rows)}; wall times and tokens/s depend on "
+        f"whatever else ran on it at the time.\n\n" + data_text(data)
+        + f"Runs: {len(rows)}, {seeds}.\n\n"
     )
 
 
-def machine() -> str:
+def machine(rows: Sequence[dict] = ()) -> str:
+    """This machine; with ``rows``, the torch thread counts the runs recorded at their start."""
     import torch
 
     device = "CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return f"{platform.machine()} {device}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
+    threads = sorted({r["threads"] for r in rows if r.get("threads")})
+    used = f"runs used {'/'.join(map(str, threads))} torch thread{'s' if threads != [1] else ''} each" if threads else (
+        f"torch with {torch.get_num_threads()} threads")
+    return f"{platform.machine()} {device}, {os.cpu_count()} cores, torch {torch.__version__}; {used}"

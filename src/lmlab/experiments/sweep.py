@@ -1,8 +1,8 @@
 """Sweeps: train a list of variants of one run config on an equal budget and tabulate them.
 
     spec = load_spec("ablation.yaml")             # the whole spec is validated before any training
-    rows = run_sweep(spec, "sweeps/ablation")      # results.csv, summary.md, loss curves
-    lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
+    rows = run_sweep(spec, "sweeps/ablation", jobs=2, threads=1)   # results.csv, summary.md, curves
+    lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3 --jobs 2 --threads 1
 
 A spec is a base run config plus variants, each a name and dotted overrides::
 
@@ -10,16 +10,22 @@ A spec is a base run config plus variants, each a name and dotted overrides::
     base:                     # a run config (model:, data:, train:), as for `lmlab train --config`
       model: {d_model: 64, n_layers: 4}
       train: {steps: 300}
-    seeds: [0, 1]             # or a count: 2
+    seeds: [0, 1, 2]          # or a count: 3. A seed sets model.init_seed AND train.seed (weights and
+    seed_fields: [model.init_seed, train.seed]   #  data order); name one of them to vary only it
     quick: {train.steps: 5}   # overrides for every variant under --quick (tests, smoke runs)
+    profiles:                 # other named sizes: --profile gpu
+      gpu: {overrides: {model.d_model: 512}, seeds: [0, 1, 2]}
     variants:
       - {name: shallow, overrides: {model.n_layers: 2}}
-      - {name: deep, overrides: {model.n_layers: 8}}
+      - {name: deep, overrides: {model.n_layers: 8}, profiles: {gpu: {model.n_layers: 24}}}
       - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, train.lr: 3e-4}}
     grid:                     # optional: the product of these axes is appended to the variants
-      - [{name: pre, overrides: {model.norm_position: pre}}, {name: post, overrides: {model.norm_position: post}}]
-      - [{name: L2, overrides: {model.n_layers: 2}}, {name: L8, overrides: {model.n_layers: 8}}]
+      - {axis: norm, levels: [{name: pre, overrides: {model.norm_position: pre}}, {name: post, overrides: {model.norm_position: post}}]}
+      - {axis: depth, levels: [{name: L2, overrides: {model.n_layers: 2}}, {name: L8, overrides: {model.n_layers: 8}}]}
+    tune: {field: train.lr, values: [1e-3, 3e-3, 1e-2], by: [norm], at: {depth: L8}, seeds: [1000]}
     match_active_params: {reference: shallow, tolerance: 0.05}   # optional equal-compute check
+    corpus: {name: stdlib}    # optional: train on the deduplicated stdlib corpus (experiments.corpus)
+    final_eval: {tokens: 65536}   # optional: the final loss over 65,536 tokens in windows spread over validation
 
 Equal budget: every variant trains on the same tokens (train.steps x batch x seq_len from the
 base) unless its overrides say otherwise, and the table reports total and active parameters and
@@ -27,190 +33,84 @@ training FLOPs per token for each, so a comparison at unequal compute is visible
 
 Out directory::
 
-    data/                     prepared once, shared by every variant (byte tokenizer, builtin corpus by default)
+    corpus/                   the experiment corpus, when the spec names one
+    data/                     prepared once, shared by every variant
     runs/<variant>/seed<s>/   each a normal run directory (config.yaml, metrics.jsonl, checkpoints/)
-                   .../result.json   written atomically when the run is finished: the resume marker
+                   .../start.json    the config hash and git revision the run started from
+                   .../result.json   written atomically when the run is finished: its row
+    locks/                    one lock file per run: a run is trained by one process at a time
+    tune.csv, tune.json       the tuning runs and the value chosen for each group (with tune:)
     results.csv               one row per variant x seed
     summary.md                mean ± std over seeds per variant
-    loss_curves.png           validation loss against training tokens
+    loss_curves.png           validation loss against training tokens, mean and ±1 std band over seeds
 
-An interrupted sweep (Ctrl-C, a crash, a killed machine) resumes by running the same command:
-finished runs (those with result.json) are read back, a half-finished run continues from its
-latest checkpoint, and the rest start.
+Resuming and reuse: run the same command again. A finished run is reused only if its resolved
+config (seed, data and the run it starts from included) hashes the same; a changed spec reruns
+the runs it changed and says which field changed. A half-finished run continues from its latest
+checkpoint. With ``jobs`` > 1, worker processes claim runs through lock files (``fcntl.flock``,
+released if a worker dies), so two workers, or two invocations, never train the same run; each
+run's numbers do not depend on which worker trained it.
+
+Labels: a run *diverged* if its loss or gradient went non-finite or its final loss is above
+``diverged_above`` (default: ln(vocab), the loss of the untrained uniform prediction); a run
+whose final loss is at or above the unigram loss (predicting token frequencies only) is labelled
+*no better than unigram*: it trained, but learned nothing about context.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
+import functools
+import hashlib
 import json
 import math
+import multiprocessing
+import os
+import shutil
+import signal
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..model import Transformer
 from ..run import checkpoint as ckpt
 from ..run.atomic import atomic_write_text
-from ..run.config import RunConfig
+from ..run.config import config_diff, load_config
 from ..run.data import TokenData, prepare
 from ..run.directory import CHECKPOINTS
 from ..run.errors import one_line
+from ..run.evaluate import evaluate
 from ..run.metrics import jsonable
+from ..run.provenance import git_revision
 from ..run.trainer import Trainer, TrainingDiverged
 from ..schema import read_yaml, suggest
-from .report import figure, fmt, markdown_table, mean_std, write_csv
+from . import corpus as corpus_mod
+from .report import band_plot, figure, fmt, markdown_table, mean_std, write_csv
+from .spec import SweepSpec, Tune, Variant, check_active_params, model_accounting, parse_spec  # noqa: F401 (re-exported)
 
 RESULT_FILE = "result.json"  # a finished run: its row of the table
-START_FILE = "start.json"  # measurements taken at initialization, kept across resumes
+START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
 CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, loss | val_loss) as the run goes
+POLL_S = 2.0  # how often an idle worker looks for a run whose turn has come
+INTERRUPTED = 130  # a worker's exit code after a signal stopped its run
 
 # columns every sweep reports, in table order
 COLUMNS = [
-    "variant", "seed", "steps", "tokens", "final_val_loss", "best_val_loss", "final_train_loss", "diverged",
-    "diverge_reason", "wall_s", "tokens_per_s", "total_params", "active_params", "flops_per_token",
+    "variant", "seed", "steps", "tokens", "final_val_loss", "best_val_loss", "final_train_loss", "status", "diverged",
+    "status_reason", "wall_s", "tokens_per_s", "total_params", "active_params", "flops_per_token", "eval_tokens",
+    "init_seed", "data_seed", "revision", "tree_clean", "config_hash",
 ]
 SUMMARY_COLUMNS = ["final_val_loss", "best_val_loss", "wall_s", "tokens_per_s"]
+STATUSES = ("ok", "no better than unigram", "diverged")
 
 
-# ============================================================== the spec
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    name: str
-    overrides: dict[str, Any]  # dotted RunConfig fields, applied to the base
-    init_from: str | None = None  # start from this earlier variant's final weights (same seed)
-    quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra overrides under --quick
-    labels: dict[str, str] = dataclasses.field(default_factory=dict)  # grid axis -> level, for analysis
-
-
-@dataclasses.dataclass
-class SweepSpec:
-    name: str
-    base: dict[str, Any]  # flattened dotted base config
-    variants: list[Variant]
-    seeds: list[int]
-    quick: dict[str, Any]
-    diverged_above: float | str = "unigram"  # a final val loss above this counts as diverged
-    match_active_params: dict[str, Any] | None = None
-    description: str = ""
-    source: str = "<spec>"
-    configs: dict[str, Any] = dataclasses.field(default_factory=dict)  # variant -> RunConfig, filled by resolve()
-    is_quick: bool = False
-
-    def variant(self, name: str) -> Variant:
-        return next(v for v in self.variants if v.name == name)
-
-    def resolve(self, *, quick: bool = False) -> "SweepSpec":
-        """Build and validate every variant's RunConfig (and the equal-compute check) before any
-        training. A bad override raises one line naming the spec, the variant and the field."""
-        self.is_quick = quick
-        self.configs = {}
-        try:
-            base = RunConfig().override({**self.base, **(self.quick if quick else {})})
-        except ValueError as e:
-            raise ValueError(f"{self.source}: base config: {one_line(e)}") from None
-        for v in self.variants:
-            try:
-                self.configs[v.name] = base.override({**v.overrides, **(v.quick if quick else {})})
-            except ValueError as e:
-                raise ValueError(f"{self.source}: variant {v.name!r}: {one_line(e)}") from None
-        if self.match_active_params:
-            check_active_params(self)
-        return self
-
-
-def _flat_overrides(data: Any, where: str) -> dict[str, Any]:
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where} must be a mapping of dotted fields to values, e.g. {{model.n_layers: 6}}")
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping) and value and not str(key).endswith("moe"):
-            out.update({f"{key}.{k}": v for k, v in _flat_overrides(value, where).items()})
-        else:
-            out[str(key)] = value
-    return out
-
-
-SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "quick", "diverged_above", "match_active_params")
-VARIANT_KEYS = ("name", "overrides", "init_from", "quick")
-
-
-def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Variant:
-    if not isinstance(raw, Mapping) or "name" not in raw:
-        raise ValueError(f"{where} must be a mapping with a name, e.g. {{name: deep, overrides: {{model.n_layers: 8}}}}")
-    unknown = [k for k in raw if k not in VARIANT_KEYS]
-    if unknown:
-        raise ValueError(f"{where} ({raw['name']!r}) has unknown key {unknown[0]!r}{suggest(unknown[0], VARIANT_KEYS)}; "
-                         f"valid keys: {', '.join(VARIANT_KEYS)}")
-    name = str(raw["name"])
-    if not name or any(c in name for c in "/\\ ") or name.startswith("."):
-        raise ValueError(f"{where}: variant name {name!r} must be non-empty, without spaces or slashes (it names a directory)")
-    return Variant(name, _flat_overrides(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
-                   _flat_overrides(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}))
-
-
-def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
-    """A spec from its parsed YAML (see the module docstring); raises a one-line ValueError."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{source}: a sweep spec is a mapping with base: and variants: (or grid:)")
-    unknown = [k for k in data if k not in SPEC_KEYS]
-    if unknown:
-        raise ValueError(f"{source}: unknown key {unknown[0]!r}{suggest(str(unknown[0]), SPEC_KEYS)}; valid keys: {', '.join(SPEC_KEYS)}")
-    base = data.get("base") or {}
-    if not isinstance(base, Mapping):
-        raise ValueError(f"{source}: base must be a run config mapping with model:, data:, train: sections")
-    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(data.get("variants") or [])]
-    grid = data.get("grid") or []
-    if grid:
-        if not isinstance(grid, list) or not all(isinstance(axis, Mapping) and "levels" in axis for axis in grid):
-            raise ValueError(f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}")
-        axes = [(str(a.get("axis", f"axis{i}")), [_variant(v, f"{source}: grid[{i}].levels[{j}]") for j, v in enumerate(a["levels"])])
-                for i, a in enumerate(grid)]
-        for combo in itertools.product(*(levels for _, levels in axes)):
-            overrides: dict[str, Any] = {}
-            quick: dict[str, Any] = {}
-            for level in combo:
-                overrides.update(level.overrides)
-                quick.update(level.quick)
-            labels = {axis: level.name for (axis, _), level in zip(axes, combo)}
-            variants.append(Variant("-".join(level.name for level in combo), overrides, None, quick, labels))
-    if not variants:
-        raise ValueError(f"{source}: no variants; list some under variants: or grid:")
-    names = [v.name for v in variants]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup:
-        raise ValueError(f"{source}: variant name {dup!r} appears twice; names must be unique")
-    for i, v in enumerate(variants):
-        if v.init_from is not None and v.init_from not in names[:i]:
-            raise ValueError(f"{source}: variant {v.name!r}: init_from={v.init_from!r} is not an earlier variant; "
-                             f"choose one of {names[:i]}")
-    seeds = data.get("seeds", [0])
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        seeds = list(range(seeds))
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
-        raise ValueError(f"{source}: seeds={seeds!r} is not valid; give a count (3) or a list of integers ([0, 1, 2])")
-    diverged_above = data.get("diverged_above", "unigram")
-    if diverged_above != "unigram" and not isinstance(diverged_above, (int, float)):
-        raise ValueError(f"{source}: diverged_above={diverged_above!r} is not valid; give a loss in nats or 'unigram'")
-    match = data.get("match_active_params")
-    if match is not None and (not isinstance(match, Mapping) or match.get("reference") not in names):
-        raise ValueError(f"{source}: match_active_params needs reference: <a variant name> (and tolerance: 0.05); "
-                         f"variants: {names}")
-    return SweepSpec(
-        name=str(data.get("name") or Path(source).stem), base=_flat_overrides(base, "base"), variants=variants,
-        seeds=seeds, quick=_flat_overrides(data.get("quick"), "quick"), diverged_above=diverged_above,
-        match_active_params=dict(match) if match else None, description=str(data.get("description") or ""), source=source,
-    )
-
-
-def load_spec(path: str | Path, *, quick: bool = False, seeds: int | None = None) -> SweepSpec:
+def load_spec(path: str | Path, *, quick: bool = False, seeds: int | None = None, profile: str | None = None) -> SweepSpec:
     """Read, parse and fully validate a spec file (every variant's config is built)."""
+    if quick and profile not in (None, "quick"):
+        raise ValueError(f"--quick and --profile {profile} exclude each other; --quick is --profile quick")
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sweep spec {str(p)!r} does not exist")
@@ -220,44 +120,95 @@ def load_spec(path: str | Path, *, quick: bool = False, seeds: int | None = None
         if seeds < 1:
             raise ValueError(f"--seeds={seeds} is not valid; give at least 1")
         spec.seeds = list(range(seeds))
-    return spec.resolve(quick=quick)
+        for prof in spec.profiles.values():
+            prof.pop("seeds", None)
+    return spec.resolve(quick=quick, profile=profile)
 
 
-# ============================================================== accounting
-def model_accounting(model_cfg, seq_len: int) -> dict[str, float]:
-    """Total and active parameters and training FLOPs per token of a model config (built on the CPU)."""
-    model = Transformer(model_cfg)
-    n = model.num_params()
-    return {"total_params": n["total"], "active_params": n["active"], "flops_per_token": model.flops_per_token(seq_len)}
+# ============================================================== inputs shared by every run
+def data_identity(data_dir: Path) -> str:
+    """sha256 over the prepared data's files (shards and tokenizer; meta.json, which records versions, excluded)."""
+    h = hashlib.sha256()
+    for p in sorted(data_dir.iterdir()):
+        if p.is_file() and p.name != "meta.json" and not p.name.startswith("."):
+            h.update(p.name.encode() + b"\0")
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return "sha256:" + h.hexdigest()
 
 
-def check_active_params(spec: SweepSpec) -> dict[str, dict[str, float]]:
-    """Equal compute: every variant's active parameters per token within ``tolerance`` of the reference's."""
-    ref_name = spec.match_active_params["reference"]
-    tol = float(spec.match_active_params.get("tolerance", 0.05))
-    counts = {name: model_accounting(cfg.model, cfg.seq_len) for name, cfg in spec.configs.items()}
-    ref = counts[ref_name]["active_params"]
-    for name, c in counts.items():
-        rel = c["active_params"] / ref - 1
-        if abs(rel) > tol:
-            raise ValueError(
-                f"{spec.source}: variant {name!r} has {c['active_params']:,} active parameters, {rel:+.1%} from the "
-                f"reference {ref_name!r} ({ref:,}); match_active_params allows ±{tol:.0%}: adjust its expert widths"
-            )
-    return counts
+def with_corpus(spec: SweepSpec, out: Path, log: Callable[[str], None]) -> tuple[SweepSpec, dict | None]:
+    """Build the spec's corpus under out/corpus (once) and point every variant's data at it."""
+    if not spec.corpus:
+        return spec, None
+    meta = corpus_mod.build_corpus(out / "corpus", max_bytes=spec.corpus.get("max_bytes"), log=log)
+    source = str((out / "corpus" / corpus_mod.CORPUS_FILE).resolve())
+    configs = {n: c.override({"data.source": source}) for n, c in spec.configs.items()}
+    return dataclasses.replace(spec, configs=configs), meta
 
 
-def unigram_loss(data_dir: str | Path) -> float:
-    """Cross-entropy (nats/token) of the training split's token frequencies on the validation split:
-    the loss of a model that learned nothing but which tokens are common."""
+def prepare_shared_data(spec: SweepSpec, out: Path) -> dict[str, Path]:
+    """Prepare each distinct data config once (normally one) under out/data; returns variant -> data dir."""
+    dirs: dict[str, Path] = {}
+    by_config: dict[str, Path] = {}
+    for name, cfg in spec.configs.items():
+        key = json.dumps({k: v for k, v in cfg.data.to_dict().items() if k != "dir"}, sort_keys=True)
+        if key not in by_config:
+            d = out / ("data" if not by_config else f"data{len(by_config)}")
+            longest = max(c.seq_len for c in spec.configs.values() if c.data == cfg.data)
+            prepare(cfg.data, d, seq_len=longest)
+            by_config[key] = d
+        dirs[name] = by_config[key]
+    return dirs
+
+
+def spread_starts(n_tokens: int, seq_len: int, windows: int) -> np.ndarray:
+    """``windows`` start offsets spread evenly over a split of ``n_tokens`` (each window has seq_len + 1 tokens)."""
+    last = n_tokens - seq_len - 1
+    if last < 0:
+        raise ValueError(f"the validation split holds {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+    return np.unique(np.linspace(0, last, min(windows, last + 1)).round().astype(np.int64))
+
+
+class SpreadSlice:
+    """Evaluation windows spread over a split, in the shape ``evaluate`` reads (``iter_eval``)."""
+
+    def __init__(self, data: TokenData, windows: int):
+        self.data, self.windows = data, windows
+
+    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None) -> Iterator[tuple[Any, Any]]:
+        import torch
+
+        tokens = self.data.tokens
+        starts = spread_starts(len(tokens), seq_len, self.windows)
+        for i in range(0, len(starts), batch_size):
+            rows = np.asarray(tokens[starts[i : i + batch_size, None] + np.arange(seq_len + 1)]).astype(np.int64)
+            w = torch.from_numpy(rows)
+            yield w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
+
+
+def spread_eval(model, data: TokenData, seq_len: int, windows: int, batch_size: int = 8):
+    """``evaluate`` over ``windows`` windows of ``seq_len`` spread evenly over ``data`` (an EvalResult)."""
+    return evaluate(model, SpreadSlice(data, windows), batch_size=batch_size, seq_len=seq_len)
+
+
+def unigram_loss(data_dir: str | Path, seq_len: int | None = None, windows: int | None = None) -> float:
+    """Cross-entropy (nats/token) of the training split's token frequencies on the validation
+    split (on the targets of ``windows`` spread windows of ``seq_len`` when given): the loss of a
+    model that learned nothing but which tokens are common."""
     train, val = TokenData(data_dir, "train"), TokenData(data_dir, "val")
     vocab = max(int(train.meta["vocab_size"]), int(max(train.tokens.max(), val.tokens.max())) + 1)
     counts = np.bincount(np.asarray(train.tokens), minlength=vocab).astype(np.float64) + 1.0  # add-one smoothing
     logp = np.log(counts / counts.sum())
-    return float(-logp[np.asarray(val.tokens)].mean())
+    targets = np.asarray(val.tokens)
+    if windows and seq_len:
+        starts = spread_starts(len(targets), seq_len, windows)
+        targets = targets[starts[:, None] + 1 + np.arange(seq_len)].ravel()
+    return float(-logp[targets].mean())
 
 
-# ============================================================== hooks
+# ============================================================== hooks and curves
 class Hooks:
     """Extra measurements of an experiment. Each returns columns added to the run's row (JSON-able)."""
 
@@ -306,124 +257,438 @@ def read_curve(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
 
 
-# ============================================================== running
 def run_dir_of(out: Path, variant: str, seed: int) -> Path:
-    return out / "runs" / variant / f"seed{seed}"
+    return Path(out) / "runs" / variant / f"seed{seed}"
 
 
 class SweepInterrupted(Exception):
     """A run was stopped by a signal; its checkpoint is saved and the sweep resumes on the next call."""
 
 
-def prepare_shared_data(spec: SweepSpec, out: Path) -> dict[str, Path]:
-    """Prepare each distinct data config once (normally one) under out/data; returns variant -> data dir."""
-    dirs: dict[str, Path] = {}
-    by_config: dict[str, Path] = {}
-    for name, cfg in spec.configs.items():
-        key = json.dumps({k: v for k, v in cfg.data.to_dict().items() if k != "dir"}, sort_keys=True)
-        if key not in by_config:
-            d = out / ("data" if not by_config else f"data{len(by_config)}")
-            longest = max(c.seq_len for c in spec.configs.values() if c.data == cfg.data)
-            prepare(cfg.data, d, seq_len=longest)
-            by_config[key] = d
-        dirs[name] = by_config[key]
-    return dirs
+class SweepFailed(RuntimeError):
+    """A worker process failed; its traceback is above. Rerunning the same command resumes."""
+
+
+# ============================================================== one run
+@dataclasses.dataclass
+class Sweep:
+    """Everything a worker needs to train or reuse any run of a resolved spec (picklable)."""
+
+    spec: SweepSpec
+    out: Path
+    hooks: Hooks
+    trainer_cls: Any
+    quiet: bool
+    data_dirs: dict[str, Path]  # variant -> prepared data
+    data_ids: dict[str, str]  # data dir -> identity
+    limits: dict[str, dict[str, float]]  # data dir -> {"unigram", "init"}
+    vocab: dict[str, int]  # data dir -> the tokenizer's vocabulary (the model's, whatever the spec says)
+
+    def config(self, variant: Variant, seed: int):
+        d = self.data_dirs[variant.name]
+        return self.spec.seed_config(variant.name, seed).override({"data.dir": str(d.resolve()), "model.vocab_size": self.vocab[str(d)]})
+
+    def key(self, variant: Variant, seed: int) -> str | None:
+        """Hash of what decides the run's result, or None while its init_from run is unfinished."""
+        parent = None
+        if variant.init_from:
+            done = read_result(run_dir_of(self.out, variant.init_from, seed))
+            if done is None or done.get("config_hash") != self.key(self.spec.variant(variant.init_from), seed):
+                return None
+            parent = done["config_hash"]
+        cfg = self.config(variant, seed).to_dict()
+        cfg["data"] = {k: v for k, v in cfg["data"].items() if k not in ("source", "dir")}  # where it lives is not what it is
+        blob = json.dumps(jsonable({"config": cfg, "data": self.data_ids[str(self.data_dirs[variant.name])], "init_from": parent,
+                                    "final_eval": self.spec.final_eval}), sort_keys=True)
+        return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def lock(self, variant: Variant, seed: int) -> Path:
+        return self.out / "locks" / f"{variant.name}.seed{seed}.lock"
+
+
+@functools.lru_cache(maxsize=1)
+def code_revision() -> tuple[str, bool]:
+    """(git commit, whether lmlab's own source matches it) for the code this process imported: asked
+    once, since a checkout while it runs does not change what runs. Only the package's files count
+    as "the tree": an experiment writing its results into the checkout does not make later runs dirty."""
+    import subprocess
+
+    package = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    rev = git("rev-parse", "HEAD")
+    if not rev:
+        return (git_revision() or "unknown").removesuffix("-dirty"), False
+    return rev, git("status", "--porcelain", "--", str(package)) == ""
+
+
+def finished(sw: "Sweep", name: str, seed: int) -> bool:
+    """Whether the run has a result for exactly its current config."""
+    key, done = sw.key(sw.spec.variant(name), seed), read_result(run_dir_of(sw.out, name, seed))
+    return key is not None and done is not None and done.get("config_hash") == key
+
+
+def read_result(run_dir: Path) -> dict | None:
+    p = run_dir / RESULT_FILE
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _stale_reason(sw: Sweep, variant: Variant, seed: int, run_dir: Path) -> str:
+    """Which field changed since a run in ``run_dir`` started (for the log)."""
+    with contextlib.suppress(ValueError, FileNotFoundError, OSError):
+        saved = load_config(run_dir / "config.yaml")
+        now = sw.config(variant, seed)
+        diff = [d for d in config_diff(saved, now) if not d.startswith(("data.dir", "data.source"))]
+        if diff:
+            return diff[0] + " (then vs now)" + (f" and {len(diff) - 1} more" if len(diff) > 1 else "")
+    return "its data, its evaluation slice or the run it starts from changed"
+
+
+def clear_run(run_dir: Path) -> None:
+    """Remove a run's files so it starts again (its lock lives elsewhere and stays held)."""
+    if run_dir.is_dir():
+        shutil.rmtree(run_dir)
+
+
+def train_one(sw: Sweep, variant: Variant, seed: int, key: str, tag: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """Train (or continue) one run in its directory and return its row; writes result.json last."""
+    run_dir = run_dir_of(sw.out, variant.name, seed)
+    start = json.loads((run_dir / START_FILE).read_text()) if (run_dir / START_FILE).is_file() else None
+    if read_result(run_dir) is not None or (start is not None and start.get("config_hash") != key):
+        log(f"{tag}: config changed since it ran: {_stale_reason(sw, variant, seed, run_dir)}; rerunning")
+        clear_run(run_dir)
+        start = None
+    elif start is None and run_dir.exists():  # stopped before it recorded its config hash: nothing says it is this run
+        clear_run(run_dir)
+    cfg = sw.config(variant, seed)
+    t0 = time.perf_counter()
+    trainer = sw.trainer_cls(cfg, run_dir, resume=(run_dir / "config.yaml").is_file(), quiet=sw.quiet)
+    with contextlib.closing(trainer) if hasattr(trainer, "close") else contextlib.nullcontext():
+        start = start or _start(sw, trainer, variant, seed, run_dir, key)
+        curve = CurveLogger(run_dir, trainer.step)
+        trainer.callbacks = [*getattr(trainer, "callbacks", []), curve, *sw.hooks.callbacks(variant, seed, run_dir)]
+        if variant.init_from and trainer.step == 0:
+            source = run_dir_of(sw.out, variant.init_from, seed) / CHECKPOINTS
+            ckpt.load_weights(trainer.model, ckpt.resolve(source, "latest") / ckpt.WEIGHTS)
+        reason, result = "", None
+        try:
+            result = trainer.fit()
+        except TrainingDiverged as e:
+            reason = f"non-finite loss/gradient: {one_line(e)[:120]}"
+        if result is not None and result.stopped_by is not None:
+            raise SweepInterrupted(f"{tag} stopped at step {trainer.step}; rerun the same command to resume")
+        row = _row(sw, variant, seed, cfg, trainer, result, reason, curve, start)
+        row.update(start.get("measurements", {}))
+        row.update(sw.hooks.after_fit(trainer, variant, seed, run_dir))
+    atomic_write_text(run_dir / RESULT_FILE, json.dumps(jsonable(row), indent=1) + "\n")
+    log(f"{tag}: val loss {fmt(row['final_val_loss'])}{'' if row['status'] == 'ok' else ' ' + row['status'].upper()} "
+        f"({time.perf_counter() - t0:.0f} s)")
+    return row
+
+
+def _start(sw: Sweep, trainer, variant: Variant, seed: int, run_dir: Path, key: str) -> dict[str, Any]:
+    """What is recorded when a run first starts: its config hash, the revision and whether the
+    tree was clean, and the hooks' measurements at initialization. Kept across resumes."""
+    import torch
+
+    rev, clean = code_revision()
+    start = {"config_hash": key, "revision": rev, "tree_clean": clean,
+             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "threads": torch.get_num_threads(), "measurements": {}}
+    if getattr(trainer, "step", 0) == 0:
+        start["measurements"] = jsonable(sw.hooks.before_fit(trainer, variant, seed, run_dir))
+    atomic_write_text(run_dir / START_FILE, json.dumps(start) + "\n")
+    return start
+
+
+def run_status(final: float, reason: str, limits: dict[str, float], diverged_above: float | str) -> tuple[str, str]:
+    """(status, why): diverged (non-finite, or above ``diverged_above`` / ln vocab), no better than unigram, or ok."""
+    if reason:
+        return "diverged", reason
+    if final is None or not math.isfinite(final):
+        return "diverged", "non-finite validation loss"
+    cap = limits["init"] if diverged_above == "init" else float(diverged_above)
+    if final > cap:
+        what = f"ln(vocab) = {cap:.3f}, the untrained model's loss" if diverged_above == "init" else f"{cap:.3f}"
+        return "diverged", f"final val loss {final:.3f} above {what}"
+    if final >= limits["unigram"]:
+        return "no better than unigram", f"final val loss {final:.3f} >= the unigram loss {limits['unigram']:.3f}"
+    return "ok", ""
+
+
+def _final_loss(sw: Sweep, trainer, result) -> tuple[float, int]:
+    """The loss every table and report uses: over the spec's spread slice, or the trainer's last evaluation."""
+    fe = sw.spec.final_eval
+    if fe and result is not None and all(bool(p.isfinite().all()) for p in trainer.model.parameters()):
+        T = trainer.cfg.seq_len
+        r = spread_eval(trainer.model, trainer.val_data, T, max(1, fe["tokens"] // T), fe.get("batch_size", 8))
+        return r.loss, r.tokens
+    if result is None or result.val_loss is None:
+        return float("nan"), 0
+    t = trainer.cfg.train
+    return float(result.val_loss), t.eval_batches * t.batch_size * trainer.cfg.seq_len
+
+
+def _row(sw, variant, seed, cfg, trainer, result, reason, curve, start) -> dict[str, Any]:
+    records = read_curve(trainer.run_dir)
+    vals = [r["val_loss"] for r in records if r.get("val_loss") is not None and math.isfinite(r["val_loss"])]
+    train_losses = [r["loss"] for r in records if "loss" in r]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    final_val, eval_tokens = _final_loss(sw, trainer, result)
+    status, why = run_status(final_val, reason, sw.limits[str(sw.data_dirs[variant.name])], sw.spec.diverged_above)
+    n = trainer.model.num_params()
+    return {
+        "variant": variant.name, **variant.labels, "seed": seed, "steps": trainer.step, "tokens": trainer.tokens,
+        "final_val_loss": final_val, "best_val_loss": min(vals) if vals else float("nan"),
+        "final_train_loss": train_losses[-1] if train_losses else float("nan"), "status": status,
+        "diverged": status == "diverged", "status_reason": why, "wall_s": round(curve.wall_s, 2),
+        "tokens_per_s": round(statistics.median(speeds), 1) if speeds else float("nan"),
+        "total_params": n["total"], "active_params": n["active"], "flops_per_token": trainer.model.flops_per_token(cfg.seq_len),
+        "eval_tokens": eval_tokens, "init_seed": cfg.model.init_seed, "data_seed": cfg.train.seed,
+        "revision": start["revision"], "tree_clean": start["tree_clean"], "revision_end": code_revision()[0],
+        "config_hash": start["config_hash"], "threads": start.get("threads"),
+    }
+
+
+# ============================================================== claiming runs, workers
+@contextlib.contextmanager
+def claim(lock: Path) -> Iterator[bool]:
+    """Hold an exclusive, non-blocking ``flock`` on ``lock`` for the duration: True if this
+    process got it. The kernel releases it when the holder exits, however it exits."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def work(sw: Sweep, tasks: Sequence[tuple[int, str, int]], log: Callable[[str], None], announce: bool = True) -> None:
+    """Train every task (index, variant, seed) not yet done, claiming each; returns when all are done.
+    A task whose init_from run is unfinished waits; a task another process holds is skipped until free."""
+    total, parent = len(tasks), os.getppid()
+    pending = []
+    for task in tasks:
+        i, name, seed = task
+        if not finished(sw, name, seed):
+            pending.append(task)
+        elif announce:
+            done = read_result(run_dir_of(sw.out, name, seed))
+            log(f"[{i}/{total}] {name} seed {seed}: done earlier (val loss {fmt(done['final_val_loss'])})")
+    while pending:
+        if os.getppid() != parent:  # orphaned: whoever started us is gone
+            raise SweepInterrupted("the sweep's main process exited; stopping")
+        progressed = False
+        for task in list(pending):
+            i, name, seed = task
+            variant = sw.spec.variant(name)
+            key = sw.key(variant, seed)
+            if key is None:
+                continue  # its init_from run is not finished yet
+            if finished(sw, name, seed):  # another process finished it
+                pending.remove(task)
+                continue
+            with claim(sw.lock(variant, seed)) as mine:
+                if mine and not finished(sw, name, seed):
+                    train_one(sw, variant, seed, key, f"[{i}/{total}] {name} seed {seed}", log)
+                if mine:
+                    pending.remove(task)
+                    progressed = True
+        if pending and not progressed:
+            time.sleep(POLL_S)
+
+
+def _worker(sw: Sweep, tasks: list, number: int, threads: int | None) -> None:
+    """A worker process: its own process group (the main process forwards signals), one thread count."""
+    import torch
+
+    os.setpgid(0, 0)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        work(sw, tasks, lambda m: print(f"[worker {number}] {m}", flush=True), announce=number == 1)
+    except SweepInterrupted as e:
+        print(f"[worker {number}] {e}", flush=True)
+        os._exit(INTERRUPTED)
+
+
+def execute(sw: Sweep, jobs: int, threads: int | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Run every variant x seed of ``sw`` (in ``jobs`` processes), then read the rows back in spec order."""
+    tasks = [(i, name, s) for i, (name, s) in enumerate(sw.spec.tasks(), 1)]
+    if jobs <= 1:
+        work(sw, tasks, log)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        threads = threads or max(1, (os.cpu_count() or 1) // jobs)  # never more threads than cores in all
+        procs = [ctx.Process(target=_worker, args=(sw, tasks, n, threads), daemon=False) for n in range(1, jobs + 1)]
+        for p in procs:
+            p.start()
+        _join(procs)
+        codes = [p.exitcode for p in procs]
+        missing = [f"{name} seed {seed}" for _, name, seed in tasks if not finished(sw, name, seed)]
+        if missing and any(c == INTERRUPTED for c in codes):
+            raise SweepInterrupted(f"sweep {sw.spec.name} stopped by a signal; rerun the same command to resume")
+        if missing:
+            raise SweepFailed(f"a worker of sweep {sw.spec.name} failed (exit codes {codes}; its error is above) and "
+                              f"{len(missing)} runs are unfinished ({missing[0]}, ...); rerun the same command to resume")
+        if any(c != 0 for c in codes):  # another worker finished what the failed one left
+            log(f"a worker exited with code {[c for c in codes if c != 0][0]}, but every run finished")
+    return [read_result(run_dir_of(sw.out, name, seed)) for _, name, seed in tasks]
+
+
+def _join(procs: list) -> None:
+    """Wait for the workers; the first Ctrl-C / SIGTERM asks each to checkpoint and stop, a second Ctrl-C stops them at once."""
+    asked = []
+
+    def forward(signum, frame):
+        stop = signal.SIGINT if asked and signum == signal.SIGINT else signal.SIGTERM
+        asked.append(signum)
+        for p in procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, stop)
+
+    handlers = {}
+    with contextlib.suppress(ValueError):  # not the main thread: no handlers, plain joins
+        handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+# ============================================================== the sweep
+@contextlib.contextmanager
+def setup_lock(out: Path) -> Iterator[None]:
+    """A blocking exclusive lock on out/locks/setup.lock: two invocations on one out dir build the
+    corpus and prepare the data one after the other, never into the same files at once."""
+    import fcntl
+
+    path = out / "locks" / "setup.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def setup(spec: SweepSpec, out: Path, hooks: Hooks, trainer_cls, quiet: bool, log) -> tuple[Sweep, dict | None]:
+    """Corpus, shared data, data identities and loss limits: everything before the first run."""
+    with setup_lock(out):
+        spec, corpus_meta = with_corpus(spec, out, log)
+        data_dirs = prepare_shared_data(spec, out)
+    limits, ids, vocabs = {}, {}, {}
+    fe = spec.final_eval
+    for d in set(data_dirs.values()):
+        seq = max(c.seq_len for n, c in spec.configs.items() if data_dirs[n] == d)
+        vocabs[str(d)] = vocab = int(json.loads((d / "meta.json").read_text())["vocab_size"])
+        limits[str(d)] = {"unigram": unigram_loss(d, seq, max(1, fe["tokens"] // seq)) if fe else unigram_loss(d),
+                          "init": math.log(vocab)}
+        ids[str(d)] = data_identity(d)
+    return Sweep(spec, out, hooks, trainer_cls, quiet, data_dirs, ids, limits, vocabs), corpus_meta
+
+
+def check_parallel(jobs: int, threads: int | None) -> None:
+    """One-line errors for a bad ``--jobs`` / ``--threads``."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs={jobs} is not valid; give the number of worker processes, at least 1")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads={threads} is not valid; give torch threads per process, at least 1")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a finished sweep hands to an experiment's analysis."""
+
+    spec: SweepSpec  # resolved, with tuned values applied and the corpus as data source
+    rows: list[dict[str, Any]]
+    limits: dict[str, float]  # the first data dir's {"unigram", "init"}
+    data_dir: Path
+    corpus: dict | None  # corpus.json, when the spec names a corpus
+    tune: dict | None  # tune.json, when the spec tunes
 
 
 def run_sweep(
     spec: SweepSpec, out: str | Path, *, hooks: Hooks | None = None, quiet: bool = True,
-    trainer_cls: Any = None, log: Callable[[str], None] = print,
+    trainer_cls: Any = None, log: Callable[[str], None] = print, jobs: int = 1, threads: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Train every variant x seed of a resolved ``spec`` in ``out`` (resuming what is there), then
-    write results.csv, summary.md and loss_curves.png. Returns the rows."""
+    """Train every variant x seed of a resolved ``spec`` in ``out`` (resuming and reusing what is
+    there; after a tuning sweep when the spec has ``tune``), then write results.csv, summary.md and
+    loss_curves.png. Returns the rows. ``jobs`` worker processes with ``threads`` torch threads each."""
+    return sweep_outcome(spec, out, hooks=hooks, quiet=quiet, trainer_cls=trainer_cls, log=log, jobs=jobs, threads=threads).rows
+
+
+def sweep_outcome(
+    spec: SweepSpec, out: str | Path, *, hooks: Hooks | None = None, quiet: bool = True,
+    trainer_cls: Any = None, log: Callable[[str], None] = print, jobs: int = 1, threads: int | None = None,
+) -> Outcome:
+    """:func:`run_sweep`, returning everything the analysis needs (see :class:`Outcome`)."""
+    check_parallel(jobs, threads)
     if not spec.configs:
-        spec.resolve(quick=spec.is_quick)
-    trainer_cls = trainer_cls or Trainer
-    hooks = hooks or Hooks()
+        spec = spec.resolve(profile=spec.profile)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data_dirs = prepare_shared_data(spec, out)
-    threshold = {d: (unigram_loss(d) if spec.diverged_above == "unigram" else float(spec.diverged_above))
-                 for d in set(data_dirs.values())}
-    rows: list[dict[str, Any]] = []
-    total = len(spec.variants) * len(spec.seeds)
-    for i, (variant, seed) in enumerate(((v, s) for v in spec.variants for s in spec.seeds), 1):
-        run_dir = run_dir_of(out, variant.name, seed)
-        done = run_dir / RESULT_FILE
-        tag = f"[{i}/{total}] {variant.name} seed {seed}"
-        if done.is_file():
-            rows.append(json.loads(done.read_text()))
-            log(f"{tag}: done earlier (val loss {fmt(rows[-1]['final_val_loss'])})")
-            continue
-        cfg = spec.configs[variant.name].override({"train.seed": seed, "data.dir": str(data_dirs[variant.name])})
-        resume = (run_dir / "config.yaml").is_file()
-        t0 = time.perf_counter()
-        trainer = trainer_cls(cfg, run_dir, resume=resume, quiet=quiet)
-        with contextlib.closing(trainer) if hasattr(trainer, "close") else contextlib.nullcontext():
-            start = _start_measurements(trainer, hooks, variant, seed, run_dir)
-            curve = CurveLogger(run_dir, trainer.step)
-            trainer.callbacks = [*getattr(trainer, "callbacks", []), curve, *hooks.callbacks(variant, seed, run_dir)]
-            if variant.init_from and trainer.step == 0:
-                source = run_dir_of(out, variant.init_from, seed) / CHECKPOINTS
-                ckpt.load_weights(trainer.model, ckpt.resolve(source, "latest") / ckpt.WEIGHTS)
-            reason, result = "", None
-            try:
-                result = trainer.fit()
-            except TrainingDiverged as e:
-                reason = f"non-finite loss/gradient: {one_line(e)[:120]}"
-            if result is not None and result.stopped_by is not None:
-                raise SweepInterrupted(f"{tag} stopped at step {trainer.step}; rerun the same command to resume")
-            row = _row(spec, variant, seed, cfg, trainer, result, reason, curve, threshold[data_dirs[variant.name]])
-            row.update(start)
-            row.update(hooks.after_fit(trainer, variant, seed, run_dir))
-        atomic_write_text(done, json.dumps(jsonable(row), indent=1) + "\n")
-        rows.append(row)
-        log(f"{tag}: val loss {fmt(row['final_val_loss'])}{' DIVERGED' if row['diverged'] else ''} "
-            f"({time.perf_counter() - t0:.0f} s)")
-    write_tables(spec, rows, out)
+    trainer_cls, hooks = trainer_cls or Trainer, hooks or Hooks()
+    tune = None
+    if spec.tune is not None:
+        spec, tune = tune_and_apply(spec, out, trainer_cls, quiet, log, jobs, threads)
+    sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
+    rows = execute(sw, jobs, threads, log)
+    write_tables(sw.spec, rows, out)
     with contextlib.suppress(ImportError):
-        plot_loss_curves(spec, out, out / "loss_curves.png")
-    return rows
+        plot_loss_curves(sw.spec, out, out / "loss_curves.png")
+    first = sw.data_dirs[sw.spec.variants[0].name]
+    return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune)
 
 
-def _start_measurements(trainer, hooks: Hooks, variant: Variant, seed: int, run_dir: Path) -> dict[str, Any]:
-    path = run_dir / START_FILE
-    if path.is_file():
-        return json.loads(path.read_text())
-    if getattr(trainer, "step", 0) != 0:  # resumed without measurements: they cannot be taken any more
-        return {}
-    start = jsonable(hooks.before_fit(trainer, variant, seed, run_dir))
-    atomic_write_text(path, json.dumps(start) + "\n")
-    return start
+def tune_and_apply(spec: SweepSpec, out: Path, trainer_cls, quiet: bool, log, jobs: int, threads) -> tuple[SweepSpec, dict]:
+    """Run the tuning sweep (its runs live beside the others, named tune-*), choose each group's
+    value, write tune.csv and tune.json, and return the spec with the choices applied."""
+    tspec = spec.tune_spec()
+    log(f"tuning {spec.tune.field} over {spec.tune.values}: {len(tspec.variants)} runs x {len(tspec.seeds)} seeds")
+    sw, _ = setup(tspec, out, Hooks(), trainer_cls, quiet, log)
+    rows = execute(sw, jobs, threads, log)
+    choices, table = choose(spec.tune, rows)
+    write_csv(rows, out / "tune.csv", scalar_columns(rows))
+    info = jsonable({"field": spec.tune.field, "values": spec.tune.values, "by": spec.tune.by, "at": spec.tune.at,
+                     "seeds": spec.tune.seeds, "chosen": choices, "table": table})
+    atomic_write_text(out / "tune.json", json.dumps(info, indent=1) + "\n")
+    log("chosen " + ", ".join(f"{g}: {v}" for g, v in choices.items()))
+    return spec.with_tuned(choices), info
 
 
-def _row(spec, variant, seed, cfg, trainer, result, reason, curve, threshold) -> dict[str, Any]:
-    records = read_curve(trainer.run_dir)
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
-    train_losses = [r["loss"] for r in records if "loss" in r]
-    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    final_val = result.val_loss if result is not None else float("nan")
-    finite_vals = [v for v in vals if v is not None and math.isfinite(v)]
-    best_val = min(finite_vals) if finite_vals else float("nan")
-    if not reason:
-        if final_val is None or not math.isfinite(final_val):
-            reason = "non-finite validation loss"
-        elif final_val > threshold:
-            reason = f"final val loss {final_val:.3f} above {threshold:.3f}" + (
-                " (the unigram loss: learned nothing beyond token frequencies)" if spec.diverged_above == "unigram" else "")
-    row = {
-        "variant": variant.name, **variant.labels, "seed": seed, "steps": trainer.step, "tokens": trainer.tokens,
-        "final_val_loss": final_val if final_val is not None else float("nan"), "best_val_loss": best_val,
-        "final_train_loss": train_losses[-1] if train_losses else float("nan"),
-        "diverged": bool(reason), "diverge_reason": reason, "wall_s": round(curve.wall_s, 2),
-        "tokens_per_s": round(statistics.median(speeds), 1) if speeds else float("nan"),
-        "total_params": 0, "active_params": 0, "flops_per_token": 0.0,
-    }
-    n = trainer.model.num_params()
-    row.update(total_params=n["total"], active_params=n["active"],
-               flops_per_token=trainer.model.flops_per_token(cfg.seq_len))
-    return row
-
+def choose(tune: Tune, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each group's value with the lowest mean final validation loss over seeds (a diverged seed
+    counts as +inf; ties keep the first value). Pure: rows in, choice out."""
+    table, choices = [], {}
+    for group in dict.fromkeys(r["tune_group"] for r in rows):
+        best, best_loss = None, math.inf
+        for value in tune.values:
+            losses = [r["final_val_loss"] if r["status"] != "diverged" else math.inf
+                      for r in rows if r["tune_group"] == group and r["tune_value"] == str(value)]
+            loss = statistics.fmean(losses) if losses else math.inf
+            table.append({"group": group, "value": value, "mean_final_val_loss": loss if math.isfinite(loss) else None,
+                          "runs": len(losses)})
+            if loss < best_loss:
+                best, best_loss = value, loss
+        choices[group] = best if best is not None else tune.values[0]
+    return choices, table
 
 
 # ============================================================== tables and plots
@@ -439,13 +704,15 @@ def scalar_columns(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def summarize(rows: list[dict[str, Any]], columns: Sequence[str] = SUMMARY_COLUMNS) -> list[dict[str, Any]]:
-    """One row per variant (in first-seen order): mean ± std over seeds of ``columns``, divergences counted."""
+    """One row per variant (in first-seen order): mean ± std over seeds of ``columns``, statuses counted."""
     out = []
     for name in dict.fromkeys(r["variant"] for r in rows):
         group = [r for r in rows if r["variant"] == name]
         first = group[0]
         out.append({
-            "variant": name, "seeds": len(group), "diverged": f"{sum(bool(r['diverged']) for r in group)}/{len(group)}",
+            "variant": name, "seeds": len(group),
+            "diverged": f"{sum(r.get('status') == 'diverged' for r in group)}/{len(group)}",
+            "no better than unigram": f"{sum(r.get('status') == 'no better than unigram' for r in group)}/{len(group)}",
             **{c: mean_std([r.get(c, float("nan")) for r in group]) for c in columns},
             "total_params": first["total_params"], "active_params": first["active_params"],
             "flops_per_token": f"{first['flops_per_token'] / 1e6:.2f}M",
@@ -453,26 +720,39 @@ def summarize(rows: list[dict[str, Any]], columns: Sequence[str] = SUMMARY_COLUM
     return out
 
 
+def eval_slice_text(spec: SweepSpec) -> str:
+    """How final_val_loss was measured, for summary.md and every report (the same slice for both)."""
+    if spec.final_eval:
+        return (f"final_val_loss: mean next-token loss over {spec.final_eval['tokens']:,} validation tokens, in windows of "
+                "the run's seq_len spread evenly over the whole validation split, after the last step")
+    t = spec.configs[spec.variants[0].name].train
+    return f"final_val_loss: the trainer's last evaluation, over the first {t.eval_batches} x {t.batch_size} windows of the validation split"
+
+
 def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None:
     write_csv(rows, out / "results.csv", scalar_columns(rows))
-    summary = summarize(rows)
-    text = (f"# Sweep {spec.name}\n\n{spec.description}\n\nMean ± std over seeds {spec.seeds}. "
-            f"diverged: runs whose loss went non-finite or ended above {spec.diverged_above}.\n\n" + markdown_table(summary))
+    text = (f"# Sweep {spec.name}\n\n{spec.description}\n\nMean ± std over seeds {spec.seeds} (each seed sets "
+            f"{' and '.join(spec.seed_fields)}). {eval_slice_text(spec)}. diverged: the loss went non-finite or ended above "
+            f"{'ln(vocab)' if spec.diverged_above == 'init' else spec.diverged_above}; no better than unigram: ended at or "
+            "above the loss of predicting token frequencies only.\n\n" + markdown_table(summarize(rows)))
     atomic_write_text(out / "summary.md", text)
+
+
+def seed_curves(out: Path, name: str, seeds: Sequence[int], key: str = "val_loss", x: str = "tokens") -> list[list[tuple[float, float]]]:
+    """Per seed, the (x, key) points of a variant's curve where ``key`` was logged."""
+    return [[(r[x], r[key]) for r in read_curve(run_dir_of(out, name, s)) if r.get(key) is not None] for s in seeds]
 
 
 def plot_loss_curves(spec: SweepSpec, out: Path, path: Path, variants: Sequence[str] | None = None,
                      x: str = "tokens", title: str | None = None) -> None:
-    """Validation loss against training tokens (or wall_s) for every variant (first seed)."""
+    """Validation loss against training tokens (or wall_s) for every variant: mean over seeds, ±1 std band."""
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in variants or [v.name for v in spec.variants]:
-        curve = [r for r in read_curve(run_dir_of(out, name, spec.seeds[0])) if r.get("val_loss") is not None]
-        if curve:
-            ax.plot([r[x] for r in curve], [r["val_loss"] for r in curve], marker=".", label=name)
+        band_plot(ax, seed_curves(out, name, spec.seeds_of(spec.variant(name)), x=x), label=name)
     ax.set_xlabel("training tokens" if x == "tokens" else "wall time (s)")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(title or f"{spec.name}: validation loss")
+    ax.set_title(title or f"{spec.name}: validation loss (mean ± 1 std over {len(spec.seeds)} seeds)")
     ax.grid(alpha=0.3)
     if len(ax.lines) <= 16:
         ax.legend(fontsize=7)

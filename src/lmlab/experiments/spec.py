@@ -1,0 +1,364 @@
+"""A sweep spec: a base run config, its variants, the seeds, and how the sweep is sized and tuned.
+
+Parsed from YAML by ``sweep.load_spec``; see ``sweep``'s docstring for the format. Everything is
+validated here, before any training: a bad override names the spec, the variant and the field.
+
+    spec = parse_spec(yaml_data, "norm.yaml").resolve(profile="quick")
+    spec.configs["post-L24"]          # the RunConfig of one variant (before its seed is applied)
+    spec.seed_config("post-L24", 3)    # ... with seed 3: model.init_seed and train.seed both 3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..model import Transformer
+from ..run.config import RunConfig
+from ..run.errors import one_line
+from ..schema import suggest
+
+SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
+SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "seed_fields", "quick", "profiles",
+             "diverged_above", "match_active_params", "corpus", "final_eval", "tune")
+VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds")
+PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
+TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides")
+CORPUS_KEYS = ("name", "max_bytes")
+FINAL_EVAL_KEYS = ("tokens", "batch_size")
+
+
+# ============================================================== the parts
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: dict[str, Any]  # dotted RunConfig fields, applied to the base
+    init_from: str | None = None  # start from this earlier variant's final weights (same seed)
+    quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra overrides under the quick profile
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)  # grid axis -> level, for analysis
+    profiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # profile -> extra overrides
+    max_seeds: int | None = None  # train only the first N of the sweep's seeds (arms no verdict rests on)
+
+    def profile_overrides(self, profile: str | None) -> dict[str, Any]:
+        if profile is None:
+            return {}
+        return {**(self.quick if profile == "quick" else {}), **self.profiles.get(profile, {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tune:
+    """A hyperparameter chosen per group of variants from a short sweep before the main runs.
+
+    For each group (the levels of the grid axes in ``by``, or each variant when ``by`` is
+    ["variant"]), the group's variant at the labels ``at`` is trained once per value in ``values``
+    (seeds ``seeds``, plus ``overrides``, e.g. fewer steps); the value with the lowest mean final
+    validation loss (a diverged seed counts as infinite) is then used by every variant of the group."""
+
+    field: str
+    values: list[Any]
+    by: list[str]
+    at: dict[str, str]
+    seeds: list[int]
+    overrides: dict[str, Any]
+
+    def group(self, variant: Variant) -> str:
+        return variant.name if self.by == ["variant"] else "-".join(variant.labels[a] for a in self.by)
+
+
+@dataclasses.dataclass
+class SweepSpec:
+    name: str
+    base: dict[str, Any]  # flattened dotted base config
+    variants: list[Variant]
+    seeds: list[int]
+    quick: dict[str, Any]  # base overrides of the quick profile (kept for older specs; == profiles["quick"]["overrides"])
+    diverged_above: float | str = "init"  # a final val loss above this counts as diverged; "init" = ln(vocab)
+    match_active_params: dict[str, Any] | None = None
+    description: str = ""
+    source: str = "<spec>"
+    configs: dict[str, Any] = dataclasses.field(default_factory=dict)  # variant -> RunConfig, filled by resolve()
+    is_quick: bool = False
+    profiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    seed_fields: tuple[str, ...] = SEED_FIELDS
+    corpus: dict[str, Any] | None = None  # build the stdlib corpus (experiments.corpus) and train on it
+    final_eval: dict[str, Any] | None = None  # {tokens: N}: the final loss over N tokens in windows spread over val
+    tune: Tune | None = None
+    profile: str | None = None
+    tuned: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> tuned overrides
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def seeds_of(self, variant: Variant) -> list[int]:
+        """The seeds ``variant`` trains: the sweep's, or their first ``max_seeds``."""
+        return self.seeds[: variant.max_seeds] if variant.max_seeds else list(self.seeds)
+
+    def tasks(self) -> list[tuple[str, int]]:
+        """Every (variant, seed) run, in spec order."""
+        return [(v.name, s) for v in self.variants for s in self.seeds_of(v)]
+
+    def resolve(self, *, quick: bool = False, profile: str | None = None) -> "SweepSpec":
+        """Apply ``profile`` (``quick=True`` means "quick"), then build and validate every variant's
+        RunConfig (and the equal-compute check) before any training. A bad override raises one line
+        naming the spec, the variant and the field. Returns the resolved spec (a new object)."""
+        profile = profile or ("quick" if quick else None)
+        if profile is not None and profile not in self.profiles:
+            raise ValueError(f"{self.source}: no profile {profile!r}; this spec has {sorted(self.profiles) or 'none'}")
+        p = self.profiles.get(profile, {}) if profile else {}
+        spec = dataclasses.replace(
+            self, profile=profile, is_quick=profile == "quick", configs={}, seeds=list(p.get("seeds", self.seeds)),
+            corpus={**(self.corpus or {}), **p["corpus"]} if self.corpus and p.get("corpus") else self.corpus,
+            final_eval={**(self.final_eval or {}), **p.get("final_eval", {})} if self.final_eval else None,
+            tune=None if "tune" in p and p["tune"] is None else _tune_for(self.tune, p.get("tune")),
+        )
+        try:
+            base = RunConfig().override({**self.base, **p.get("overrides", {})})
+        except ValueError as e:
+            raise ValueError(f"{self.source}: base config: {one_line(e)}") from None
+        for v in spec.variants:
+            try:
+                spec.configs[v.name] = base.override({**v.overrides, **v.profile_overrides(profile), **spec.tuned.get(v.name, {})})
+            except ValueError as e:
+                raise ValueError(f"{self.source}: variant {v.name!r}: {one_line(e)}") from None
+        if spec.match_active_params:
+            check_active_params(spec)
+        return spec
+
+    def seed_config(self, name: str, seed: int) -> RunConfig:
+        """The RunConfig of variant ``name`` trained with sweep seed ``seed`` (sets ``seed_fields``)."""
+        return self.configs[name].override({f: seed for f in self.seed_fields})
+
+    def with_tuned(self, choices: Mapping[str, Any]) -> "SweepSpec":
+        """The spec with the tuned value of each variant's group applied (resolved again)."""
+        tuned = {v.name: {self.tune.field: choices[self.tune.group(v)]} for v in self.variants
+                 if v.init_from is None and self.tune.group(v) in choices}
+        return dataclasses.replace(self, tuned=tuned).resolve(profile=self.profile)
+
+    def tune_spec(self) -> "SweepSpec":
+        """The tuning sweep: for each group, its representative variant at every value."""
+        t = self.tune
+        variants, groups = [], {}
+        for v in self.variants:
+            if v.init_from is None and all(v.labels.get(k) == level for k, level in t.at.items()):
+                groups.setdefault(t.group(v), v)
+        if not groups:
+            raise ValueError(f"{self.source}: tune.at={t.at} matches no variant; name grid levels that exist")
+        short = t.field.rsplit(".", 1)[-1]
+        for g, v in groups.items():
+            for value in t.values:
+                variants.append(Variant(f"tune-{g}-{short}{value:g}" if isinstance(value, float) else f"tune-{g}-{short}{value}",
+                                        {**v.overrides, t.field: value, **t.overrides}, None, v.quick,
+                                        {**v.labels, "tune_group": g, "tune_value": str(value)}, v.profiles))
+        spec = dataclasses.replace(self, name=f"{self.name}-tune", variants=variants, tune=None, tuned={},
+                                   match_active_params=None, configs={}).resolve(profile=self.profile)
+        spec.seeds = list(t.seeds)  # after resolve, which would apply the profile's seeds
+        return spec
+
+
+def _tune_for(tune: Tune | None, change: Mapping[str, Any] | None) -> Tune | None:
+    if tune is None or not change:
+        return tune
+    return dataclasses.replace(tune, **{k: (dict(tune.overrides, **v) if k == "overrides" else v) for k, v in change.items()})
+
+
+# ============================================================== parsing
+def flat_overrides(data: Any, where: str) -> dict[str, Any]:
+    """Nested mappings as dotted keys, except ``moe`` (a whole MoEConfig value)."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping of dotted fields to values, e.g. {{model.n_layers: 6}}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value and not str(key).endswith("moe"):
+            out.update({f"{key}.{k}": v for k, v in flat_overrides(value, where).items()})
+        else:
+            out[str(key)] = value
+    return out
+
+
+def _check_keys(raw: Mapping, allowed: tuple[str, ...], where: str) -> None:
+    unknown = [k for k in raw if k not in allowed]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}{suggest(str(unknown[0]), allowed)}; valid keys: {', '.join(allowed)}")
+
+
+def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Variant:
+    if not isinstance(raw, Mapping) or "name" not in raw:
+        raise ValueError(f"{where} must be a mapping with a name, e.g. {{name: deep, overrides: {{model.n_layers: 8}}}}")
+    _check_keys(raw, VARIANT_KEYS, f"{where} ({raw['name']!r})")
+    name = str(raw["name"])
+    if not name or any(c in name for c in "/\\ ") or name.startswith("."):
+        raise ValueError(f"{where}: variant name {name!r} must be non-empty, without spaces or slashes (it names a directory)")
+    profiles = raw.get("profiles") or {}
+    if not isinstance(profiles, Mapping):
+        raise ValueError(f"{where} ({name!r}): profiles must map a profile name to overrides, e.g. {{gpu: {{train.steps: 2000}}}}")
+    max_seeds = raw.get("seeds")
+    if max_seeds is not None and (not isinstance(max_seeds, int) or isinstance(max_seeds, bool) or max_seeds < 1):
+        raise ValueError(f"{where} ({name!r}): seeds={max_seeds!r} is not valid; give how many of the sweep's seeds it trains, e.g. 3")
+    return Variant(name, flat_overrides(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
+                   flat_overrides(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
+                   {str(k): flat_overrides(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds)
+
+
+def _grid(grid: Any, source: str) -> list[Variant]:
+    if not isinstance(grid, list) or not all(isinstance(axis, Mapping) and "levels" in axis for axis in grid):
+        raise ValueError(f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}")
+    axes = [(str(a.get("axis", f"axis{i}")), [_variant(v, f"{source}: grid[{i}].levels[{j}]") for j, v in enumerate(a["levels"])])
+            for i, a in enumerate(grid)]
+    variants = []
+    for combo in itertools.product(*(levels for _, levels in axes)):
+        overrides: dict[str, Any] = {}
+        quick: dict[str, Any] = {}
+        profiles: dict[str, dict[str, Any]] = {}
+        for level in combo:
+            overrides.update(level.overrides)
+            quick.update(level.quick)
+            for k, v in level.profiles.items():
+                profiles.setdefault(k, {}).update(v)
+        labels = {axis: level.name for (axis, _), level in zip(axes, combo)}
+        variants.append(Variant("-".join(level.name for level in combo), overrides, None, quick, labels, profiles))
+    return variants
+
+
+def _seeds(seeds: Any, where: str) -> list[int]:
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        seeds = list(range(seeds))
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ValueError(f"{where}: seeds={seeds!r} is not valid; give a count (3) or a list of integers ([0, 1, 2])")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"{where}: seeds={seeds!r} repeats a seed; each seed names one run")
+    return seeds
+
+
+def _profiles(data: Mapping, source: str) -> dict[str, dict[str, Any]]:
+    raw = data.get("profiles") or {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{source}: profiles must map a name to {{overrides:, seeds:, corpus:, final_eval:, tune:}}")
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in raw.items():
+        if not isinstance(p, Mapping):
+            raise ValueError(f"{source}: profile {name!r} must be a mapping with some of {', '.join(PROFILE_KEYS)}")
+        _check_keys(p, PROFILE_KEYS, f"{source}: profile {name!r}")
+        prof = {**p, "overrides": flat_overrides(p.get("overrides"), f"profile {name!r} overrides")}
+        if "seeds" in p:
+            prof["seeds"] = _seeds(p["seeds"], f"{source}: profile {name!r}")
+        if p.get("tune") is not None:  # tune: null turns tuning off under this profile
+            if not isinstance(p["tune"], Mapping):
+                raise ValueError(f"{source}: profile {name!r} tune must be a mapping of tune fields to change, or null")
+            _check_keys(p["tune"], TUNE_KEYS, f"{source}: profile {name!r} tune")
+            prof["tune"] = {k: (flat_overrides(v, "tune overrides") if k == "overrides" else v) for k, v in p["tune"].items()}
+        out[str(name)] = prof
+    if "quick" in data or "quick" in out:
+        out["quick"] = {**out.get("quick", {}), "overrides": {**flat_overrides(data.get("quick"), "quick"),
+                                                              **out.get("quick", {}).get("overrides", {})}}
+    return out
+
+
+def _tune(raw: Any, source: str) -> Tune | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or "field" not in raw or not raw.get("values"):
+        raise ValueError(f"{source}: tune needs field: (e.g. train.lr) and values: [3e-3, 1e-2, 3e-2]")
+    _check_keys(raw, TUNE_KEYS, f"{source}: tune")
+    by = raw.get("by", ["variant"])
+    by = [by] if isinstance(by, str) else list(by)
+    at = raw.get("at") or {}
+    if not isinstance(at, Mapping):
+        raise ValueError(f"{source}: tune.at must map grid axes to levels, e.g. {{depth: L12}}")
+    return Tune(str(raw["field"]), list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
+                _seeds(raw.get("seeds", [1000]), f"{source}: tune"), flat_overrides(raw.get("overrides"), "tune overrides"))
+
+
+def _options(data: Mapping, source: str, names: list[str]) -> dict[str, Any]:
+    """The spec's scalar options, each checked."""
+    diverged_above = data.get("diverged_above", "init")
+    if diverged_above == "unigram":  # older specs: that label is now separate ("no better than unigram")
+        diverged_above = "init"
+    if diverged_above != "init" and (not isinstance(diverged_above, (int, float)) or isinstance(diverged_above, bool)):
+        raise ValueError(f"{source}: diverged_above={diverged_above!r} is not valid; give a loss in nats or 'init' (ln vocab)")
+    match = data.get("match_active_params")
+    if match is not None and (not isinstance(match, Mapping) or match.get("reference") not in names):
+        raise ValueError(f"{source}: match_active_params needs reference: <a variant name> (and tolerance: 0.05); variants: {names}")
+    seed_fields = tuple(data.get("seed_fields", SEED_FIELDS))
+    if not seed_fields or any(f not in SEED_FIELDS for f in seed_fields):
+        raise ValueError(f"{source}: seed_fields={list(seed_fields)} is not valid; choose a non-empty subset of {list(SEED_FIELDS)}")
+    corpus, final_eval = data.get("corpus"), data.get("final_eval")
+    if corpus is not None:
+        if not isinstance(corpus, Mapping) or corpus.get("name") != "stdlib":
+            raise ValueError(f"{source}: corpus must be {{name: stdlib}} (optionally max_bytes: N), the one experiment corpus")
+        _check_keys(corpus, CORPUS_KEYS, f"{source}: corpus")
+    if final_eval is not None:
+        if not isinstance(final_eval, Mapping) or not isinstance(final_eval.get("tokens"), int) or final_eval["tokens"] < 1:
+            raise ValueError(f"{source}: final_eval must be {{tokens: N}} with N >= 1: validation tokens, in windows spread over the split")
+        _check_keys(final_eval, FINAL_EVAL_KEYS, f"{source}: final_eval")
+    return {"diverged_above": diverged_above, "match_active_params": dict(match) if match else None,
+            "seed_fields": seed_fields, "corpus": dict(corpus) if corpus else None,
+            "final_eval": dict(final_eval) if final_eval else None}
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
+    """A spec from its parsed YAML (see ``sweep``'s docstring); raises a one-line ValueError."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: a sweep spec is a mapping with base: and variants: (or grid:)")
+    _check_keys(data, SPEC_KEYS, source)
+    base = data.get("base") or {}
+    if not isinstance(base, Mapping):
+        raise ValueError(f"{source}: base must be a run config mapping with model:, data:, train: sections")
+    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(data.get("variants") or [])]
+    variants += _grid(data["grid"], source) if data.get("grid") else []
+    if not variants:
+        raise ValueError(f"{source}: no variants; list some under variants: or grid:")
+    names = [v.name for v in variants]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ValueError(f"{source}: variant name {dup!r} appears twice; names must be unique")
+    for i, v in enumerate(variants):
+        if v.init_from is not None and v.init_from not in names[:i]:
+            raise ValueError(f"{source}: variant {v.name!r}: init_from={v.init_from!r} is not an earlier variant; "
+                             f"choose one of {names[:i]}")
+    profiles = _profiles(data, source)
+    tune = _tune(data.get("tune"), source)
+    if tune is not None and tune.by != ["variant"]:
+        missing = [a for a in tune.by + list(tune.at) if not all(a in v.labels for v in variants if v.init_from is None)]
+        if missing:
+            raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
+    return SweepSpec(
+        name=str(data.get("name") or Path(source).stem), base=flat_overrides(base, "base"), variants=variants,
+        seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
+        description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
+        **_options(data, source, names),
+    )
+
+
+# ============================================================== accounting
+@functools.lru_cache(maxsize=256)
+def model_accounting(model_cfg, seq_len: int) -> dict[str, float]:
+    """Total and active parameters and training FLOPs per token of a model config (built on the
+    meta device; cached, since configs are frozen and a GPU-size MoE takes seconds to draw)."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    n = model.num_params()
+    return {"total_params": n["total"], "active_params": n["active"], "flops_per_token": model.flops_per_token(seq_len)}
+
+
+def check_active_params(spec: SweepSpec) -> dict[str, dict[str, float]]:
+    """Equal compute: every variant's active parameters per token within ``tolerance`` of the reference's."""
+    ref_name = spec.match_active_params["reference"]
+    tol = float(spec.match_active_params.get("tolerance", 0.05))
+    counts = {name: model_accounting(cfg.model, cfg.seq_len) for name, cfg in spec.configs.items()}
+    ref = counts[ref_name]["active_params"]
+    for name, c in counts.items():
+        rel = c["active_params"] / ref - 1
+        if abs(rel) > tol or not math.isfinite(rel):
+            raise ValueError(
+                f"{spec.source}: variant {name!r} has {c['active_params']:,} active parameters, {rel:+.1%} from the "
+                f"reference {ref_name!r} ({ref:,}); match_active_params allows ±{tol:.0%}: adjust its expert widths"
+            )
+    return counts
