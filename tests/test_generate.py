@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import lmlab
-from lmlab.generate import candidates, generate, make_sampler, sample_text, top_k_filter, top_p_filter
+from lmlab.generate import generate, sample_text
+from lmlab.sampling import candidates, make_sampler, top_k_filter, top_p_filter
 from lmlab.run.tokenizer import ByteTokenizer, CharTokenizer
 
 V = 64
@@ -184,7 +185,12 @@ def test_fast_candidates_equal_the_reference_filters(temperature, top_k, top_p):
     (dict(top_p=0.0), r"top_p=0.0 is not valid; it must be in \(0, 1\], or None for no limit"),
     (dict(top_p=1.5), r"top_p=1.5 is not valid"),
     (dict(seed="x"), r"seed='x' is not valid; it must be an integer, or None"),
-    (dict(eos_id=V), rf"eos_id={V} is not valid; it must be a token id in \[0, {V}\), or None"),
+    (dict(eos_id=V), rf"eos_id={V} is not valid; it must be a token id in \[0, {V}\), a list of them, or None"),
+    (dict(eos_id=[1, V]), rf"eos_id=\[1, {V}\] is not valid"),
+    (dict(eos_id="x"), r"eos_id='x' is not valid"),
+    (dict(decoder="fast"), r"decoder='fast' is not valid; choose one of \['auto', 'eager', 'static', 'compiled', 'graph'\]"),
+    (dict(decoder="graph"), r"decoder='graph' captures CUDA graphs and needs a CUDA device; the model is on cpu"),
+    (dict(sync_every=0), r"sync_every=0 is not valid; it must be an integer >= 1"),
 ])
 def test_bad_sampling_arguments_raise_at_call_time(kwargs, message):
     model = model_for()
@@ -198,9 +204,12 @@ def test_bad_sampling_arguments_raise_at_call_time(kwargs, message):
     ([], 4, r"prompt_ids is empty; give at least one token"),
     ([1, V], 4, rf"prompt_ids hold id {V}, outside the model's vocabulary \[0, {V}\); encode the prompt with the tokenizer"),
     ([-3, 1], 4, r"prompt_ids hold id -3, outside"),
-    (torch.zeros(1, 2, 3, dtype=torch.long), 4, r"prompt_ids must be a list of ints or a \(B, T\) integer tensor, got shape \(1, 2, 3\)"),
+    (torch.zeros(1, 2, 3, dtype=torch.long), 4,
+     r"prompt_ids must be a list of ints, a list of such lists, or a \(B, T\) integer tensor, got shape \(1, 2, 3\)"),
     (torch.zeros(1, 2), 4, r"got shape \(1, 2\) torch.float32"),
     (["a"], 4, r"prompt_ids must be a list of ints"),
+    ([[1, 2], []], 4, r"prompt 1 is empty; give at least one token"),
+    ([[1, 2], [3, V]], 4, rf"prompt_ids hold id {V}, outside"),
 ])
 def test_bad_prompts_raise_at_call_time(ids, n, message):
     with pytest.raises(ValueError, match=message):
@@ -223,10 +232,10 @@ class ScriptedModel(nn.Module):
         nn.init.eye_(self.head.weight)
         self.script, self.step = script, 0
 
-    def new_cache(self, batch, max_len):
+    def new_cache(self, batch, max_len, dtype=None):
         return None
 
-    def hidden(self, idx, cache=None):
+    def hidden(self, idx, cache=None, attention_mask=None):
         B, T = idx.shape
         h = torch.zeros(B, T, self.config.vocab_size)
         h[:, -1, self.script[self.step]] = 1.0

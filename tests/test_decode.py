@@ -1,0 +1,223 @@
+"""Decoding for real prompts: padded batches against each row alone and against transformers'
+``generate``; the fixed-shape, compiled decoders against the eager reference, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmlab
+from lmlab.attention import StaticKVCache
+from lmlab.generate import DECODERS, generate, left_pad
+
+V = 64
+PROMPTS = [[5, 9, 3, 17, 2, 40, 8], [11, 4, 30], [7, 7, 21, 50, 1], [33]]  # lengths 7, 3, 5, 1
+
+
+def model_for(**overrides) -> lmlab.Transformer:
+    base = dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
+    preset = overrides.pop("preset", None)
+    nested = {k: overrides.pop(k) for k in list(overrides) if "." in k}
+    cfg = lmlab.ModelConfig.from_preset(preset, **{**base, **overrides}) if preset else lmlab.ModelConfig(**{**base, **overrides})
+    return lmlab.Transformer(cfg.override(nested) if nested else cfg).eval()
+
+
+def run(model, prompts, n, **kw) -> torch.Tensor:
+    return torch.stack(list(generate(model, prompts, n, **kw)), dim=1)  # (B, n)
+
+
+VARIANTS = {  # every position scheme, pre and post norm, GQA, MoE
+    "llama (rope, GQA)": dict(preset="llama", n_kv_heads=2),
+    "gpt2 (learned, tied)": dict(preset="gpt2"),
+    "vaswani2017 (post, sinusoidal)": dict(preset="vaswani2017"),
+    "alibi": dict(positions="alibi"),
+    "relative": dict(positions="relative", relative_clip=4),
+    "none": dict(positions="none"),
+    "rope dynamic": {"rope.scaling": "dynamic", "rope.factor": 2.0, "max_seq_len": 8},
+    "moe": dict(preset="llama", **{"moe.n_experts": 4, "moe.top_k": 2}),
+}
+
+
+# ============================================================== padding
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("decoder", ["eager", "static"])
+def test_each_row_of_a_padded_batch_continues_as_it_would_alone(variant, decoder):
+    model = model_for(**dict(VARIANTS[variant]))
+    together = run(model, PROMPTS, 10, temperature=0, decoder=decoder)
+    for b, p in enumerate(PROMPTS):
+        alone = run(model, [p], 10, temperature=0, decoder="eager")
+        assert torch.equal(together[b], alone[0]), (b, together[b], alone[0])
+
+
+@pytest.mark.parametrize("variant", ["llama (rope, GQA)", "gpt2 (learned, tied)", "alibi", "relative"])
+def test_padded_forward_equals_each_row_alone(variant):
+    model = model_for(**dict(VARIANTS[variant]))
+    idx, mask = left_pad(PROMPTS)
+    with torch.no_grad():
+        logits = model(idx, attention_mask=mask).logits  # (B, T, V)
+        assert torch.isfinite(logits).all()  # pad rows see themselves: no all-masked softmax
+        for b, p in enumerate(PROMPTS):
+            alone = model(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(logits[b, -len(p):], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_changes_nothing_for_an_unpadded_mask():
+    model = model_for(preset="llama")
+    idx = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    plain = run(model, idx, 8, temperature=0)
+    masked = run(model, idx, 8, temperature=0, attention_mask=torch.ones_like(idx))
+    assert torch.equal(plain, masked)
+
+
+def test_a_padded_cache_records_positions_and_real_slots():
+    model = model_for(preset="llama")
+    idx, mask = left_pad([[1, 2, 3], [4]])
+    cache = model.new_cache(2, 6)
+    with torch.no_grad():
+        model.hidden(idx, cache, mask)
+        model.hidden(torch.tensor([[5], [6]]), cache)
+    assert cache.length == 4
+    assert cache.valid[:, :4].tolist() == [[True] * 4, [False, False, True, True]]
+    assert cache.pos[0, :4].tolist() == [0, 1, 2, 3] and cache.pos[1, 2:4].tolist() == [0, 1]
+    assert cache.seen.flatten().tolist() == [4, 2]
+    static = StaticKVCache(cache)
+    assert static.slot.tolist() == [4] and static.next_pos.flatten().tolist() == [4, 2]
+
+
+@pytest.mark.parametrize("mask, message", [
+    ([[1, 1, 0], [1, 1, 1]], r"attention_mask must pad on the left \(0s, then 1s, in every row\)"),
+    ([[0, 0, 0], [1, 1, 1]], r"attention_mask must pad on the left"),
+    ([[1, 1], [1, 1]], r"attention_mask must be 0/1 with the prompt's shape \(2, 3\), got \(2, 2\)"),
+    ([[2, 1, 1], [1, 1, 1]], r"attention_mask must be 0/1"),
+])
+def test_bad_attention_masks_are_refused(mask, message):
+    with pytest.raises(ValueError, match=message):
+        generate(model_for(), torch.ones(2, 3, dtype=torch.long), 4, attention_mask=torch.tensor(mask))
+
+
+# ============================================================== several EOS ids, rows finishing alone
+@pytest.mark.parametrize("decoder", ["eager", "static"])
+@pytest.mark.parametrize("sync_every", [1, 3, 64])
+def test_rows_finish_on_any_eos_id_and_the_run_ends_when_all_have(decoder, sync_every):
+    model = model_for(preset="llama")
+    free = run(model, PROMPTS, 12, temperature=0, decoder="eager")
+    eos = [int(free[0, 2]), int(free[1, 5])]
+    out = run(model, PROMPTS, 12, temperature=0, eos_id=eos, decoder=decoder, sync_every=sync_every)
+    first_eos = [next((t for t in range(12) if int(free[b, t]) in eos), 12) for b in range(len(PROMPTS))]
+    assert out.shape == (len(PROMPTS), min(max(first_eos) + 1, 12))
+    for b, t in enumerate(first_eos):
+        assert torch.equal(out[b, : t + 1], free[b, : t + 1][: out.shape[1]])  # as without eos, up to it
+        assert (out[b, t + 1:] == eos[0]).all()  # a finished row repeats the first eos id
+
+
+# ============================================================== transformers on the same padded batch
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights ~ N(0, 0.2): logits far apart, so greedy choices are not near-ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = p.ndim == 1 and name.endswith("weight") and ("norm" in name or ".ln_" in name)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if gain else 0.0))
+    return model.eval()
+
+
+def hf_model(family: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    llama = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=64)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **llama))
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**common, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, **llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=32, decoder_sparse_step=1))
+    raise KeyError(family)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe"])
+def test_padded_batch_greedy_equals_transformers_generate(tmp_path, family):
+    torch.manual_seed(0)
+    hf = randomize_(hf_model(family))
+    hf.save_pretrained(tmp_path)
+    ours = lmlab.from_hf(tmp_path).eval()
+    idx, mask = left_pad(PROMPTS)
+    n = 12
+    with torch.no_grad():
+        want = hf.generate(idx, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                           pad_token_id=0)[:, idx.shape[1]:]
+    assert len(set(want.flatten().tolist())) > 8  # the model says different things: a real comparison
+    for decoder in ("eager", "static"):
+        assert torch.equal(run(ours, PROMPTS, n, temperature=0, decoder=decoder), want), decoder
+    assert torch.equal(run(ours, idx, n, temperature=0, attention_mask=mask), want)  # the tensor form
+
+    # several EOS ids (as generation_config.json may list): each row stops at its first
+    eos = [int(want[0, 3]), int(want[2, 6])]
+    with torch.no_grad():
+        hf_eos = hf.generate(idx, attention_mask=mask, do_sample=False, max_new_tokens=n, eos_token_id=eos,
+                             pad_token_id=0)[:, idx.shape[1]:]
+    ours_eos = run(ours, PROMPTS, n, temperature=0, eos_id=eos, decoder="static", sync_every=4)
+    assert ours_eos.shape == hf_eos.shape
+    finished = torch.zeros(len(PROMPTS), dtype=torch.bool)
+    for t in range(hf_eos.shape[1]):  # HF pads finished rows with pad_token_id, lmlab repeats eos[0]
+        assert torch.equal(ours_eos[~finished, t], hf_eos[~finished, t]), t
+        finished |= torch.isin(ours_eos[:, t], torch.tensor(eos))
+
+
+# ============================================================== fast decoders equal the reference
+SAMPLING = {
+    "greedy": dict(temperature=0),
+    "top-k": dict(temperature=0.9, top_k=10, seed=3),
+    "top-p": dict(temperature=1.1, top_p=0.8, seed=4),
+    "top-k + top-p": dict(temperature=0.7, top_k=20, top_p=0.9, seed=5),
+    "full vocabulary": dict(temperature=1.0, seed=6),
+}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("variant", ["llama (rope, GQA)", "gpt2 (learned, tied)", "alibi", "relative"])
+def test_static_decoder_equals_eager_token_for_token(variant, sampling):
+    model = model_for(**dict(VARIANTS[variant]))
+    kw = SAMPLING[sampling]
+    eager = run(model, PROMPTS, 16, decoder="eager", **kw)
+    assert torch.equal(run(model, PROMPTS, 16, decoder="static", **kw), eager)
+    assert torch.equal(run(model, PROMPTS, 16, decoder="static", sync_every=5, **kw), eager)
+
+
+def test_sampling_noise_spans_several_chunks_identically():
+    """A long run redraws the noise buffer many times; both paths must redraw at the same steps."""
+    from lmlab import sampling
+
+    model = model_for(preset="llama", max_seq_len=128)
+    old = sampling.NOISE_STEPS
+    sampling.NOISE_STEPS = 3
+    try:
+        kw = dict(temperature=1.0, top_k=8, seed=9)
+        eager = run(model, PROMPTS, 20, decoder="eager", **kw)
+        assert torch.equal(run(model, PROMPTS, 20, decoder="static", sync_every=7, **kw), eager)
+    finally:
+        sampling.NOISE_STEPS = old
+    assert not torch.equal(eager, run(model, PROMPTS, 20, decoder="eager", temperature=1.0, top_k=8, seed=10))
+
+
+def test_compiled_decoder_equals_eager_and_compiles_without_graph_breaks():
+    """torch.compile on the CPU (inductor's C++ backend): the same tokens as the eager reference,
+    sampled with padding and several EOS ids; one graph, and a second request reuses it."""
+    import torch._dynamo
+
+    model = model_for(preset="llama", n_kv_heads=2)
+    kw = dict(temperature=0.9, top_k=10, seed=3, eos_id=[60, 61])
+    eager = run(model, PROMPTS, 12, decoder="eager", **kw)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert torch.equal(run(model, PROMPTS, 12, decoder="compiled", **kw), eager)
+    assert torch.equal(run(model, PROMPTS, 12, decoder="compiled", **kw), eager)  # same shapes: no recompile
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_every_decoder_is_tested_here():
+    assert set(DECODERS) == {"eager", "static", "compiled", "graph"}  # graph: CUDA only, see the README
