@@ -5,6 +5,7 @@
     lmlab train --config run.yaml --model.n_layers 6 --train.lr 3e-4 --run-dir runs/deeper
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
+    lmlab generate runs/default --prompts-file prompts.txt --stop "\n\n" --temperature 0
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
 
@@ -163,12 +164,19 @@ def add_generate_parser(sub) -> None:
                        description=paragraphs("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
                        "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES), epilog=EXIT_CODES)
     add_run_args(g)
-    g.add_argument("--prompt", default="The ", help="text to continue")
+    g.add_argument("--prompt", action="append", default=None,
+                   help="text to continue; repeat for several prompts, generated together (default: 'The ')")
+    g.add_argument("--prompts-file", default=None, help="a UTF-8 text file of prompts, one per line (blank lines skipped)")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="end a text before this string; repeatable (the tokenizer's end-of-text ids always stop)")
+    g.add_argument("--decoder", default="auto", choices=["auto", "eager", "static", "compiled", "graph"],
+                   help="how tokens are decoded (see lmlab.generate): compiled pays off for long runs")
+    g.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, text, finish")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -299,26 +307,54 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     return 0
 
 
+def generate_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``lmlab generate``: every --prompt, then each non-blank line of --prompts-file."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompts-file {str(path)!r} does not exist")
+        try:
+            lines = path.read_bytes().decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompts-file {str(path)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        from_file = [line for line in lines if line.strip()]
+        if not from_file:
+            raise UsageError(f"--prompts-file {str(path)!r} holds no prompts; write one prompt per line")
+        prompts += from_file
+    return prompts or ["The "]
+
+
 def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .generate import sample_text
+    from .generate import complete, sample_text
     from .run.distributed import resolve_device
     from .run.load import load_run
 
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is not valid; give a number >= 0")
+    if any(not s for s in args.stop):
+        raise UsageError("--stop needs a non-empty string")
+    prompts = generate_prompts(args)
     run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device))
-    if not run.tokenizer.encode(args.prompt):
-        raise UsageError("the prompt encodes to no tokens; give some text with --prompt")
-    pieces = sample_text(run.model, run.tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=run.tokenizer.eos_id)
+    for i, prompt in enumerate(prompts):
+        if not run.tokenizer.encode(prompt):
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
+            raise UsageError(f"{which} encodes to no tokens; give some text with --prompt")
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=args.decoder)
     out = sys.stdout
     try:
-        out.write(args.prompt)
-        out.flush()
-        for piece in pieces:
-            out.write(piece)
+        if len(prompts) == 1 and not args.json:  # stream it
+            out.write(prompts[0])
             out.flush()
-        out.write("\n")
+            for piece in sample_text(run.model, run.tokenizer, prompts[0], args.max_new_tokens, stop=args.stop, **sampling):
+                out.write(piece)
+                out.flush()
+            out.write("\n")
+        else:
+            done = complete(run.model, run.tokenizer, prompts, args.max_new_tokens, stop=args.stop, **sampling)
+            blocks = [json.dumps({"prompt": p, "text": c.text, "finish": c.finish}) if args.json else p + c.text
+                      for p, c in zip(prompts, done)]
+            out.write(("\n" if args.json else "\n-----\n").join(blocks) + "\n")
         out.flush()
     except BrokenPipeError:  # `lmlab generate ... | head`
         import os

@@ -5,12 +5,14 @@ drawn ahead of time so that a decoding step holds none.
     noise = Noise(batch, noise_width(50, None, V), generator, device)
     ids = pick(logits, noise.row(step))                  # (B, V) logits -> (B,) ids
 
-Sampling is the exponential race: with E_i ~ Exp(1) drawn independently, argmax_i p_i / E_i is
-i with probability p_i. The draw is then a deterministic function of the logits and a noise
-tensor, which is what lets a compiled or CUDA-graph-captured step sample without a random
-generator inside it and without any host synchronization (``torch.multinomial`` synchronizes on
-some devices). :class:`Noise` draws a chunk of steps' noise at once from one generator; the
-eager loop and every fast path read the same rows, so they pick the same tokens.
+Sampling is the Gumbel-max trick: with G_i = -log E_i, E_i ~ Exp(1) drawn independently,
+argmax_i (l_i / T + G_i) is i with probability softmax(l / T)_i (Gumbel 1954; as an
+"exponential race", argmax p_i / E_i). No softmax is needed unless top-p must cut the
+distribution. The draw is a deterministic function of the logits and a noise tensor, which is
+what lets a compiled or CUDA-graph-captured step sample without a random generator inside it
+and without any host synchronization (``torch.multinomial`` synchronizes on some devices).
+:class:`Noise` draws a chunk of steps' noise at once from one generator; the eager loop and
+every fast path read the same rows, so they pick the same tokens.
 
 ``top_k_filter`` and ``top_p_filter`` are the readable references (Hugging Face's order:
 temperature, then top-k, then top-p); :func:`candidates` is the fast path, tested equal.
@@ -22,7 +24,7 @@ from typing import Callable
 
 import torch
 
-Picker = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (logits (B, V), noise (B, K)) -> ids (B,)
+Picker = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (logits (B, V), gumbel (B, K)) -> ids (B,)
 Sampler = Callable[[torch.Tensor], torch.Tensor]  # logits (B, V) -> ids (B,)
 
 NOISE_ELEMENTS = 1 << 22  # at most this many noise values drawn at once (16 MiB in fp32)
@@ -54,11 +56,12 @@ def effective_top_k(top_k: int | None, vocab_size: int) -> int | None:
 def candidates(
     temperature: float, top_k: int | None, top_p: float | None, vocab_size: int
 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
-    """logits (B, V) -> (probs (B, K), ids (B, K) or None when K = V and ids are positions).
+    """logits (B, V) -> (scaled logits (B, K), -inf where filtered out; ids (B, K) or None when
+    K = V and ids are positions).
 
-    The fast path of ``softmax(top_p_filter(top_k_filter(logits / temperature)))``: with top-k it
-    works on the k best logits only, so the softmax and the draw touch k values instead of the
-    whole vocabulary. Tests check it against the filters above."""
+    The fast path of ``top_p_filter(top_k_filter(logits / temperature))``: with top-k it works on
+    the k best logits only, so the nucleus cut and the draw touch k values instead of the whole
+    vocabulary. Tests check its softmax against the filters above."""
     k = effective_top_k(top_k, vocab_size)
     p = top_p if top_p is not None and top_p < 1.0 else None
 
@@ -78,7 +81,7 @@ def candidates(
 
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         values, ids = select(logits)
-        return trim(values.float() / temperature).softmax(dim=-1), ids
+        return trim(values.float() / temperature), ids
 
     return pick
 
@@ -89,18 +92,18 @@ def noise_width(top_k: int | None, top_p: float | None, vocab_size: int) -> int:
 
 
 def make_picker(temperature: float, top_k: int | None, top_p: float | None, vocab_size: int) -> Picker:
-    """(logits (B, V), noise (B, K) Exp(1) draws or None) -> ids (B,): greedy at temperature 0
-    (noise unused), else the exponential race over the candidates."""
+    """(logits (B, V), gumbel (B, K) Gumbel(0, 1) draws or None) -> ids (B,): greedy at
+    temperature 0 (noise unused), else the Gumbel-max draw over the candidates."""
     if temperature == 0:
-        return lambda logits, noise=None: logits.argmax(dim=-1)
+        return lambda logits, gumbel=None: logits.argmax(dim=-1)
     pick = candidates(temperature, top_k, top_p, vocab_size)
 
-    def race(logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        probs, ids = pick(logits)  # (B, K), (B, K) | None
-        choice = (probs / noise).argmax(dim=-1)  # (B,)
+    def gumbel_max(logits: torch.Tensor, gumbel: torch.Tensor | None) -> torch.Tensor:
+        scaled, ids = pick(logits)  # (B, K), (B, K) | None
+        choice = (scaled + gumbel).argmax(dim=-1)  # (B,)
         return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
-    return race
+    return gumbel_max
 
 
 def make_sampler(
@@ -114,21 +117,21 @@ def make_sampler(
     def sample(logits: torch.Tensor) -> torch.Tensor:
         if temperature == 0:
             return pick(logits, None)
-        return pick(logits, exponential_(torch.empty(logits.shape[0], width, device=logits.device), generator))
+        return pick(logits, gumbel_(torch.empty(logits.shape[0], width, device=logits.device), generator))
 
     return sample
 
 
 # ============================================================== the randomness, ahead of time
-def exponential_(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Fill ``x`` with Exp(1) draws, in place. A draw of exactly 0 (u = 0 in -log(1 - u)) would
-    make 0 / 0 = NaN for a filtered-out candidate, and argmax takes NaN as the largest: such
-    draws become the smallest positive float instead."""
-    return x.exponential_(1.0, generator=generator).clamp_min_(torch.finfo(x.dtype).tiny)
+def gumbel_(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill ``x`` with Gumbel(0, 1) draws, -log E with E ~ Exp(1), in place. An exponential draw
+    of exactly 0 (u = 0 in -log(1 - u)) becomes the smallest positive float, so every draw is
+    finite: a filtered-out candidate's -inf logit stays -inf and is never chosen."""
+    return x.exponential_(1.0, generator=generator).clamp_min_(torch.finfo(x.dtype).tiny).log_().neg_()
 
 
 class Noise:
-    """Exp(1) draws for the exponential race: ``buf`` (C, B, K) holds C steps' worth, redrawn
+    """Gumbel(0, 1) draws for sampling: ``buf`` (C, B, K) holds C steps' worth, redrawn
     from ``generator`` (None: torch's global one) whenever step t with t % C == 0 begins.
 
     The decoding loop calls ``begin(t)`` on the host before step t; step t reads row t % C, on
@@ -142,7 +145,7 @@ class Noise:
 
     def begin(self, t: int) -> None:
         if t % self.chunk == 0:
-            exponential_(self.buf, self.generator)
+            gumbel_(self.buf, self.generator)
 
     def row(self, t: int) -> torch.Tensor:
         return self.buf[t % self.chunk]  # (B, K)

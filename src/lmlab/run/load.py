@@ -18,6 +18,7 @@ from ..model import Transformer
 from . import checkpoint as ckpt
 from .config import RunConfig, load_config
 from .directory import CHECKPOINTS, CONFIG_FILE
+from .errors import CorruptFile
 from .tokenizer import load_tokenizer
 
 
@@ -91,7 +92,14 @@ class HFTokenizer:
         self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.vocab_size = self.tok.get_vocab_size()
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
-        self.eos_id = eos[0] if isinstance(eos, list) else eos
+        generation = path / "generation_config.json"  # where generate() reads its EOS ids, possibly several
+        if generation.is_file():
+            try:
+                eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+            except (ValueError, AttributeError):
+                raise CorruptFile(f"{str(generation)!r} is not a JSON object; restore it or delete it") from None
+        self.eos_ids = [eos] if isinstance(eos, int) else [int(e) for e in eos or []]  # any of them ends a text
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
