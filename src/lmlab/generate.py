@@ -146,13 +146,15 @@ def _as_batch(prompt_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 def _contexts(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """Inference mode everywhere, plus bf16 autocast on CUDA. Entered around each step, never held
-    across a ``yield``, so the caller's code between tokens runs in its own mode."""
+    """Inference mode everywhere, plus bf16 autocast on CUDA. Entered around each chunk of steps,
+    never held across a ``yield``, so the caller's code between tokens runs in its own mode.
+    Autocast's cache of cast weights is off: a captured CUDA graph would keep reading copies
+    that the cache frees on exit (PyTorch's CUDA-graph notes), and a step uses each weight once."""
     if device.type == "cuda":
         def both():
             stack = contextlib.ExitStack()
             stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
             return stack
         return both
     return torch.inference_mode
