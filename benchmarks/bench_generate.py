@@ -7,7 +7,9 @@ Same weights (a random HF Llama saved with save_pretrained, loaded into lmlab wi
 Contenders, in one process, taking turns (one whole generation each per round), so load from
 other programs on a shared machine hits all alike; each reports the median of its rounds:
   - lmlab, with each decoder of ``--decoders`` (``lmlab.generate``: eager, static, compiled,
-    graph; auto = the default). Every decoder's tokens are checked equal to the first's.
+    graph; auto = the default). The share of each decoder's tokens equal to the first's is
+    printed (same seed: 100% in fp32 on CPU; in bf16 a compiled kernel's rounding may move a
+    near-tie, after which a sampled run diverges).
   - transformers with its default dynamic cache;
   - transformers with ``cache_implementation="static"`` and its automatic ``torch.compile``
     (``mode="reduce-overhead"``, CUDA graphs on CUDA), its fastest path, where it runs.
@@ -152,7 +154,7 @@ def bench_batch(B: int, hf, ours, args, device) -> None:
     contenders["HF"] = lambda: hf_run(hf, idx, args, n, static=False)
     if args.hf_static:
         contenders["HF static"] = lambda: hf_run(hf, idx, args, n, static=True)
-    warm, first = {}, None
+    warm, agree, first = {}, {}, None
     for name, fn in list(contenders.items()):  # warm-up at full length: compiles, captures
         sync(device)
         t = time.perf_counter()
@@ -169,17 +171,17 @@ def bench_batch(B: int, hf, ours, args, device) -> None:
         assert out.shape == (B, n), (name, out.shape)
         if name.startswith("lmlab"):
             first = out if first is None else first
-            assert torch.equal(out, first), f"{name} gave different tokens from the first lmlab decoder"
+            agree[name] = f"{(out == first).float().mean().item():.0%}"
     times = measure(contenders, args.rounds, device)
     cpu_clock = device.type == "cpu"
     print(f"batch {B}: tokens/s = {B} x {n} / median of {args.rounds} generations"
           + ("; 'cpu' columns use process CPU time" if cpu_clock else ""))
     refs = [r for r in ("HF", "HF static") if r in times]
-    head = f"  {'':<16} {'tok/s':>8} " + " ".join(f"{'vs ' + r:>12}" for r in refs) + f" {'warm-up s':>10}"
+    head = f"  {'':<16} {'tok/s':>8} " + " ".join(f"{'vs ' + r:>12}" for r in refs) + f" {'warm-up s':>10} {'same':>5}"
     print(head + (f"   {'cpu tok/s':>9} " + " ".join(f"{'vs ' + r:>12}" for r in refs) if cpu_clock else ""))
     for name, (w, c) in times.items():
         line = f"  {name:<16} {B * n / w:>8.0f} " + " ".join(f"{times[r][0] / w:>11.2f}x" for r in refs)
-        line += f" {warm[name]:>10.1f}"
+        line += f" {warm[name]:>10.1f} {agree.get(name, ''):>5}"
         if cpu_clock:
             line += f"   {B * n / c:>9.0f} " + " ".join(f"{times[r][1] / c:>11.2f}x" for r in refs)
         print(line, flush=True)

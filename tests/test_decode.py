@@ -207,7 +207,7 @@ def test_compiled_decoder_equals_eager_and_compiles_without_graph_breaks(monkeyp
     cache, the counters and the outputs): the same tokens as the eager reference, sampled with
     padding and several EOS ids; one graph, no break, and a second request reuses it. Inductor's
     C++ code generation takes minutes on a 2-core machine, so the test swaps in the aot_eager
-    backend; benchmarks/bench_generate.py checks inductor's tokens equal on every run."""
+    backend; benchmarks/bench_generate.py prints the share of inductor's tokens equal to eager's."""
     import torch._dynamo
 
     from lmlab import generate as gen
@@ -226,3 +226,27 @@ def test_compiled_decoder_equals_eager_and_compiles_without_graph_breaks(monkeyp
     greedy = run(model, PROMPTS, 12, decoder="eager", temperature=0)
     assert torch.equal(run(model, PROMPTS, 12, decoder="compiled", temperature=0), greedy)
     torch._dynamo.reset()
+
+
+def test_graph_runner_warms_up_then_captures_once_and_replays(monkeypatch):
+    """The CUDA-graph sequence with CPU stand-ins: two real warm-up steps, one capture that runs
+    nothing, then replays; the tokens equal the eager reference. (Real capture needs CUDA.)"""
+    from lmlab import generate as gen
+
+    events = []
+
+    def capture(step):
+        events.append("capture")
+        return step  # a replay re-runs the recorded step on the same tensors
+
+    def runner(step):
+        return gen.GraphRunner(step, warm=lambda s: (events.append("warm"), s()), capture=capture)
+
+    monkeypatch.setattr(gen, "decode_graph", lambda r: gen.decode_fixed(r, lambda m, s: runner(lambda: gen.decode_step(m, s)),
+                                                                       r.idx.shape[1] + r.n))
+    monkeypatch.setitem(gen.DECODERS, "graph", gen.decode_graph)
+    monkeypatch.setattr(gen, "check_graphable", lambda model, device: None)
+    model = model_for(preset="llama")
+    kw = dict(temperature=0.9, top_k=10, seed=3, eos_id=[60, 61])
+    assert torch.equal(run(model, PROMPTS, 12, decoder="graph", **kw), run(model, PROMPTS, 12, decoder="eager", **kw))
+    assert events == ["warm", "warm", "capture"]

@@ -361,30 +361,43 @@ def compiled_step() -> Callable[[torch.nn.Module, StepState], None]:
     return COMPILED["step"]
 
 
-class GraphRunner:
-    """Runs the step ``warmup`` times on a side stream (real steps: they compile, pick kernels
-    and allocate), then captures it once as a CUDA graph and replays it for every later step.
-    The step's inputs and outputs live in its state at fixed addresses, so replays see them;
-    noise is redrawn into its fixed buffer between replays, on the same stream."""
+def warm_on_side_stream(step: Callable[[], None]) -> None:
+    """One step on a side stream, as PyTorch's CUDA-graph notes ask before a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
 
-    def __init__(self, step: Callable[[], None], warmup: int = 2):
-        self.step, self.warmup, self.graph = step, warmup, None
+
+def capture_cuda_graph(step: Callable[[], None]) -> Callable[[], None]:
+    """Record ``step``'s kernels once (they do not run now); the returned replay runs them."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+class GraphRunner:
+    """Runs the step ``warmup`` times (real steps: they compile, pick kernels and allocate), then
+    captures it once as a CUDA graph and replays it for every later step. The step's inputs and
+    outputs live in its state at fixed addresses, so replays see them; noise is redrawn into its
+    fixed buffer between replays, on the same stream. ``warm`` and ``capture`` are the CUDA
+    calls; tests pass CPU stand-ins to check the sequence."""
+
+    def __init__(self, step: Callable[[], None], warmup: int = 2,
+                 warm: Callable = warm_on_side_stream, capture: Callable = capture_cuda_graph):
+        self.step, self.warmup, self.warm, self.capture = step, warmup, warm, capture
+        self.replay: Callable[[], None] | None = None
 
     def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        elif self.warmup > 0:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.step()
-            torch.cuda.current_stream().wait_stream(side)
+        if self.replay is None and self.warmup > 0:
+            self.warm(self.step)
             self.warmup -= 1
-        else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()  # recorded, not run
-            self.graph.replay()
+            return
+        if self.replay is None:
+            self.replay = self.capture(self.step)
+        self.replay()
 
 
 def static_length(r: Request) -> int:
