@@ -74,6 +74,7 @@ class Request:
     pick: Picker
     noise: Noise | None  # None for greedy
     eos: torch.Tensor | None  # (E,) ids that finish a row
+    fill: int  # what a finished row repeats: the first EOS id
     sync_every: int
     ctx: Callable[[], contextlib.AbstractContextManager]
     cache_dtype: torch.dtype
@@ -84,7 +85,7 @@ class Request:
         tok = self.pick(logits, None if self.noise is None else self.noise.row(t))
         if self.eos is None:
             return tok, done
-        tok = tok.masked_fill(done, int(self.eos[0]))
+        tok = tok.masked_fill(done, self.fill)
         return tok, done | is_eos(tok, self.eos)
 
 
@@ -111,26 +112,35 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tens
     return idx, mask
 
 
-def _as_batch(prompt_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
-    usage = "prompt_ids must be a list of ints, a list of such lists, or a (B, T) integer tensor"
+PROMPT_USAGE = "prompt_ids must be a list of ints, a list of such lists, or a (B, T) integer tensor"
+
+
+def _as_tensor(prompt_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) ids and the mask as given; a list of lists is left-padded here."""
     if isinstance(prompt_ids, torch.Tensor):
-        idx = prompt_ids
-    else:
-        rows = list(prompt_ids)
-        ragged = bool(rows) and all(isinstance(r, (list, tuple, torch.Tensor)) for r in rows)
+        return prompt_ids, attention_mask
+    rows = list(prompt_ids)
+    if rows and attention_mask is None and all(isinstance(r, (list, tuple, torch.Tensor)) for r in rows):
+        empty = [len(r) for r in rows].index(0) if any(len(r) == 0 for r in rows) else None
+        if empty is not None:
+            raise ValueError(f"prompt {empty} is empty; give at least one token (e.g. a newline) to start from")
         try:
-            if ragged and attention_mask is None:
-                if any(len(r) == 0 for r in rows):
-                    raise ValueError(f"prompt {[len(r) for r in rows].index(0)} is empty; give at least one token (e.g. a newline) to start from")
-                idx, attention_mask = left_pad([[int(i) for i in r] for r in rows])
-            else:
-                idx = torch.tensor(rows, dtype=torch.long)
-        except (TypeError, ValueError) as e:
-            raise (e if "is empty" in str(e) else ValueError(usage)) from None
+            return left_pad([[int(i) for i in r] for r in rows])
+        except (TypeError, ValueError):
+            raise ValueError(PROMPT_USAGE) from None
+    try:
+        return torch.tensor(rows, dtype=torch.long), attention_mask
+    except (TypeError, ValueError):
+        raise ValueError(PROMPT_USAGE) from None
+
+
+def _as_batch(prompt_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checked (B, T) ids with pads set to 0, and the (B, T) mask, None when nothing is padded."""
+    idx, attention_mask = _as_tensor(prompt_ids, attention_mask)
     if idx.dim() == 1:
         idx = idx[None]
     if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
-        raise ValueError(f"{usage}, got shape {tuple(idx.shape)} {idx.dtype}")
+        raise ValueError(f"{PROMPT_USAGE}, got shape {tuple(idx.shape)} {idx.dtype}")
     if idx.shape[0] == 0 or idx.shape[1] == 0:
         raise ValueError("prompt_ids is empty; give at least one token (e.g. a newline) to start from")
     if attention_mask is None:
@@ -169,11 +179,8 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id, attention_mask,
-             decoder, sync_every) -> tuple[Request, str]:
-    """The request and the decoder's name, every argument checked before the first token: each
-    bad one raises a one-line ValueError."""
-    vocab = model.config.vocab_size
+def _check_arguments(vocab, max_new_tokens, temperature, top_k, top_p, seed, eos_id, decoder, sync_every) -> list[int]:
+    """Each bad argument raises a one-line ValueError naming it; returns the EOS ids as a list."""
     _check("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 0, "it must be an integer >= 0")
     _check("temperature", temperature, isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
            and math.isfinite(temperature) and temperature >= 0, "it must be a finite number >= 0 (0 = greedy)")
@@ -186,7 +193,14 @@ def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
            f"it must be a token id in [0, {vocab}), a list of them, or None")
     _check("decoder", decoder, decoder in DECODERS or decoder == "auto", f"choose one of {['auto', *DECODERS]}")
     _check("sync_every", sync_every, sync_every is None or (_is_int(sync_every) and sync_every >= 1), "it must be an integer >= 1")
+    return [e for e in eos if e is not None]
 
+
+def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id, attention_mask,
+             decoder, sync_every) -> tuple[Request, str]:
+    """The request and the decoder's name, every argument checked before the first token."""
+    vocab = model.config.vocab_size
+    eos = _check_arguments(vocab, max_new_tokens, temperature, top_k, top_p, seed, eos_id, decoder, sync_every)
     device = model.head.weight.device
     idx, mask = _as_batch(prompt_ids, attention_mask)
     idx = idx.to(device)
@@ -206,13 +220,12 @@ def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
         check_graphable(model, device)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     sampling = temperature != 0 and max_new_tokens > 0
-    eos_ids = [e for e in eos if e is not None]
     weights = model.head.weight.dtype
     return Request(
         model, idx, None if mask is None else mask.to(device), max_new_tokens,
         make_picker(float(temperature), top_k, top_p, vocab),
         Noise(B, noise_width(top_k, top_p, vocab), generator, device) if sampling else None,
-        torch.tensor(eos_ids, device=device) if eos_ids else None,
+        torch.tensor(eos, device=device) if eos else None, eos[0] if eos else 0,
         sync_every or (SYNC_EVERY_CUDA if device.type == "cuda" else 1), _contexts(device),
         torch.bfloat16 if device.type == "cuda" and weights == torch.float32 else weights,
     ), decoder
@@ -278,14 +291,14 @@ def decode_eager(r: Request) -> Iterator[torch.Tensor]:
         done = torch.zeros(B, dtype=torch.bool, device=r.idx.device)
     for t in range(r.n):
         with r.ctx():
+            if t > 0:
+                logits = model.head(model.hidden(tok[:, None], cache)[:, -1])  # (B, V)
             if r.noise is not None:
                 r.noise.begin(t)
             tok, done = r.choose(logits, t, done)  # (B,)
         yield tok[None]
-        if t == r.n - 1 or (r.eos is not None and bool(done.all())):
+        if r.eos is not None and bool(done.all()):
             return
-        with r.ctx():
-            logits = model.head(model.hidden(tok[:, None], cache)[:, -1])  # (B, V)
 
 
 # ============================================================== the fixed-shape step
@@ -296,7 +309,7 @@ class StepState:
         B, device = first.shape[0], first.device
         self.cache = cache
         self.pick, self.noise, self.eos = r.pick, r.noise, r.eos
-        self.fill = 0 if r.eos is None else int(r.eos[0])
+        self.fill = r.fill
         self.tok = first.clone()  # (B,) the last token, fed to the next step
         self.t = torch.ones(1, dtype=torch.long, device=device)  # (1,) the step being computed
         self.out = torch.zeros(r.n, B, dtype=torch.long, device=device)  # (n, B) every step's tokens
