@@ -23,10 +23,13 @@ static     the same model, one fixed-shape step: it attends over every slot of t
            the device. Nothing in it changes shape or reads a host value, so it can be
            compiled once and captured once.
 compiled   ``static``'s step through ``torch.compile``; on CUDA also captured as a CUDA graph.
-graph      ``static``'s step captured as a CUDA graph (CUDA only; dense models: MoE
-           dispatch still reads expert counts on the host).
-auto       CUDA: ``compiled`` for dense models, ``static`` with MoE layers. CPU: ``eager``,
-           which measured as fast as ``static`` and needs no compile time (README, Speed).
+           The fastest step; compiling takes about a minute, once per process and shape.
+graph      ``static``'s step captured as a CUDA graph, not compiled (CUDA only; dense
+           models: MoE dispatch still reads expert counts on the host).
+auto       ``graph`` on CUDA for a dense model outside torch.distributed (a sharded model's
+           collectives cannot be captured this way), else ``eager``. On the CPU ``eager``
+           measured faster than ``static`` and ``compiled`` pays for its compile time only
+           after tens of thousands of tokens (README, Speed).
 =========  ===========================================================================
 
 The prefill is never compiled or captured: its shape changes with every prompt. The host
@@ -457,9 +460,11 @@ def check_graphable(model, device: torch.device) -> None:
 
 
 def auto_decoder(model, device: torch.device) -> str:
-    """The default decoder for ``model`` on ``device``: see the module docstring for the measurements."""
-    if device.type == "cuda":
-        return "static" if getattr(model, "moe_layers", None) else "compiled"
+    """The default decoder for ``model`` on ``device`` (module docstring): a CUDA graph where one
+    can be captured without compiling, else the eager reference."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if device.type == "cuda" and not getattr(model, "moe_layers", None) and not distributed:
+        return "graph"
     return "eager"
 
 
