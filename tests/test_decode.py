@@ -284,3 +284,27 @@ def test_cuda_graph_refuses_mixture_of_experts():
     with pytest.raises(ValueError, match="decoder='graph' cannot capture a mixture-of-experts model"):
         generate(model, PROMPTS, 4, decoder="graph")
     assert torch.equal(run(model, PROMPTS, 6, temperature=0), run(model, PROMPTS, 6, temperature=0, decoder="eager"))
+
+
+@pytest.mark.parametrize("kv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_token_step_with_grouped_queries_equals_the_explicit_reference(kv, padded):
+    """A decoding step's query heads are grouped onto their key/value head for the fused kernel."""
+    model = model_for(preset="llama", n_kv_heads=kv)
+    prompts = PROMPTS if padded else [p[:1] * 5 for p in PROMPTS]
+
+    def steps(impl):
+        model.set_attention_impl(impl)
+        return run(model, prompts, 10, temperature=0, decoder="static"), run(model, prompts, 10, temperature=0)
+
+    for fast, reference in zip(steps("sdpa"), steps("explicit")):
+        assert torch.equal(fast, reference)
+    idx, mask = left_pad(prompts)
+    logits = {}
+    for impl in ("sdpa", "explicit"):
+        model.set_attention_impl(impl)
+        cache = model.new_cache(4, 12)
+        with torch.no_grad():
+            model.hidden(idx, cache, mask if padded else None)
+            logits[impl] = model(torch.tensor([[1], [2], [3], [4]]), cache=cache).logits
+    torch.testing.assert_close(logits["sdpa"], logits["explicit"], rtol=1e-5, atol=1e-5)
