@@ -58,7 +58,7 @@ from .sampling import Noise, Picker, make_picker, make_sampler, noise_width, top
 
 __all__ = [
     "Completion", "DECODERS", "complete", "context_limit", "decode_step", "eos_ids", "generate", "left_pad",
-    "make_sampler", "sample_text", "start", "top_k_filter", "top_p_filter",
+    "generate_chunks", "make_sampler", "sample_text", "top_k_filter", "top_p_filter",
 ]
 
 STATIC_LEN_MULTIPLE = 64  # compiled steps round the cache up to this, so nearby lengths share one compilation
@@ -259,13 +259,15 @@ def generate(
     module docstring. Arguments are checked here, before the first token: each bad one raises a
     one-line ValueError.
     """
-    chunks = start(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   eos_id=eos_id, attention_mask=attention_mask, decoder=decoder, sync_every=sync_every)
+    chunks = generate_chunks(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             seed=seed, eos_id=eos_id, attention_mask=attention_mask, decoder=decoder,
+                             sync_every=sync_every)
     return (row for chunk in chunks for row in chunk)
 
 
-def start(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k=None, top_p=None, seed=None,
-          eos_id=None, attention_mask=None, decoder: str = "auto", sync_every=None) -> Iterator[torch.Tensor]:
+def generate_chunks(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k=None, top_p=None,
+                    seed=None, eos_id=None, attention_mask=None, decoder: str = "auto",
+                    sync_every=None) -> Iterator[torch.Tensor]:
     """:func:`generate`, yielding the tokens as the host receives them: (c, B) for c consecutive
     steps after each look at the device. Validates now, not at the first ``next``."""
     request, decoder = _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
@@ -348,6 +350,7 @@ def decode_fixed(r: Request, run_for: Callable[[torch.nn.Module, StepState], Cal
             r.noise.begin(0)
         first, done = r.choose(logits, 0, torch.zeros(B, dtype=torch.bool, device=r.idx.device))
         state = StepState(r, StaticKVCache(cache), first, done)
+        del cache  # the static cache holds its own copy
         model.positions.reserve(cache_len, r.idx.device)
         run = run_for(model, state)
     begin = 0
@@ -570,7 +573,7 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, *, stop: Seq
     ``kwargs`` go to :func:`generate`; ``eos_id`` defaults to the tokenizer's (:func:`eos_ids`)."""
     kwargs.setdefault("eos_id", eos_ids(tokenizer))
     ids = encode_prompt(tokenizer, prompt)
-    chunks = start(model, ids, max_new_tokens, **kwargs)  # validates now, not at the first next()
+    chunks = generate_chunks(model, ids, max_new_tokens, **kwargs)  # validates now, not at the first next()
     return _stream(chunks, TextRow(tokenizer, ids, stop), kwargs["eos_id"])
 
 
@@ -597,7 +600,7 @@ def complete(
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     rows = [TextRow(tokenizer, i, stop) for i in ids]
     eos = kwargs["eos_id"]
-    for _ in _rows(start(model, ids, max_new_tokens, **kwargs), rows, [eos] if isinstance(eos, int) else eos):
+    for _ in _rows(generate_chunks(model, ids, max_new_tokens, **kwargs), rows, [eos] if isinstance(eos, int) else eos):
         pass
     for row in rows:
         row.close("length")
