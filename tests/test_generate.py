@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import lmlab
-from lmlab.generate import candidates, generate, make_sampler, sample_text, top_k_filter, top_p_filter
+from lmlab.generate import Completion, complete, generate, sample_text
+from lmlab.sampling import candidates, make_sampler, top_k_filter, top_p_filter
 from lmlab.run.tokenizer import ByteTokenizer, CharTokenizer
 
 V = 64
@@ -168,7 +169,8 @@ def test_fast_candidates_equal_the_reference_filters(temperature, top_k, top_p):
         reference = top_k_filter(reference, min(top_k, V))
     if top_p is not None:
         reference = top_p_filter(reference, top_p)
-    probs, ids = candidates(temperature, top_k, top_p, V)(logits)
+    scaled, ids = candidates(temperature, top_k, top_p, V)(logits)
+    probs = scaled.softmax(-1)
     full = torch.zeros(4, V).scatter(-1, ids, probs) if ids is not None else probs
     torch.testing.assert_close(full, reference.softmax(-1))
 
@@ -184,7 +186,12 @@ def test_fast_candidates_equal_the_reference_filters(temperature, top_k, top_p):
     (dict(top_p=0.0), r"top_p=0.0 is not valid; it must be in \(0, 1\], or None for no limit"),
     (dict(top_p=1.5), r"top_p=1.5 is not valid"),
     (dict(seed="x"), r"seed='x' is not valid; it must be an integer, or None"),
-    (dict(eos_id=V), rf"eos_id={V} is not valid; it must be a token id in \[0, {V}\), or None"),
+    (dict(eos_id=V), rf"eos_id={V} is not valid; it must be a token id in \[0, {V}\), a list of them, or None"),
+    (dict(eos_id=[1, V]), rf"eos_id=\[1, {V}\] is not valid"),
+    (dict(eos_id="x"), r"eos_id='x' is not valid"),
+    (dict(decoder="fast"), r"decoder='fast' is not valid; choose one of \['auto', 'eager', 'static', 'compiled', 'graph'\]"),
+    (dict(decoder="graph"), r"decoder='graph' captures CUDA graphs and needs a CUDA device; the model is on cpu"),
+    (dict(sync_every=0), r"sync_every=0 is not valid; it must be an integer >= 1"),
 ])
 def test_bad_sampling_arguments_raise_at_call_time(kwargs, message):
     model = model_for()
@@ -198,9 +205,12 @@ def test_bad_sampling_arguments_raise_at_call_time(kwargs, message):
     ([], 4, r"prompt_ids is empty; give at least one token"),
     ([1, V], 4, rf"prompt_ids hold id {V}, outside the model's vocabulary \[0, {V}\); encode the prompt with the tokenizer"),
     ([-3, 1], 4, r"prompt_ids hold id -3, outside"),
-    (torch.zeros(1, 2, 3, dtype=torch.long), 4, r"prompt_ids must be a list of ints or a \(B, T\) integer tensor, got shape \(1, 2, 3\)"),
+    (torch.zeros(1, 2, 3, dtype=torch.long), 4,
+     r"prompt_ids must be a list of ints, a list of such lists, or a \(B, T\) integer tensor, got shape \(1, 2, 3\)"),
     (torch.zeros(1, 2), 4, r"got shape \(1, 2\) torch.float32"),
     (["a"], 4, r"prompt_ids must be a list of ints"),
+    ([[1, 2], []], 4, r"prompt 1 is empty; give at least one token"),
+    ([[1, 2], [3, V]], 4, rf"prompt_ids hold id {V}, outside"),
 ])
 def test_bad_prompts_raise_at_call_time(ids, n, message):
     with pytest.raises(ValueError, match=message):
@@ -216,20 +226,23 @@ class ScriptedModel(nn.Module):
     """Emits a fixed id sequence greedily: hidden states are one-hot rows of the next id and the
     head is the identity. Lets tests choose exactly which bytes are generated."""
 
-    def __init__(self, script: list[int], vocab: int = 256):
+    def __init__(self, script: list[int] | list[list[int]], vocab: int = 256):
         super().__init__()
         self.config = lmlab.ModelConfig(vocab_size=vocab, d_model=vocab, n_heads=1, n_layers=1)
         self.head = nn.Linear(vocab, vocab, bias=False)
         nn.init.eye_(self.head.weight)
+        self.scripts = script if script and isinstance(script[0], list) else None  # one per row
         self.script, self.step = script, 0
 
-    def new_cache(self, batch, max_len):
+    def new_cache(self, batch, max_len, dtype=None):
         return None
 
-    def hidden(self, idx, cache=None):
+    def hidden(self, idx, cache=None, attention_mask=None):
         B, T = idx.shape
         h = torch.zeros(B, T, self.config.vocab_size)
-        h[:, -1, self.script[self.step]] = 1.0
+        for b in range(B):
+            script = self.scripts[b] if self.scripts else self.script
+            h[b, -1, script[min(self.step, len(script) - 1)]] = 1.0
         self.step += 1
         return h
 
@@ -306,3 +319,53 @@ class WordTokenizer:
 def test_decode_only_tokenizers_keep_the_space_between_prompt_and_continuation():
     pieces = stream([2, 3, 4], tokenizer=WordTokenizer())
     assert pieces == [" learns", " to", " read"]  # decoding new ids alone gave "learnstoread"
+
+
+# ============================================================== stop strings, several prompts
+def test_stream_ends_before_a_stop_string_and_holds_back_what_may_begin_one():
+    pieces = stream(list(b"ab<x<end>cd"), stop=["<end>"])
+    assert "".join(pieces) == "ab<x"
+    assert pieces[:2] == ["a", "b"] and "<" not in pieces[:3]  # "<" waits until "x" shows it is not "<end>"
+    assert stream(list(b"one. two"), stop=["zz", ". "]) == ["o", "n", "e"]  # the earliest of several
+    assert "".join(stream(list(b"ab<en"), stop=["<end>"])) == "ab<en"  # the held-back end is flushed at the end
+
+
+def test_stop_string_split_across_tokens_of_a_decode_only_tokenizer():
+    class Words(WordTokenizer):
+        words = ["<unk>", "x", "the", "end", "more"]
+
+    assert stream([2, 3, 4], tokenizer=Words(), stop=["the end"]) == [" "]  # the text is " the end more"
+    assert stream([2, 3, 4], tokenizer=Words(), stop=[" end"]) == [" the"]
+
+
+def test_complete_rows_finish_independently_and_the_batch_stops_when_all_have():
+    scripts = [list(b"ab.cd"), list(b"abc") + [0] + list(b"zz"), list(b"abcdefgh"), list(b"abcd.")]
+    model = ScriptedModel(scripts)
+    done = complete(model, ByteTokenizer(), ["x", "xy", "xyz", "x"], 6, stop=["."], temperature=0, eos_id=[0, 255])
+    assert done == [Completion("ab", "stop"), Completion("abc", "eos"), Completion("abcdef", "length"),
+                    Completion("abcd", "stop")]
+    model = ScriptedModel(scripts[:2] + scripts[3:])
+    assert [c.finish for c in complete(model, ByteTokenizer(), ["x"] * 3, 50, stop=["."], temperature=0, eos_id=0)] == [
+        "stop", "eos", "stop"]
+    assert model.step == 5  # prefill + 4 steps: the fifth token finished the last row; 50 were allowed
+
+
+def test_complete_equals_each_prompt_alone():
+    model = model_for(preset="llama", vocab_size=256, max_seq_len=128)
+    tok = ByteTokenizer()
+    prompts = ["héllo", "a", "the quick brown"]
+    free = complete(model, tok, prompts, 24, temperature=0)
+    stop = [free[0].text[6:8]]  # row 0 stops early; the others may or may not meet it
+    together = complete(model, tok, prompts, 24, temperature=0, stop=stop)
+    for p, c, f in zip(prompts, together, free):
+        alone = "".join(sample_text(model, tok, p, 24, temperature=0, stop=stop))
+        assert c.text == alone and f.text.startswith(c.text)
+    assert together[0].finish == "stop" and len(together[0].text) <= 6
+
+
+def test_eos_ids_come_from_the_tokenizer():
+    class TwoEnds(ByteTokenizer):
+        eos_ids = [3, 4]
+
+    model = ScriptedModel([list(b"ab") + [4], list(b"abc") + [3], list(b"z")])
+    assert [c.finish for c in complete(model, TwoEnds(), ["x"] * 3, 5, temperature=0)] == ["eos", "eos", "length"]

@@ -70,8 +70,8 @@ def test_rotary_cached_keys_keep_their_angles():
     scheme = build_positions(cfg)
     full = scheme.context(0, 10, torch.device("cpu")).state
     tail = scheme.context(6, 4, torch.device("cpu")).state
-    assert_close(tail[0], full[0][6:], rtol=0, atol=0)  # cos
-    assert_close(tail[1], full[1][6:], rtol=0, atol=0)  # sin
+    assert_close(tail[0], full[0][..., 6:, :], rtol=0, atol=0)  # cos, (1, 1, T, hd)
+    assert_close(tail[1], full[1][..., 6:, :], rtol=0, atol=0)  # sin
 
 
 def test_rotary_angles_survive_casting_the_model_to_bf16():
@@ -153,8 +153,8 @@ def test_relative_index_continues_under_a_cache_offset():
     scheme = build_positions(cfg)
     full = scheme.context(0, 8, torch.device("cpu")).state
     tail = scheme.context(5, 3, torch.device("cpu")).state  # 3 queries at 5..7 over 8 keys
-    assert torch.equal(tail, full[5:])
-    assert tail.tolist()[0] == [3, 3, 3, 2, 1, 0, 0, 0]  # clipped at k; future keys masked anyway
+    assert torch.equal(tail, full[..., 5:, :])  # (1, 1, T, S)
+    assert tail[0, 0].tolist()[0] == [3, 3, 3, 2, 1, 0, 0, 0]  # clipped at k; future keys masked anyway
 
 
 # ---------------------------------------------------------------- ALiBi (Press et al. 2022)

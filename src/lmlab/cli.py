@@ -7,6 +7,7 @@
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
     lmlab export runs/default --out exported/      # a Hugging Face transformers checkpoint
+    lmlab generate runs/default --prompts-file prompts.txt --stop "\n\n" --temperature 0
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
@@ -194,13 +195,20 @@ def add_generate_parser(sub) -> None:
                        description=paragraphs("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
                        "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES), epilog=EXIT_CODES)
     add_run_args(g)
-    g.add_argument("--prompt", default="The ", help="text to continue")
+    g.add_argument("--prompt", action="append", default=None,
+                   help="text to continue; repeat for several prompts, generated together (default: 'The ')")
+    g.add_argument("--prompts-file", default=None, help="a UTF-8 text file of prompts, one per line (blank lines skipped)")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     g.add_argument("--temperature", type=finite_float, default=0.8, help="softmax temperature; 0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=finite_float, default=None, help="sample within the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
     g.add_argument("--tokenizer", default=None, help="a tokenizer.json, or a directory holding one, instead of the model's own")
+    g.add_argument("--stop", action="append", default=[],
+                   help="end a text before this string; repeatable (the tokenizer's end-of-text ids always stop)")
+    g.add_argument("--decoder", default="auto", choices=["auto", "eager", "static", "compiled", "graph"],
+                   help="how tokens are decoded (see lmlab.generate): compiled pays off for long runs")
+    g.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, text, finish")
 
 
 def add_export_parser(sub) -> None:
@@ -424,35 +432,63 @@ def _report_classifier(args: argparse.Namespace, run, report: dict, result, seco
     return 0
 
 
+def generate_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``lmlab generate``: every --prompt, then each non-blank line of --prompts-file."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompts-file {str(path)!r} does not exist")
+        try:
+            lines = path.read_bytes().decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompts-file {str(path)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        from_file = [line for line in lines if line.strip()]
+        if not from_file:
+            raise UsageError(f"--prompts-file {str(path)!r} holds no prompts; write one prompt per line")
+        prompts += from_file
+    return prompts or ["The "]
+
+
 def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .generate import sample_text
+    from .generate import complete, sample_text
     from .run.distributed import resolve_device
     from .run.load import load_run
 
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is not valid; give a number >= 0")
+    if any(not s for s in args.stop):
+        raise UsageError("--stop needs a non-empty string")
+    prompts = generate_prompts(args)
     run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device),
                    tokenizer=args.tokenizer)
     if run.config is not None and run.config.task != "lm":
         raise UsageError(f"{args.run!r} is a {run.config.task} run; it labels text, it does not write any "
                          "(evaluate it with lmlab eval)")
-    prompt_ids = run.tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise UsageError("the prompt encodes to no tokens; give some text with --prompt")
-    unknown = sum(i == run.tokenizer.unk_id for i in prompt_ids) if getattr(run.tokenizer, "unk_id", None) is not None else 0
-    if unknown:
-        print(f"note: {unknown} of the prompt's {len(prompt_ids)} tokens are unknown to the tokenizer (<unk>)",
-              file=sys.stderr)
-    pieces = sample_text(run.model, run.tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=run.tokenizer.eos_id)
+    unk = getattr(run.tokenizer, "unk_id", None)
+    for i, prompt in enumerate(prompts):
+        ids = run.tokenizer.encode(prompt)
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
+        if not ids:
+            raise UsageError(f"{which} encodes to no tokens; give some text with --prompt")
+        unknown = sum(t == unk for t in ids) if unk is not None else 0
+        if unknown:
+            print(f"note: {unknown} of {which}'s {len(ids)} tokens are unknown to the tokenizer (<unk>)", file=sys.stderr)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=args.decoder)
     out = sys.stdout
     try:
-        out.write(args.prompt)
-        out.flush()
-        for piece in pieces:
-            out.write(piece)
+        if len(prompts) == 1 and not args.json:  # stream it
+            out.write(prompts[0])
             out.flush()
-        out.write("\n")
+            for piece in sample_text(run.model, run.tokenizer, prompts[0], args.max_new_tokens, stop=args.stop, **sampling):
+                out.write(piece)
+                out.flush()
+            out.write("\n")
+        else:
+            done = complete(run.model, run.tokenizer, prompts, args.max_new_tokens, stop=args.stop, **sampling)
+            blocks = [json.dumps({"prompt": p, "text": c.text, "finish": c.finish}) if args.json else p + c.text
+                      for p, c in zip(prompts, done)]
+            out.write(("\n" if args.json else "\n-----\n").join(blocks) + "\n")
         out.flush()
     except BrokenPipeError:  # `lmlab generate ... | head`
         import os

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, KVCache
+from .attention import Attention, KVCache, StaticKVCache
 from .config import ModelConfig
 from .feedforward import FFNS
 from .init import Init, init_module
 from .moe import MoE
 from .norm import build_norm
-from .positions import Context, build_positions
+from .positions import Context, build_positions, causal_context, padded_context
 
 IGNORE_INDEX = -100  # targets equal to this are left out of the loss
 
@@ -116,31 +116,43 @@ class Transformer(nn.Module):
             init_weights(self, cfg)
 
     # ---- forward
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final hidden states (B, T, C) for token ids (B, T); advances ``cache`` if given."""
+    def hidden(
+        self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, C) for token ids (B, T); advances ``cache`` if given.
+
+        ``attention_mask`` (B, T): 1 for real tokens, 0 for padding (left padding for generation).
+        Pads are never attended to, and positions count real tokens only. The cache remembers it,
+        so later forwards need none. The hidden states at pad positions are meaningless."""
         B, T = idx.shape
-        offset = 0
         if cache is not None:
             cache.check_room(T, B)
-            offset = cache.length
-        ctx = self.positions.context(offset, T, idx.device)
+            ctx = cache.context(T, attention_mask)
+        elif attention_mask is not None:
+            real = attention_mask.bool()
+            pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            ctx = padded_context(pos, pos, real)
+        else:
+            ctx = causal_context(0, T, idx.device)
+        ctx = self.positions.attach(ctx)
         x = self.embed(idx) * self.embed_scale  # (B, T, C)
         x = self.drop(self.positions.embed(x, ctx))
         for block in self.blocks:
             x = block(x, ctx, cache)
         if cache is not None:
-            cache.length += T
+            cache.advance(T)
         return self.final_norm(x)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> LMOutput:
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(
                 f"targets has shape {tuple(targets.shape)} but idx has {tuple(idx.shape)}; targets[b, t] is "
                 "the token that follows idx[b, t] (IGNORE_INDEX = -100 to skip it), so the shapes must match"
             )
-        logits = self.head(self.hidden(idx, cache))  # (B, T, V)
+        logits = self.head(self.hidden(idx, cache, attention_mask))  # (B, T, V)
         aux_losses: dict[str, torch.Tensor] = {}
         for moe in self.moe_layers:
             for name, value in moe.aux_losses.items():

@@ -34,35 +34,61 @@ from .init import Init
 class Context:
     """Everything attention needs to know about positions, computed once per forward.
 
-    Queries sit at positions offset .. offset+T-1; keys (cached plus new) at 0 .. offset+T-1.
+    T new tokens (the queries) attend to S keys: the cached ones and themselves. Rows agree
+    (leading dimension 1) unless the batch is padded. A token's position counts the real tokens
+    before it in its row, so a left-padded row's first real token is at position 0, as in Hugging
+    Face's ``position_ids = attention_mask.cumsum(-1) - 1``; pad tokens sit at position 0 and are
+    never seen by real tokens. Builders: :func:`causal_context` (no padding) and
+    :func:`padded_context`; the KV cache builds one for each forward it serves.
     """
 
-    offset: int
-    T: int
-    mask: torch.Tensor | None  # (T, S) bool, True = may attend; None when the shapes say it (see below)
-    state: Any = None  # scheme-specific: rotary (cos, sin), relative index, ALiBi bias
+    q_pos: torch.Tensor  # (B|1, T) long: position of each query
+    k_pos: torch.Tensor  # (B|1, S) long: position of each key (pads: anything, they are masked)
+    mask: torch.Tensor | None  # (B|1, 1, T, S) bool, True = may attend; None when is_causal or every key is visible
+    is_causal: bool = False  # T == S and the plain lower-triangular mask, which fused kernels apply themselves
+    state: Any = None  # scheme-specific: rotary tables, relative index, ALiBi bias
+
+    @property
+    def T(self) -> int:
+        return self.q_pos.shape[1]
 
     @property
     def S(self) -> int:
-        return self.offset + self.T
+        return self.k_pos.shape[1]
 
-    @property
-    def is_causal(self) -> bool:
-        """No cache offset: the plain lower-triangular mask, which fused kernels apply themselves."""
-        return self.offset == 0 and self.T > 1
-
-    def visible(self, device: torch.device) -> torch.Tensor | None:
-        """The (T, S) mask of keys each query may see; None when it sees all of them (one query,
-        the decoding step), so no masking is needed at all."""
-        if self.mask is not None:
+    def visible(self) -> torch.Tensor | None:
+        """The (B|1, 1, T, S) mask of keys each query may see; None when it sees all of them (one
+        query over an unpadded cache, the plain decoding step), so no masking is needed at all."""
+        if self.mask is not None or not self.is_causal:
             return self.mask
-        return torch.ones(self.T, self.S, dtype=torch.bool, device=device).tril() if self.is_causal else None
+        return torch.ones(self.T, self.S, dtype=torch.bool, device=self.q_pos.device).tril()[None, None]
 
 
 def causal_mask(offset: int, T: int, device: torch.device) -> torch.Tensor:
     q = torch.arange(offset, offset + T, device=device)
     k = torch.arange(offset + T, device=device)
     return k[None, :] <= q[:, None]  # (T, S)
+
+
+def causal_context(offset: int, T: int, device: torch.device) -> Context:
+    """T queries at positions offset .. offset+T-1 over keys at 0 .. offset+T-1, every row alike.
+    A mask only where the shapes do not imply it: several queries after a cache offset."""
+    pos = torch.arange(offset + T, device=device)[None]  # (1, S)
+    mask = causal_mask(offset, T, device)[None, None] if offset > 0 and T > 1 else None
+    return Context(pos[:, offset:], pos, mask, is_causal=offset == 0 and T > 1)
+
+
+def padded_context(q_pos: torch.Tensor, k_pos: torch.Tensor, key_valid: torch.Tensor) -> Context:
+    """Queries in the last T of S slots, per-row positions, and ``key_valid`` (B, S) marking the
+    slots that hold real tokens. A query sees the real keys at or before its slot, and itself:
+    a pad query then still has one key, so its softmax stays finite (Hugging Face unmasks such
+    rows for the same reason); nothing real ever attends to it."""
+    T, S = q_pos.shape[1], k_pos.shape[1]
+    slot = torch.arange(S, device=k_pos.device)
+    causal = slot[None, :] <= slot[S - T :, None]  # (T, S)
+    itself = slot[None, :] == slot[S - T :, None]
+    mask = causal & (key_valid[:, None, :] | itself)  # (B, T, S)
+    return Context(q_pos, k_pos, mask[:, None])
 
 
 # ============================================================== per-layer attention terms
@@ -85,7 +111,8 @@ class AttentionTerm(nn.Module):
 
 
 class RotaryState(NamedTuple):
-    """Per-forward rotary tables for the T new positions, each (T, hd)."""
+    """Per-forward rotary tables for the T new positions, each (B|1, 1, T, hd): one row per
+    batch row (positions differ in a padded batch), broadcast over heads."""
 
     cos: torch.Tensor  # [cos p·θ, cos p·θ]: both members of a pair share the angle
     sin: torch.Tensor  # [sin p·θ, sin p·θ]
@@ -140,7 +167,7 @@ class RelativeTerm(AttentionTerm):
         init.normal(self.rel_v, init.std)
 
     def score_bias(self, q, ctx):
-        index = ctx.state  # (T, S) long in [0, k]
+        index = ctx.state  # (B|1, 1, T, S) long in [0, k]
         qa = q @ self.rel_k.T  # (B, H, T, k+1)
         B, H, T, _ = qa.shape
         return qa.gather(-1, index.expand(B, H, T, -1)) * self.scale  # (B, H, T, S)
@@ -162,11 +189,19 @@ class PositionScheme(nn.Module):
         self.cfg = cfg
 
     def context(self, offset: int, T: int, device: torch.device) -> Context:
-        # a mask only where the shapes do not imply it: several queries after a cache offset
-        mask = causal_mask(offset, T, device) if offset > 0 and T > 1 else None
-        return Context(offset, T, mask, self.state(offset, T, device))
+        """The context of T unpadded queries after ``offset`` cached positions."""
+        return self.attach(causal_context(offset, T, device))
 
-    def state(self, offset: int, T: int, device: torch.device) -> Any:
+    def reserve(self, n: int, device: torch.device) -> None:
+        """Build now whatever tables positions below ``n`` need, so that a compiled or captured
+        decoding step only reads them (growing a table inside one would change its inputs)."""
+
+    def attach(self, ctx: Context) -> Context:
+        """``ctx`` (positions and mask, from a cache or a builder) with this scheme's state added."""
+        ctx.state = self.state(ctx)
+        return ctx
+
+    def state(self, ctx: Context) -> Any:
         return None
 
     def embed(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -192,8 +227,8 @@ def sinusoid_table(positions: torch.Tensor, d: int) -> torch.Tensor:
 
 class Sinusoidal(PositionScheme):
     def embed(self, x, ctx):
-        pos = torch.arange(ctx.offset, ctx.S, device=x.device)
-        return x + sinusoid_table(pos, x.shape[-1]).to(x.dtype)
+        table = sinusoid_table(ctx.q_pos.flatten(), x.shape[-1])  # (B|1 * T, C)
+        return x + table.view(*ctx.q_pos.shape, -1).to(x.dtype)
 
 
 class Learned(PositionScheme):
@@ -202,20 +237,20 @@ class Learned(PositionScheme):
         self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
 
     def embed(self, x, ctx):
+        # a position never exceeds its slot, so S slots bound every position without reading them
         if ctx.S > self.cfg.max_seq_len:
             raise ValueError(
                 f"positions='learned' has a table of max_seq_len={self.cfg.max_seq_len} positions and cannot "
                 f"encode position {ctx.S - 1}; use a sequence of at most {self.cfg.max_seq_len} tokens or a "
                 "scheme that extrapolates (sinusoidal, relative, alibi, rope)"
             )
-        return x + self.table.weight[ctx.offset : ctx.S]
+        return x + self.table.weight[ctx.q_pos]  # (B|1, T, C)
 
 
 class Relative(PositionScheme):
-    def state(self, offset, T, device):
-        q = torch.arange(offset, offset + T, device=device)
-        k = torch.arange(offset + T, device=device)
-        return (q[:, None] - k[None, :]).clamp(0, self.cfg.relative_clip)  # (T, S)
+    def state(self, ctx):
+        distance = ctx.q_pos[:, :, None] - ctx.k_pos[:, None, :]  # (B|1, T, S)
+        return distance.clamp(0, self.cfg.relative_clip)[:, None]  # (B|1, 1, T, S)
 
     def attention_term(self):
         return RelativeTerm(self.cfg)
@@ -240,11 +275,9 @@ class Alibi(PositionScheme):
         super().__init__(cfg)
         self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
 
-    def state(self, offset, T, device):
-        q = torch.arange(offset, offset + T, device=device)
-        k = torch.arange(offset + T, device=device)
-        distance = (k[None, :] - q[:, None]).clamp(max=0).float()  # (T, S), <= 0 for visible keys
-        return (self.slopes.to(device)[:, None, None] * distance)[None]  # (1, H, T, S)
+    def state(self, ctx):
+        distance = (ctx.k_pos[:, None, :] - ctx.q_pos[:, :, None]).clamp(max=0).float()  # (B|1, T, S), <= 0 seen
+        return self.slopes.to(distance.device)[:, None, None] * distance[:, None]  # (B|1, H, T, S)
 
     def attention_term(self):
         return AlibiTerm()
@@ -332,36 +365,54 @@ class Rotary(PositionScheme):
         # 4096). Kept in fp32, one copy per device.
         self.inv_freq = inv_freq
         self.attention_factor = factor
-        self._tables: dict[torch.device, RotaryState] = {}
+        self._tables: dict[torch.device, torch.Tensor] = {}
 
-    def tables(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> RotaryState:
-        angle = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (T, d/2): p * theta_i
+    def tables(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(..., 3, hd): [cos, sin, sin_half] of :class:`RotaryState` at each of ``positions`` (...)."""
+        angle = positions.float()[..., None] * inv_freq.to(positions.device)  # (..., d/2): p * theta_i
         cos, sin = angle.cos() * self.attention_factor, angle.sin() * self.attention_factor
-        return RotaryState(torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), torch.cat((-sin, sin), -1))
+        return torch.stack((torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), torch.cat((-sin, sin), -1)), -2)
 
-    def state(self, offset, T, device):
-        # tables are computed once per device and grown by doubling, then sliced per forward
+    def table(self, n: int, device: torch.device) -> torch.Tensor:
+        """(>= n, 3, hd) tables for positions 0 .. n-1 and beyond: computed once per device and
+        grown by doubling, then indexed per forward."""
         table = self._tables.get(device)
-        if table is None or table.cos.shape[0] < offset + T:
-            n = max(offset + T, 2 * (0 if table is None else table.cos.shape[0]), self.cfg.max_seq_len)
+        if table is None or table.shape[0] < n:
+            n = max(n, 2 * (0 if table is None else table.shape[0]), self.cfg.max_seq_len)
             table = self._tables[device] = self.tables(self.inv_freq, torch.arange(n, device=device))
-        return RotaryState(*(t[offset : offset + T] for t in table))
+        return table
+
+    def reserve(self, n, device):
+        self.table(n, device)
+
+    def state(self, ctx):
+        rows = self.table(ctx.S, ctx.q_pos.device)[ctx.q_pos]  # (B|1, T, 3, hd); positions < S
+        return RotaryState(*rows[:, None].unbind(-2))
 
     def attention_term(self):
         return RotaryTerm(self.cfg.rope.layout)
 
 
 class DynamicRotary(Rotary):
-    """Dynamic NTK: the base grows with the current length. Keys already in a KV cache keep the
-    angles they were rotated with, exactly as in Hugging Face's implementation.
+    """Dynamic NTK: the base grows with the current length, here each row's own (its last
+    query's position + 1), computed on the device so a decoding step has no host value in it.
+    Keys already in a KV cache keep the angles they were rotated with, exactly as in Hugging
+    Face's implementation.
 
     One difference: Hugging Face keeps the frequencies of the longest sequence seen so far and
     reuses them for a later, shorter sequence that is still longer than ``max_seq_len``; here
     the frequencies depend only on the current length, so a forward never depends on history."""
 
-    def state(self, offset, T, device):
-        inv_freq = rope_frequencies(self.cfg.rope, self.cfg.head_dim, self.cfg.max_seq_len, offset + T)[0]
-        return self.tables(inv_freq, torch.arange(offset, offset + T, device=device))
+    def state(self, ctx):
+        rope, d = self.cfg.rope, self.cfg.head_dim
+        original = rope.original_max_seq_len or self.cfg.max_seq_len
+        seq_len = ctx.q_pos[:, -1:] + 1  # (B|1, 1)
+        # as rope_frequencies computes it, in float32, elementwise
+        stretch = (seq_len.float() * rope.factor) / original - (rope.factor - 1)
+        base = torch.where(seq_len > original, rope.base * stretch ** (d / (d - 2)), rope.base)
+        exponent = torch.arange(0, d, 2, dtype=torch.float32, device=seq_len.device) / d
+        inv_freq = 1.0 / base[..., None] ** exponent  # (B|1, 1, d/2)
+        return RotaryState(*self.tables(inv_freq, ctx.q_pos)[:, None].unbind(-2))
 
 
 SCHEMES: dict[str, type[PositionScheme]] = {

@@ -59,10 +59,19 @@ class Tokenizer:
     bos_id: int | None = None
     unk_id: int | None = None
 
+    extra_eos_ids: tuple[int, ...] = ()  # a pretrained model's further end-of-text ids (generation_config.json)
+
     @property
     def eos_id(self) -> int | None:
         """Where generation stops: the end-of-document id."""
         return self.eod_id
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Every id that ends a generated text: the end of document, then any further end-of-text
+        ids a pretrained model names (Hugging Face's generation_config.json may list several)."""
+        ids = [] if self.eod_id is None else [self.eod_id]
+        return ids + [i for i in self.extra_eos_ids if i not in ids]
 
     @property
     def vocab_size(self) -> int:
@@ -456,6 +465,26 @@ def find_eos(hf, directory: Path | None) -> int | None:
     return None
 
 
+def generation_eos_ids(directory: Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-text ids a Hugging Face checkpoint's generation_config.json lists (where
+    ``generate`` reads them; one id or several), else config.json's. A file that is not a JSON
+    object is a damaged checkpoint."""
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            eos = data.get("eos_token_id")
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            raise CorruptFile(f"{str(path)!r} is not a JSON object; restore it from the checkpoint or delete it") from None
+        ids = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else []
+        found = tuple(int(i) for i in ids if isinstance(i, int) and 0 <= i < vocab_size)
+        if found:
+            return found
+    return ()
+
+
 def tokenizer_from_path(path: str | Path, *, checkpoint: bool = False) -> Tokenizer:
     """The tokenizer of an lmlab prepared-data directory (any kind), or a pretrained one from a
     ``tokenizer.json`` or a directory holding one (a Hugging Face checkpoint): byte-level ones get a
@@ -472,6 +501,7 @@ def tokenizer_from_path(path: str | Path, *, checkpoint: bool = False) -> Tokeni
         p = p / HF_FILE
     hf, raw = read_hf_tokenizer(p, owner="checkpoint" if checkpoint else None)
     tok = wrap_hf(hf, raw, find_eos(hf, p.parent))
+    tok.extra_eos_ids = generation_eos_ids(p.parent, hf.get_vocab_size(with_added_tokens=True))
     tok.hf_extra_files = {name: (p.parent / name).read_text(encoding="utf-8") for name in HF_COMPANIONS
                           if (p.parent / name).is_file()}
     return tok
