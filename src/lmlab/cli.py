@@ -158,8 +158,10 @@ def add_prepare_parser(sub) -> None:
 def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model (no arguments: the built-in demo)", formatter_class=Formatter,
                        description=paragraphs("Train the model of a run config. With no arguments, trains a small llama-style "
-                       "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains with "
-                       "DistributedDataParallel; the global batch stays batch_size x grad_accum.", OVERRIDES),
+                       "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains on every "
+                       "process with train.parallel (ddp: DistributedDataParallel, the default; fsdp: FSDP2 sharding), "
+                       "train.expert_parallel and train.activation_checkpointing; the global batch stays batch_size x "
+                       "grad_accum whatever the number of processes.", OVERRIDES),
                        epilog=_config_defaults() + "\n\n" + EXIT_CODES)
     t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:); omitted fields keep their defaults")
     t.add_argument("--data", default=None, metavar="DIR", help="prepared data (`lmlab prepare ... --out DIR`) to train on; "
@@ -541,14 +543,18 @@ def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
             print(f"sweep {spec.name}: {len(spec.variants)} variants, {len(spec.tasks())} runs -> {out}"
                   + (f" ({args.jobs} processes)" if args.jobs > 1 else ""), flush=True)
             run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True), jobs=args.jobs, threads=args.threads)
-    except SweepInterrupted as e:
-        print(str(e), file=sys.stderr)
-        return 130
-    except SweepFailed as e:
-        print(str(e), file=sys.stderr)
-        return 1
+    except (SweepInterrupted, SweepFailed) as e:
+        return sweep_stopped(e)
     print(f"wrote {out / 'results.csv'} and {out / 'summary.md'}")
     return 0
+
+
+def sweep_stopped(e: Exception) -> int:
+    """A sweep stopped early: by a signal (130; rerun the command to resume) or a failed worker (1)."""
+    from .experiments.sweep import SweepInterrupted
+
+    print(str(e), file=sys.stderr)
+    return 130 if isinstance(e, SweepInterrupted) else 1
 
 
 def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
@@ -563,12 +569,8 @@ def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -
         with locked(args.out, "experiment directory"):
             report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command,
                                     profile=args.profile, jobs=args.jobs, threads=args.threads)
-    except SweepInterrupted as e:
-        print(str(e), file=sys.stderr)
-        return 130
-    except SweepFailed as e:
-        print(str(e), file=sys.stderr)
-        return 1
+    except (SweepInterrupted, SweepFailed) as e:
+        return sweep_stopped(e)
     print(f"wrote {report}")
     return 0
 

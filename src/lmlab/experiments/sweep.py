@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -84,7 +83,7 @@ from ..run.directory import CHECKPOINTS
 from ..run.errors import one_line
 from ..run.evaluate import evaluate
 from ..run.metrics import jsonable
-from ..run.provenance import git_revision
+from ..run.provenance import code_revision
 from ..run.trainer import Trainer, TrainingDiverged
 from ..schema import read_yaml, suggest
 from . import corpus as corpus_mod
@@ -305,27 +304,6 @@ class Sweep:
     def lock(self, variant: Variant, seed: int) -> Path:
         return self.out / "locks" / f"{variant.name}.seed{seed}.lock"
 
-
-@functools.lru_cache(maxsize=1)
-def code_revision() -> tuple[str, bool]:
-    """(git commit, whether lmlab's own source matches it) for the code this process imported: asked
-    once, since a checkout while it runs does not change what runs. Only the package's files count
-    as "the tree": an experiment writing its results into the checkout does not make later runs dirty."""
-    import subprocess
-
-    package = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    rev = git("rev-parse", "HEAD")
-    if not rev:
-        return (git_revision() or "unknown").removesuffix("-dirty"), False
-    return rev, git("status", "--porcelain", "--", str(package)) == ""
 
 
 def finished(sw: "Sweep", name: str, seed: int) -> bool:
