@@ -91,7 +91,7 @@ def test_norm_counts_a_diverged_run_as_the_untrained_loss():
 def positions_rows(move: str | None = None, delta: float = 0.0) -> list[dict]:
     """Every scheme's and fine-tune's measurements, flat at 3.0 (+ shared seed noise) unless moved."""
     rows = []
-    for name in ("none", "sinusoidal", "learned", "relative", "relative-clip16", "alibi", "rope",
+    for name in ("none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
                  "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"):
         for s in SEEDS:
             base = 3.0 + SHARED[s]
@@ -146,6 +146,23 @@ def test_a_fine_tune_gain_everywhere_is_not_an_extension_effect():
     assert verdicts(positions.positions_claims(rows, L=64))["ft-extension-yarn"] == "tie"
 
 
+def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost():
+    from types import SimpleNamespace
+
+    from lmlab import ModelConfig
+
+    cfg = SimpleNamespace(model=ModelConfig(vocab_size=2048, d_model=128, n_heads=4, max_seq_len=64), seq_len=64)
+    rows = positions_rows()
+    claims = positions.positions_claims(rows, L=64)
+    assert "swamps" not in positions.paper_note(claims, cfg, rows)  # equal losses: nothing to explain
+    for r in rows:
+        if r["variant"] == "sinusoidal":
+            r["final_val_loss"] += 0.8
+    assert "0.80 nats worse" in positions.paper_note(claims, cfg, rows)
+    rows = [r for r in rows if r["variant"] != "sinusoidal-scaled"]  # the control arm missing: no claim made
+    assert "swamps" not in positions.paper_note(claims, cfg, rows)
+
+
 # ============================================================== moe
 MOE_CLAIMS = {"capacity": ("fg-m4-shared", "loss", "lower"), "fine-grained": ("fg-m4", "loss", "lower"),
               "shared": ("fg-m4-shared", "loss", "lower"), "loss-free": ("fg-m4-shared-lossfree", "loss", "lower"),
@@ -182,7 +199,7 @@ EXPECTED = {
         "plots": ["grad_norm_init.png", "loss_curves.png", "final_loss_vs_depth.png", "update_size.png"],
     },
     "positions": {
-        "rows": ["none", "sinusoidal", "learned", "relative", "relative-clip16", "alibi", "rope",
+        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
                  "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
         "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x", "copy_8x_far"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],

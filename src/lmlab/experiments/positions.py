@@ -373,7 +373,7 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
         "### Rope zero-shot (factor = length / training length)\n\n" + markdown_table(zero_shot_table(rows))
         + "\n### Rope fine-tuned at 8×: the steps sweep\n\n" + markdown_table(finetune_table(rows))
         + "\n![fine-tune steps](finetune_steps.png)\n\n![rope extension per position](rope_extension_per_position.png)\n\n"
-        "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg)
+        "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg, rows)
     )
     return text
 
@@ -387,7 +387,7 @@ def yarn_bands(head_dim: int, L: int, base: float, beta_fast: float, beta_slow: 
     return full, head_dim // 2 - full - kept, kept
 
 
-def paper_note(claims: list[Claim], cfg) -> str:
+def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
     """Where a result disagrees with the papers, the setup difference that plausibly explains it."""
     v = {c.id: c.verdict for c in claims}
     notes = []
@@ -395,6 +395,12 @@ def paper_note(claims: list[Claim], cfg) -> str:
         notes.append("Shaw's relative positions degrade beyond the training length once their clip covers it: the flat curve of "
                      "the first version came from clip 16 < 64, where every offset past 16 shares one trained embedding. The "
                      "clip-16 arm is that setup, shown.")
+    sin, scaled = (statistics.fmean(num(r["final_val_loss"]) for r in runs.values()) if runs else float("nan")
+                   for runs in (seeds_of(rows, "sinusoidal"), seeds_of(rows, "sinusoidal-scaled")))
+    if sin - scaled > 0.05:  # False when either is missing (nan)
+        notes.append(f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, {sin - scaled:.2f} nats "
+                     f"worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): the unit-amplitude "
+                     "encoding swamps the token embeddings unless they are scaled up. Compare schemes with the scaled arm.")
     if v.get("zero-shot-yarn-8x") != "reproduced" or v.get("zero-shot-yarn-16x") != "reproduced":
         r = cfg.model.rope
         full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
