@@ -40,6 +40,7 @@ from torch import nn
 
 from ..model import Transformer
 from . import checkpoint as ckpt
+from .compile import compile_blocks, eager
 from .config import RunConfig
 from .data import TokenData, prepare
 from .directory import RunDir
@@ -217,7 +218,9 @@ class Trainer:
     def _setup_model(self) -> None:
         t = self.cfg.train
         self.model = Transformer(self.cfg.model).to(self.device)
-        self.train_model: nn.Module = torch.compile(self.model) if t.compile else self.model
+        if t.compile:
+            compile_blocks(self.model)  # in place: parameter names and checkpoints are unchanged
+        self.train_model: nn.Module = self.model
         if self.dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -378,8 +381,9 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
-                                 seed=t.seed, eos_id=self.tokenizer.eos_id)
+            with eager():  # compiled blocks (train.compile) run eagerly while the KV cache grows
+                pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None,
+                                     top_p=None, seed=t.seed, eos_id=self.tokenizer.eos_id)
             return prompt + "".join(pieces)
         finally:
             self.model.train(was_training)
