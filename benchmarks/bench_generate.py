@@ -37,7 +37,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    return p.parse_args()
+    # the flags every benchmark takes (benchmarks/run_all.sh): tiny for CI, or the README's 198M GPU model
+    p.add_argument("--quick", action="store_true", help="tiny model, 8 new tokens (seconds; for CI)")
+    p.add_argument("--size", choices=["cpu", "gpu"], default="cpu", help="gpu: d_model 1024, 12 layers, vocab 32000")
+    args = p.parse_args()
+    if args.size == "gpu":
+        args.d_model, args.n_layers, args.vocab = 1024, 12, 32000
+    if args.quick:
+        args.d_model, args.n_layers, args.vocab, args.new_tokens, args.repeats = 64, 2, 256, 8, 1
+    return args
 
 
 def build_models(args, device: torch.device, dtype: torch.dtype):

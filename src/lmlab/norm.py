@@ -15,10 +15,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _normalize(x32: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / rms(x), 1 / rms(x)) over the last axis of an fp32 tensor."""
-    if hasattr(torch.ops.aten, "_fused_rms_norm"):  # torch >= 2.8: one pass, the kernel F.rms_norm runs
-        return torch.ops.aten._fused_rms_norm(x32, [x32.shape[-1]], None, eps)
-    rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    """(x / rms(x), 1 / rms(x)) over the last axis of an fp32 tensor, in two passes over x (the
+    norm, the product): on CPU, ``F.rms_norm`` is a composite of six ops (pow, mean, add, rsqrt, ...)."""
+    D = x32.shape[-1]
+    rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(D).add_(eps).rsqrt_()
     return x32 * rstd, rstd
 
 
@@ -28,7 +28,7 @@ class RMSNormFunction(torch.autograd.Function):
     Autograd differentiates ``F.rms_norm`` through its decomposition (pow, mean, rsqrt, mul, div:
     about a dozen passes and allocations over (N, D) on CPU, where no fused backward kernel exists).
     With n = x / rms(x): dg = sum(dy * n) and dx = (dn - n * mean(dn * n)) / rms(x), dn = dy * g,
-    in seven passes and two allocations."""
+    in six passes and two allocations."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,10 +44,9 @@ class RMSNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g_weight = (g * n.to(ctx.x_dtype)).flatten(0, -2).sum(0).to(weight.dtype)
         gn = (g * weight).float()  # (..., D)
-        tmp = gn * n
-        dot = tmp.mean(-1, keepdim=True)
-        torch.mul(n, dot, out=tmp)
-        return gn.sub_(tmp).mul_(rstd).to(ctx.x_dtype), g_weight, None
+        D = n.shape[-1]
+        dot = torch.bmm(gn.reshape(-1, 1, D), n.reshape(-1, D, 1)).view(rstd.shape) / D  # mean(dn * n), one pass
+        return gn.addcmul_(n, dot, value=-1).mul_(rstd).to(ctx.x_dtype), g_weight, None
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

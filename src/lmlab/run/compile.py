@@ -19,9 +19,11 @@ from ..model import Transformer
 
 
 def compile_blocks(model: Transformer, **options) -> None:
-    """``torch.compile(fullgraph=True, **options)`` every block of ``model`` in place."""
+    """``torch.compile(fullgraph=True, dynamic=False, **options)`` every block of ``model`` in place.
+    Static shapes: a run's training shape never changes, and each other shape (evaluation, a short
+    last batch) is one more compile rather than symbolic shapes in every graph."""
     for block in model.blocks:
-        block.compile(fullgraph=True, **options)
+        block.compile(**{"fullgraph": True, "dynamic": False, **options})
 
 
 @contextlib.contextmanager

@@ -384,7 +384,7 @@ class Trainer:
             with eager():  # compiled blocks (train.compile) run eagerly while the KV cache grows
                 pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None,
                                      top_p=None, seed=t.seed, eos_id=self.tokenizer.eos_id)
-            return prompt + "".join(pieces)
+                return prompt + "".join(pieces)  # a generator: consumed inside the eager block
         finally:
             self.model.train(was_training)
 
