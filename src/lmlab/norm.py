@@ -15,10 +15,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _normalize(x32: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / rms(x), 1 / rms(x)) over the last axis of an fp32 tensor, in two passes over x (the
-    norm, the product): on CPU, ``F.rms_norm`` is a composite of six ops (pow, mean, add, rsqrt, ...)."""
-    D = x32.shape[-1]
-    rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(D).add_(eps).rsqrt_()
+    """(x / rms(x), 1 / rms(x)) over the last axis of an fp32 tensor, as Llama and ``F.rms_norm``
+    compute it (mean of squares, then rsqrt), so results match theirs to the last bit or two."""
+    rstd = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     return x32 * rstd, rstd
 
 
