@@ -119,7 +119,8 @@ def test_rotary_heads_backward_writes_one_gradient_without_cat_or_zero_fill():
 
 
 @pytest.mark.parametrize("preset", ["llama", "gpt2", "vaswani2017"])
-def test_model_with_fast_paths_equals_model_with_references(preset):
+def test_model_with_fast_paths_equals_model_with_references(preset, monkeypatch):
+    monkeypatch.setattr(lmlab.loss, "CHUNK_ELEMENTS", 5 * 64)  # the loss in chunks of 5 positions
     cfg = ModelConfig.from_preset(preset, **{k: v for k, v in dict(vocab_size=64, d_model=32, n_layers=2,
                                                                      n_heads=4, max_seq_len=32).items()})
     fast, ref = Transformer(cfg).train(), Transformer(cfg).train()
@@ -139,7 +140,7 @@ def test_model_with_fast_paths_equals_model_with_references(preset):
 
 
 # ============================================================== the loss
-@pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 21, 1000])  # 1000: one chunk, which is the plain path
 def test_chunked_loss_equals_plain_in_value_and_gradients(chunk_rows, monkeypatch):
     V = 37
     monkeypatch.setattr(lmlab.loss, "CHUNK_ELEMENTS", chunk_rows * V)
@@ -156,7 +157,8 @@ def test_chunked_loss_equals_plain_in_value_and_gradients(chunk_rows, monkeypatc
         assert_close(linear_cross_entropy(hidden, weight, targets), ref[0] / 2.5, rtol=1e-5, atol=1e-6)
 
 
-def test_chunked_loss_under_bf16_autocast_matches_plain():
+def test_chunked_loss_under_bf16_autocast_matches_plain(monkeypatch):
+    monkeypatch.setattr(lmlab.loss, "CHUNK_ELEMENTS", 5 * 50)  # 7 chunks
     g = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(4, 8, 32, generator=g), 0.2 * torch.randn(50, 32, generator=g)
     targets = torch.randint(0, 50, (4, 8), generator=g)
@@ -184,7 +186,8 @@ def test_chunked_loss_never_holds_the_logits(monkeypatch):
     assert biggest(linear_cross_entropy) <= 8 * V  # the chunked one, at most a chunk of them
 
 
-def test_chunked_loss_refuses_a_second_backward():
+def test_chunked_loss_refuses_a_second_backward(monkeypatch):
+    monkeypatch.setattr(lmlab.loss, "CHUNK_ELEMENTS", 20)
     hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
     loss = linear_cross_entropy(hidden, weight, torch.randint(0, 10, (6,)))
     loss.backward(retain_graph=True)

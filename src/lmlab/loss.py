@@ -10,7 +10,8 @@ Two implementations compute the same loss and the same gradients:
     are made, turned into the loss and, when a gradient is wanted, straight into the gradients of
     the hidden states and the head, then freed. The full (N, V) logits never exist (the idea of
     Liger Kernel's fused linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989, in plain torch).
-    The backward only scales the stored gradients by the incoming one.
+    The backward only scales the stored gradients by the incoming one. When all N*V logits fit
+    in one chunk it is the plain path, which holds no more memory then and runs fewer ops.
 """
 
 from __future__ import annotations
@@ -56,23 +57,26 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale_N = valid_N / n_valid  # 1/n for counted rows, 0 for ignored ones (nan when none count, as the reference)
         target_N = targets.clamp(min=0)  # ignored rows pick class 0, weighted 0
         g_h = torch.empty_like(h_NC) if grads and ctx.needs_input_grad[0] else None
-        g_w = torch.zeros(w_VC.shape, dtype=torch.float32, device=w_VC.device) if grads and ctx.needs_input_grad[1] else None
+        g_w = None  # (V, C) fp32, summed over chunks, as autograd's fp32 master gradient
+        want_g_w = grads and ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         rows = chunk_rows(h_NC.shape[0], w_VC.shape[0])
         for s in range(0, h_NC.shape[0], rows):
             h, t, scale = h_NC[s : s + rows], target_N[s : s + rows], scale_N[s : s + rows]
             logp = torch.log_softmax((h @ w_VC.T).float(), dim=-1)  # (n, V) fp32
             loss -= (logp.gather(1, t[:, None])[:, 0] * scale).sum()
-            if g_h is None and g_w is None:
+            if g_h is None and not want_g_w:
                 continue
             g = logp.exp_()  # softmax, in place: d loss / d logits = (softmax - onehot) * scale
             g.scatter_add_(1, t[:, None], -torch.ones_like(g[:, :1]))
             g = g.mul_(scale[:, None]).to(dtype)
             if g_h is not None:
                 torch.mm(g, w_VC, out=g_h[s : s + rows])
-            if g_w is not None and dtype == torch.float32:
+            if want_g_w and g_w is None:
+                g_w = (g.T @ h).float()
+            elif want_g_w and dtype == torch.float32:
                 g_w.addmm_(g.T, h)
-            elif g_w is not None:  # summed in fp32 over chunks, as autograd's fp32 master gradient
+            elif want_g_w:
                 g_w += (g.T @ h).float()
         ctx.save_for_backward(g_h, g_w)
         ctx.dtypes, ctx.spent = (hidden.dtype, weight.dtype), False
@@ -96,6 +100,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """:func:`linear_cross_entropy_reference`, a chunk of logits at a time; equal in value and gradients.
     Gradients are computed (in the forward) only when autograd will want them."""
+    if targets.numel() * weight.shape[0] <= CHUNK_ELEMENTS:  # one chunk: the plain path is that chunk
+        return linear_cross_entropy_reference(hidden, weight, targets)
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten().long(), compute_dtype(hidden), grads)
 
