@@ -152,7 +152,7 @@ def main() -> None:
         r, rc = timer.ratio("lmlab MoE", other)
         spread = sorted(timer.ratios_per_round("lmlab MoE", other))
         print(f"lmlab MoE / {other}: {r:.2f}x wall" + ("" if setup.cuda else f", {rc:.2f}x CPU time")
-              + f" (per-step {spread[0]:.2f}..{spread[-1]:.2f}; CPU target >= {target}x)")
+              + f" (median of per-step ratios, range {spread[0]:.2f}..{spread[-1]:.2f}; CPU target >= {target}x)")
     print(f"reference matmul ({matmul}^3, {str(setup.dtype).replace('torch.', '')}): {timer.peak / 1e12:.3f} TFLOP/s")
 
 

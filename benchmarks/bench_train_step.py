@@ -126,7 +126,7 @@ def main() -> None:
     wall_ratio, cpu_ratio = timer.ratio("lmlab", "transformers")
     spread = sorted(timer.ratios_per_round("lmlab", "transformers"))
     print(f"lmlab / transformers: {wall_ratio:.2f}x wall" + (f", {cpu_ratio:.2f}x CPU time" if not setup.cuda else "")
-          + f" (per-step ratios {spread[0]:.2f}..{spread[-1]:.2f}; target >= 1.1x)")
+          + f" (median of per-step ratios, range {spread[0]:.2f}..{spread[-1]:.2f}; target >= 1.1x)")
     print(f"reference matmul ({args.matmul}^3, {str(setup.dtype).replace('torch.', '')}): {timer.peak / 1e12:.3f} TFLOP/s")
 
 

@@ -6,8 +6,9 @@ matmul that MFU is measured against.
     --quick             tiny sizes and few steps: seconds, for CI (numbers meaningless)
 
 Timing: the contenders take turns, one step each, for ``--steps`` rounds after ``--warmup``; each
-reports the median of its steps, so load from other programs on a shared machine hits all alike.
-Two clocks: wall time, and on CPU the process CPU time, which other programs disturb less.
+reports the median of its steps, and a ratio is the median over rounds of the ratio within the
+round, so load from other programs on a shared machine hits both sides of it alike. Two clocks:
+wall time, and on CPU the process CPU time.
 
 MFU (model FLOPs utilization): model FLOPs per second over the throughput of one large matmul in
 the same dtype on the same device, measured in the same run, between the timed steps (best of
@@ -99,9 +100,12 @@ class Alternating:
         return statistics.median(self.wall[name]), statistics.median(self.cpu[name])
 
     def ratio(self, fast: str, slow: str) -> tuple[float, float]:
-        """How many times faster ``fast`` is than ``slow``: (wall, CPU time)."""
-        (fw, fc), (sw, sc) = self.median(fast), self.median(slow)
-        return sw / fw, sc / fc
+        """How many times faster ``fast`` is than ``slow``: the median over rounds of the ratio within
+        each round, (wall, CPU time). Within a round the two ran back to back under about the same
+        load, so on a busy machine this paired estimate is steadier than a ratio of medians."""
+        wall = statistics.median(s / f for f, s in zip(self.wall[fast], self.wall[slow]))
+        cpu = statistics.median(s / f for f, s in zip(self.cpu[fast], self.cpu[slow]))
+        return wall, cpu
 
     def ratios_per_round(self, fast: str, slow: str) -> list[float]:
         """slow / fast wall time of each round: the spread says how much to trust the median."""
