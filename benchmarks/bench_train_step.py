@@ -1,55 +1,63 @@
-"""Training step speed: lmlab against transformers' ``LlamaForCausalLM``, plus lmlab's MFU.
+"""Training step speed: lmlab against transformers' ``LlamaForCausalLM``, with MFU.
 
-One step = forward, cross-entropy over every position, backward, AdamW step, zero_grad: what
-``lmlab.run.trainer.Trainer`` does per micro-batch. Both models have the same config and the same weights
-(a random HF Llama saved with ``save_pretrained`` and loaded with ``lmlab.from_hf``); the first
-step's losses are checked equal before timing. Both get the same loss function (cross-entropy on
-the logits, computed outside the model) and the same optimizer (fused AdamW, as ``lmlab.run.optim``
-uses), so the model code is the only difference.
+One step = forward, next-token cross-entropy over every position, backward, AdamW step,
+zero_grad: what ``lmlab.run.trainer.Trainer`` does per micro-batch. Both models have the same
+config and the same weights (a random HF Llama saved with ``save_pretrained`` and loaded with
+``lmlab.from_hf``); the losses are checked equal before timing. lmlab computes its loss the way
+the trainer does, ``model(x, targets=y).loss`` (the chunked head + cross-entropy, which never
+holds the (B·T, V) logits); transformers gets ``F.cross_entropy`` on its logits. Both use fused
+AdamW, as ``lmlab.run.optim`` does.
 
-Rounds alternate between the libraries and the best of ``--repeats`` rounds is kept, so a busy
-machine penalizes both alike. Two clocks: wall time, and on CPU process CPU time, which other
-programs on a shared machine disturb less.
+Sizes (``--size``): ``cpu``: llama preset, d_model 256, 4 layers, vocab 256, 8 x 256 tokens.
+``gpu``: the 198M llama of the README's GPU table (d_model 1024, 12 layers, vocab 32000), 8 x 1024.
+``--compile``: lmlab compiles each block (``train.compile``, lmlab.run.compile), transformers
+the whole model with ``torch.compile``. Timing, clocks and MFU: see harness.py.
 
-MFU: model FLOPs per token (6 N + 12 L H d_head T, PaLM appendix B; ``Transformer.flops_per_token``)
-times tokens/s, over the fp32 matmul throughput measured in the same run (an n x n x n matmul).
-
-    python benchmarks/bench_train_step.py                 # llama preset, d_model 256, 4 layers, 8 x 256, fp32 CPU
-    python benchmarks/bench_train_step.py --threads 1
+    python benchmarks/bench_train_step.py --threads 2              # the README's CPU row
+    python benchmarks/bench_train_step.py --device cuda [--compile]
+    python benchmarks/bench_train_step.py --quick                  # seconds; numbers meaningless
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
 import lmlab
+from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
+
+SIZES = {  # d_model, n_layers, vocab, batch, seq_len
+    "cpu": (256, 4, 256, 8, 256),
+    "gpu": (1024, 12, 32000, 8, 1024),
+    "quick": (64, 2, 128, 2, 64),
+}
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--repeats", type=int, default=3, help="rounds per library; the best is kept")
-    p.add_argument("--matmul", type=int, default=2048, help="n of the n x n x n matmul that measures peak FLOP/s")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--compile", action="store_true", help="torch.compile both models (as train.compile does)")
-    return p.parse_args()
+    add_device_args(p)
+    p.add_argument("--size", choices=["cpu", "gpu"], default=None, help="default: the --device's")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per library (default 15; quick 2)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--matmul", type=int, default=None, help="n of the n^3 reference matmul (2048 CPU, 8192 CUDA)")
+    p.add_argument("--compile", action="store_true", help="lmlab per block (train.compile), HF whole model")
+    p.add_argument("--loss", choices=["chunked", "plain"], default="chunked", help="lmlab's loss implementation")
+    args = p.parse_args()
+    args.size = "quick" if args.quick else args.size or ("gpu" if args.device == "cuda" else "cpu")
+    args.steps = args.steps or (2 if args.quick else 15)
+    args.warmup = 1 if args.quick else args.warmup
+    args.matmul = args.matmul or (256 if args.quick else 8192 if args.device == "cuda" else 2048)
+    return args
 
 
-def build_models(args):
+def build_models(size: str, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    ref = lmlab.ModelConfig.from_preset("llama", d_model=args.d_model, n_layers=args.n_layers,
-                                        vocab_size=args.vocab, max_seq_len=args.seq_len)
+    d, n_layers, vocab, _, seq_len = SIZES[size]
+    ref = lmlab.ModelConfig.from_preset("llama", d_model=d, n_layers=n_layers, vocab_size=vocab, max_seq_len=seq_len)
     hf_cfg = LlamaConfig(
         vocab_size=ref.vocab_size, hidden_size=ref.d_model, intermediate_size=ref.d_ff, num_hidden_layers=ref.n_layers,
         num_attention_heads=ref.n_heads, num_key_value_heads=ref.n_kv_heads, head_dim=ref.head_dim,
@@ -63,82 +71,63 @@ def build_models(args):
         hf.save_pretrained(tmp)
         ours = lmlab.from_hf(tmp)
     assert ours.config.d_model == ref.d_model and ours.config.n_kv_heads == ref.n_kv_heads
-    return hf.train(), ours.train()
+    return hf.to(device).train(), ours.to(device).train()
 
 
-def step_fn(model, logits_of, x, y):
+def make_step(model, loss_of, setup: Setup):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)  # as the trainer
 
-    def step() -> float:
-        logits = logits_of(model, x)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    def step() -> None:
+        with setup.autocast():
+            loss = loss_of()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
 
     return step
 
 
-def time_round(step, n: int) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
-
-
-def matmul_flops(n: int, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
 def main() -> None:
     args = parse()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    hf, ours = build_models(args)
-    g = torch.Generator().manual_seed(1)
-    w = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)
+    setup = Setup(args)
+    hf, ours = build_models(args.size, setup.device)
+    ours.set_loss_impl(args.loss)
+    d, n_layers, vocab, batch, seq_len = SIZES[args.size]
+    w = torch.randint(0, vocab, (batch, seq_len + 1), generator=torch.Generator().manual_seed(1)).to(setup.device)
     x, y = w[:, :-1], w[:, 1:]  # (B, T) each
 
-    with torch.no_grad():  # same config, same weights: same loss
-        a = F.cross_entropy(ours(x).logits.flatten(0, 1), y.flatten())
-        b = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    def hf_loss(model):
+        return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
 
-    run_ours, run_hf = (torch.compile(ours), torch.compile(hf)) if args.compile else (ours, hf)
-    steps = {
-        "lmlab": step_fn(ours, lambda m, x: run_ours(x).logits, x, y),
-        "transformers": step_fn(hf, lambda m, x: run_hf(input_ids=x).logits, x, y),
-    }
-    for step in steps.values():  # warm up: allocator, optimizer state, kernels
-        step(), step()
-    best = {name: (float("inf"), float("inf")) for name in steps}
-    for _ in range(args.repeats):
-        for name, step in steps.items():
-            wall, cpu = time_round(step, args.steps)
-            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+    with torch.no_grad(), setup.autocast():  # same config, same weights: same loss
+        a, b = ours(x, targets=y).loss, hf_loss(hf)
+    tol = 2e-2 if setup.cuda else 1e-4
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
-    tokens = args.batch * args.seq_len
-    peak = matmul_flops(args.matmul)
-    flops_per_token = ours.flops_per_token(args.seq_len)
-    print(f"training step, llama d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}, batch "
-          f"{args.batch} x {args.seq_len}, fp32 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
-          + (", torch.compile" if args.compile else ""))
-    print(f"parameters: {ours.num_params()['total']:,}; model FLOPs per token: {flops_per_token / 1e6:.1f} M")
-    for name, (wall, cpu) in best.items():
-        print(f"  {name:13s} {wall * 1e3:8.1f} ms/step  {tokens / wall:9,.0f} tokens/s   (CPU time: {cpu * 1e3:8.1f} ms/step)")
-    ratio, cpu_ratio = best["transformers"][0] / best["lmlab"][0], best["transformers"][1] / best["lmlab"][1]
-    print(f"lmlab / transformers speed: {ratio:.2f}x wall, {cpu_ratio:.2f}x CPU time (target >= 1.1x)")
-    achieved = flops_per_token * tokens / best["lmlab"][0]
-    print(f"fp32 matmul ({args.matmul}^3): {peak / 1e9:.1f} GFLOP/s; lmlab model FLOP/s: {achieved / 1e9:.1f} G; "
-          f"MFU {achieved / peak:.1%}")
+    run_hf = hf
+    if args.compile:
+        compile_blocks(ours)
+        run_hf = torch.compile(hf)
+    timer = Alternating(setup, {
+        "lmlab": make_step(ours, lambda: ours(x, targets=y).loss, setup),
+        "transformers": make_step(hf, lambda: hf_loss(run_hf), setup),
+    }).run(args.steps, args.warmup, matmul=args.matmul)
+
+    tokens = batch * seq_len
+    fpt = ours.flops_per_token(seq_len)
+    print(f"training step, llama d_model {d}, {n_layers} layers, vocab {vocab}, batch {batch} x {seq_len}; "
+          f"{setup.describe()}" + ("; torch.compile" if args.compile else "; eager") + f"; lmlab loss {args.loss}")
+    print(f"parameters: {ours.num_params()['total']:,}; model FLOPs per token: {fpt / 1e6:.1f} M; "
+          f"median of {args.steps} alternating steps")
+    for name in timer.contenders:
+        wall, cpu = timer.median(name)
+        line = f"  {name:13s} {wall * 1e3:9.1f} ms/step {tokens / wall:10,.0f} tokens/s   MFU {mfu(fpt, tokens / wall, timer.peak):6.1%}"
+        print(line + (f"   (CPU time {cpu * 1e3:8.1f} ms/step)" if not setup.cuda else ""))
+    wall_ratio, cpu_ratio = timer.ratio("lmlab", "transformers")
+    spread = sorted(timer.ratios_per_round("lmlab", "transformers"))
+    print(f"lmlab / transformers: {wall_ratio:.2f}x wall" + (f", {cpu_ratio:.2f}x CPU time" if not setup.cuda else "")
+          + f" (median of per-step ratios, range {spread[0]:.2f}..{spread[-1]:.2f}; target >= 1.1x)")
+    print(f"reference matmul ({args.matmul}^3, {str(setup.dtype).replace('torch.', '')}): {timer.peak / 1e12:.3f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -411,10 +411,17 @@ def test_capacity_serves_first_choices_before_second_choices():
         x = tokens(B=1, S=T)
         r = layer.router(x[0])
         r.expert_TK = torch.tensor([[1, 0], [1, 0], [0, 2], [0, 2]])
-        token_A, expert_A, _, sent_E, kept = layer.assign_limited(r)
-    pairs = sorted(zip(token_A.tolist(), expert_A.tolist()))
+        a = layer.assign_limited(r)
+    keep = a.keep_A
+    pairs = sorted(zip(a.token_A[keep].tolist(), a.expert_A[keep].tolist()))
     assert pairs == [(0, 1), (1, 1), (2, 0), (2, 2), (3, 0), (3, 2)]
-    assert sent_E.tolist() == [4, 2, 2, 0] and kept == 6
+    assert a.sent_E.tolist() == [4, 2, 2, 0] and int(a.kept) == 6
+    assert a.weight_A[~keep].abs().max() == 0  # the overflowing second choices of tokens 0, 1 weigh nothing
+    # fixed shapes: all K*T assignments stay, and the kept ones fill distinct slots expert * C + place
+    assert a.token_A.shape == (8,) and a.capacity == 2
+    slots = a.slot_A[keep].tolist()
+    assert sorted(slots) == sorted({0 * 2 + 0, 0 * 2 + 1, 1 * 2 + 0, 1 * 2 + 1, 2 * 2 + 0, 2 * 2 + 1})
+    assert (a.slot_A[~keep] == 4 * 2).all()
 
 
 def test_gshard_second_expert_is_sent_with_probability_twice_its_share():

@@ -146,6 +146,54 @@ def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x[:, :, None].expand(B, KV, n_heads // KV, S, hd).reshape(B, n_heads, S, hd)
 
 
+def rotate_half_into(x: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x cos + roll(x, d/2) sin_half (``positions.rotate_half``), with no roll copy: each half of
+    ``out`` takes the other half of x. Rotating by -θ (sin_half negated) undoes it, which is also
+    its backward."""
+    h = x.shape[-1] // 2
+    torch.mul(x, cos, out=out)
+    out[..., :h].addcmul_(x[..., h:], sin_half[..., :h])
+    out[..., h:].addcmul_(x[..., :h], sin_half[..., h:])
+    return out
+
+
+class QKVHeads(torch.autograd.Function):
+    """[q; k; v] (B, T, H + 2KV, hd), the fused projection's output, -> rotated q (B, H, T, hd),
+    rotated k (B, KV, T, hd) and v (B, KV, T, hd), as views in the (B, T, heads, hd) layout that
+    the fused attention kernels read without a copy.
+
+    The backward writes each head's gradient straight into its rows of one (B, T, H + 2KV, hd)
+    tensor, un-rotating q and k on the way. Autograd's backward of slice, rotate and split
+    allocates the rotation's gradient parts, zero-fills a full gradient per slice, adds them and
+    joins q and k with a ``cat``. Equal to :meth:`Attention.heads_reference` (tests check it).
+    ``cos`` and ``sin_half`` are the rotary tables in the same layout, (B|1, T, 1, hd)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor, n_heads: int, n_kv_heads: int):
+        B, T, N, hd = qkv.shape
+        H, KV = n_heads, n_kv_heads
+        work = torch.empty(B, T, H + KV, hd, dtype=torch.promote_types(qkv.dtype, cos.dtype), device=qkv.device)
+        qk = rotate_half_into(qkv[:, :, : H + KV], cos, sin_half, work).to(qkv.dtype)
+        ctx.save_for_backward(cos, sin_half)
+        ctx.shape, ctx.dtype, ctx.heads = qkv.shape, qkv.dtype, (H, KV)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, g_q: torch.Tensor, g_k: torch.Tensor, g_v: torch.Tensor):
+        cos, sin_half = ctx.saved_tensors
+        H, KV = ctx.heads
+        g = torch.empty(ctx.shape, dtype=ctx.dtype, device=g_q.device)  # (B, T, H + 2KV, hd)
+        g_qk = g[:, :, : H + KV]
+        work = g_qk if cos.dtype == ctx.dtype else torch.empty(g_qk.shape, dtype=cos.dtype, device=g.device)
+        unsin = -sin_half
+        rotate_half_into(g_q.transpose(1, 2), cos, unsin, work[:, :, :H])
+        rotate_half_into(g_k.transpose(1, 2), cos, unsin, work[:, :, H:])
+        if work is not g_qk:
+            g_qk.copy_(work)
+        g[:, :, H + KV :].copy_(g_v.transpose(1, 2))
+        return g, None, None, None, None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__()
@@ -158,6 +206,8 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.term = term  # the position scheme's part in attention
         self.set_impl("sdpa" if term.sdpa_ok else "explicit")
+        # rotary (half layout) heads come from one autograd Function, the rest from a split
+        self.heads = self.heads_rotary if term.half_rotation else self.heads_split
 
     def set_impl(self, impl: str) -> None:
         paths = {"sdpa": self.attend_sdpa, "explicit": self.attend_explicit}
@@ -185,14 +235,34 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(B, T, H + 2 * KV, hd).transpose(1, 2)  # (B, H + 2KV, T, hd)
-        qk = self.term.rotate(qkv[:, : H + KV], ctx)  # queries and keys rotate in one call
-        q, k = qk.split([H, KV], dim=1)  # (B, H, T, hd), (B, KV, T, hd)
-        v = qkv[:, H + KV :]  # (B, KV, T, hd)
+        qkv = self.qkv(x).view(B, T, H + 2 * KV, hd)  # [q; k; v] heads of one matmul
+        q, k, v = self.heads(qkv, ctx)  # (B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, S, hd)
         y = self.attend(q, k, v, ctx)  # (B, H, T, hd)
         return self.out(y.transpose(1, 2).reshape(B, T, H * hd))
+
+    # ---- [q; k; v] (B, T, H + 2KV, hd) -> rotated q, k and v, (B, heads, T, hd) each
+    def heads_reference(self, qkv: torch.Tensor, ctx: Context):
+        """The reference: slice, rotate queries and keys in one call, split."""
+        H, KV = self.n_heads, self.n_kv_heads
+        qkv = qkv.transpose(1, 2)  # (B, H + 2KV, T, hd)
+        q, k = self.term.rotate(qkv[:, : H + KV], ctx).split([H, KV], dim=1)
+        return q, k, qkv[:, H + KV :]
+
+    def heads_split(self, qkv: torch.Tensor, ctx: Context):
+        """One split, whose backward is one ``cat`` (slices would each fill a zero (B, T, H + 2KV, hd)
+        gradient and add them up); per-head rotations, so q and k rotate separately."""
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        return self.term.rotate(q, ctx), self.term.rotate(k, ctx), v
+
+    def heads_rotary(self, qkv: torch.Tensor, ctx: Context):
+        """Half-layout rotary heads through :class:`QKVHeads`: no ``cat`` in the backward at all.
+        Under ``torch.compile``, :meth:`heads_split`: the compiler fuses its backward itself."""
+        if torch.compiler.is_compiling():
+            return self.heads_split(qkv, ctx)
+        r = ctx.state  # tables (B|1, 1, T, hd) -> (B|1, T, 1, hd), the layout of qkv
+        return QKVHeads.apply(qkv, r.cos.transpose(1, 2), r.sin_half.transpose(1, 2), self.n_heads, self.n_kv_heads)
 
     def attend_sdpa(self, q, k, v, ctx: Context) -> torch.Tensor:
         """q (B, H, T, hd); k, v (B, KV, S, hd)."""

@@ -10,6 +10,7 @@ contain no config branching.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -21,11 +22,11 @@ from .attention import Attention, KVCache, StaticKVCache
 from .config import ModelConfig
 from .feedforward import FFNS
 from .init import Init, init_module
+from .loss import IGNORE_INDEX, LOSSES
 from .moe import MoE
 from .norm import build_norm
 from .positions import Context, build_positions, causal_context, padded_context
-
-IGNORE_INDEX = -100  # targets equal to this are left out of the loss
+from .schema import check_choice
 
 
 # ============================================================== blocks
@@ -83,11 +84,34 @@ def deepnorm_beta(n_layers: int) -> float:
 # ============================================================== outputs
 @dataclasses.dataclass
 class LMOutput:
-    logits: torch.Tensor  # (B, T, V)
+    """What the model returns. ``logits`` (B, T, V) are made from ``hidden`` when first read: a
+    training step that only reads the loss never holds them (the chunked loss does not need them),
+    and code that reads them, with or without targets, gets the same values and gradients as
+    ``model.head(hidden)``, under the autocast state of the forward."""
+
+    hidden: torch.Tensor  # (B, T, C) final hidden states, after the final norm
     loss: torch.Tensor | None  # ce_loss + aux_loss; None without targets
     ce_loss: torch.Tensor | None  # mean next-token cross-entropy over non-ignored targets
     aux_loss: torch.Tensor  # sum of every MoE layer's weighted auxiliary losses (0 for dense)
     aux_losses: dict[str, torch.Tensor]  # each auxiliary loss summed over layers, weighted
+    head: Callable[[torch.Tensor], torch.Tensor] = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def logits(self) -> torch.Tensor:  # (B, T, V)
+        return self.head(self.hidden)
+
+
+def under_autocast_of(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` that runs under the autocast state in force now on x's device, whenever it is called."""
+    device = x.device.type
+    enabled = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device)
+
+    def call(h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return fn(h)
+
+    return call
 
 
 # ============================================================== the model
@@ -112,6 +136,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
+        self.set_loss_impl("chunked")
         if not self.embed.weight.is_meta:  # built on the meta device (shapes only, for accounting): no values to draw
             init_weights(self, cfg)
 
@@ -152,18 +177,37 @@ class Transformer(nn.Module):
                 f"targets has shape {tuple(targets.shape)} but idx has {tuple(idx.shape)}; targets[b, t] is "
                 "the token that follows idx[b, t] (IGNORE_INDEX = -100 to skip it), so the shapes must match"
             )
-        logits = self.head(self.hidden(idx, cache, attention_mask))  # (B, T, V)
+        h = self.hidden(idx, cache, attention_mask)  # (B, T, C)
         aux_losses: dict[str, torch.Tensor] = {}
         for moe in self.moe_layers:
             for name, value in moe.aux_losses.items():
                 aux_losses[name] = aux_losses.get(name, 0.0) + value
-        aux_loss = sum(aux_losses.values(), torch.zeros((), device=logits.device))
+        aux_loss = sum(aux_losses.values(), torch.zeros((), device=h.device))
         ce = loss = None
         if targets is not None:
-            # .long(): token shards are often int32/uint16, which cross_entropy refuses as targets
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=IGNORE_INDEX)
+            ce = self.loss_fn(h, self.head.weight, targets)  # the chunked path never makes (B, T, V) logits
             loss = ce + aux_loss
-        return LMOutput(logits, loss, ce, aux_loss, aux_losses)
+        return LMOutput(h, loss, ce, aux_loss, aux_losses, head=under_autocast_of(h, self.logits_of))
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's logits (..., V) of final hidden states h (..., C): what ``LMOutput.logits``
+        reads, possibly after the forward. Under FSDP (``fully_shard``) the root's parameters are
+        sharded again once a backward ends; they are gathered for this call (a collective then:
+        every process reads its logits)."""
+        if getattr(self.head.weight, "placements", None) is None:  # a plain tensor: not sharded now
+            return self.head(h)
+        self.unshard()
+        try:
+            return self.head(h)
+        finally:
+            self.reshard()
+
+    def set_loss_impl(self, impl: str) -> None:
+        """Switch the loss between ``chunked`` (the default: never materializes the logits) and
+        ``plain`` (logits, then cross-entropy: the reference). Same loss, same gradients."""
+        check_choice("loss impl", impl, LOSSES)
+        self.loss_fn = LOSSES[impl]
+        self.loss_impl = impl
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache on the model's device, in the weights' dtype unless ``dtype`` is given

@@ -19,7 +19,13 @@ Shape suffixes (torchtitan style) used for every tensor below:
     T tokens, flattened B*S
     E routed experts, K experts chosen per token, G expert groups (devices)
     F expert hidden width; I rows of an expert's input projection (2F for GLU, F for MLP)
-    A token-expert assignments actually computed (T*K when dropless)
+    A rows the experts compute, grouped by expert: the T*K assignments when dropless; E*C slots,
+      C per expert, when capacity-limited
+    C capacity: rows per expert
+
+Nothing in the layer's forward waits for the device: every shape is known from T, K, E and C
+(dropless groups are ragged, but their sizes stay on the device and go to the grouped matmul as
+offsets), so the layer runs under ``torch.compile`` as one graph and never stalls a CUDA stream.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
-from .feedforward import ACTIVATIONS
+from .feedforward import ACTIVATIONS, glu
 from .init import Init, init_module
+from .loss import compute_dtype  # grouped_mm is not autocast-aware
 from .schema import check_choice
 
 
@@ -103,7 +110,7 @@ class Router(nn.Module):
         scores_TE, probs_TE = self.score(logits_TE)
         expert_TK = self.select(scores_TE.detach() + self.score_bias)  # the bias picks, it does not weigh
         weight_TK = self.normalize(scores_TE.gather(1, expert_TK)) * self.routed_scale
-        chosen_E = torch.bincount(expert_TK.flatten(), minlength=self.n_experts)
+        chosen_E = count_per_expert(expert_TK, self.n_experts)
         return Routing(logits_TE, probs_TE, expert_TK, weight_TK, self.send(weight_TK), chosen_E)
 
     def select_top_k(self, choice_TE: torch.Tensor) -> torch.Tensor:
@@ -132,6 +139,13 @@ class Router(nn.Module):
         return send_TK
 
 
+def count_per_expert(expert_X: torch.Tensor, n: int) -> torch.Tensor:
+    """How many entries of ``expert_X`` (any shape, values in [0, n)) name each of the n experts.
+    ``torch.bincount`` would do, but its output size depends on the data, which breaks a compiled graph."""
+    expert_N = expert_X.flatten()
+    return expert_N.new_zeros(n).index_add_(0, expert_N, torch.ones_like(expert_N))
+
+
 def normalize_weights(weight_TK: torch.Tensor) -> torch.Tensor:
     return weight_TK / (weight_TK.sum(dim=-1, keepdim=True) + 1e-20)  # DeepSeek-V3's epsilon
 
@@ -142,7 +156,7 @@ def normalize_weights(weight_TK: torch.Tensor) -> torch.Tensor:
 def load_balance_loss(r: Routing) -> torch.Tensor:
     """Switch eq. 4, GShard: E * sum_e f_e P_e, f_e = share of tokens whose first choice is e."""
     T, E = r.probs_TE.shape
-    first_E = torch.bincount(r.expert_TK[:, 0], minlength=E).float() / T
+    first_E = count_per_expert(r.expert_TK[:, 0], E).float() / T
     return E * (first_E * r.probs_TE.mean(dim=0)).sum()
 
 
@@ -172,7 +186,12 @@ def device_balance_loss(r: Routing, n_groups: int) -> torch.Tensor:
 # ============================================================== experts
 class Experts(nn.Module):
     """n FFNs stored as stacked tensors, in nn.Linear's (out, in) layout per expert:
-    ``gate_up`` (n, 2F, D) = [gate; up] rows for GLU, or ``up`` (n, F, D) for MLP; ``down`` (n, D, F)."""
+    ``gate_up`` (n, 2F, D) = [gate; up] rows for GLU, or ``up`` (n, F, D) for MLP; ``down`` (n, D, F).
+
+    ``forward(x_AD, offs_E, scale_A)`` applies expert e to its group of rows (rows grouped by
+    expert, group e ending at offs_E[e]) and scales each row's output: the whole routed compute,
+    with no knowledge of tokens. Expert parallelism can wrap this module (send the groups to
+    the devices that hold their experts, call it there, send the results back)."""
 
     def __init__(self, n: int, d_model: int, width: int, ffn: str, activation: str, bias: bool):
         super().__init__()
@@ -183,8 +202,8 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n, d_model, width))
         self.in_bias = nn.Parameter(torch.zeros(n, rows)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
-        self.act = ACTIVATIONS[activation]
-        self.hidden = self.glu_hidden if ffn == "glu" else self.act
+        self.activation = activation
+        self.hidden = self.glu_hidden if ffn == "glu" else ACTIVATIONS[activation]
         self.weighted_down = self.gate_then_down if self.down_bias is None else self.down_then_gate
 
     @property
@@ -192,8 +211,7 @@ class Experts(nn.Module):
         return getattr(self, self.in_name)
 
     def glu_hidden(self, z_NI: torch.Tensor) -> torch.Tensor:
-        gate_NF, up_NF = z_NI.chunk(2, dim=-1)
-        return self.act(gate_NF) * up_NF
+        return glu(z_NI, self.activation)
 
     def init_params(self, init: Init) -> None:
         """Each expert as a dense FFN: input projections ~ N(0, std); down projections, which write
@@ -214,66 +232,209 @@ class Experts(nn.Module):
         h_NF = self.hidden(F.linear(x_ND, self.w_in_EID[e], b_in))
         return F.linear(h_NF, self.down[e], b_down)
 
-    # ---- the two implementations: same arguments, same result
-    def loop(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
-        """Reference: for each expert, gather its tokens, apply it, add the gated result back."""
+    # ---- the two implementations (MoE.set_impl): same arguments, same result
+    def loop(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
+        """Reference: for each expert, gather its kept assignments' tokens, apply it, add the gated
+        result back. Boolean indexing waits for the device; this path is for reading and testing."""
         for e in range(self.n):
-            mine_A = expert_A == e
-            token_N = token_A[mine_A]
-            y_ND = self.one(x_TD[token_N], e) * weight_A[mine_A, None]
+            mine_A = (a.expert_A == e) & a.keep_A
+            token_N = a.token_A[mine_A]
+            y_ND = self.one(x_TD[token_N], e) * a.weight_A[mine_A, None]
             out_TD = out_TD.index_add(0, token_N, y_ND.to(out_TD.dtype))
         return out_TD
 
-    def grouped(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
-        """Fast path: sort assignments by expert, then two grouped matmuls over contiguous groups."""
-        expert_A, order_A = torch.sort(expert_A, stable=True)
-        token_A, weight_A = token_A[order_A], weight_A.index_select(0, order_A)
-        offs_E = torch.bincount(expert_A, minlength=self.n).cumsum(0).to(torch.int32)  # group ends
-        x_AD = x_TD.index_select(0, token_A)  # index_select: its backward is a fast index_add
+    def grouped(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
+        """Fast path: rows grouped by expert (``plan``), two grouped matmuls, one sum per token."""
+        p = plan(a)
+        y_AD = self(dispatch(x_TD, p), p.offs_E, p.weight_A)
+        return combine(y_AD, p, out_TD)
+
+    def forward(self, x_AD: torch.Tensor, offs_E: torch.Tensor, scale_A: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert -> scale_A * expert(row), two grouped matmuls over the groups."""
         z_AI = grouped_mm(x_AD, self.w_in_EID, offs_E)
         if self.in_bias is not None:
-            z_AI = z_AI + self.in_bias.index_select(0, expert_A)
-        y_AD = self.weighted_down(self.hidden(z_AI), expert_A, weight_A, offs_E)
-        return out_TD.index_add_(0, token_A, y_AD.to(out_TD.dtype))
+            z_AI = z_AI + self.in_bias[expert_of_rows(offs_E, x_AD.shape[0])]
+        return self.weighted_down(self.hidden(z_AI), offs_E, scale_A)
 
-    def gate_then_down(self, h_AF, expert_A, weight_A, offs_E) -> torch.Tensor:
+    def gate_then_down(self, h_AF, offs_E, scale_A) -> torch.Tensor:
         """w * down(h) = down(w * h) without a bias; F < D, so weighting h is the cheaper side."""
-        return grouped_mm(h_AF * weight_A[:, None].to(h_AF.dtype), self.down, offs_E)
+        return grouped_mm(h_AF * scale_A[:, None].to(h_AF.dtype), self.down, offs_E)
 
-    def down_then_gate(self, h_AF, expert_A, weight_A, offs_E) -> torch.Tensor:
-        y_AD = grouped_mm(h_AF, self.down, offs_E) + self.down_bias.index_select(0, expert_A)
-        return y_AD * weight_A[:, None]
-
-
-# the two implementations, by method name: a module that stands in for Experts (expert parallelism,
-# lmlab.run.parallel.ShardedExperts) provides both, and MoE.routed_experts calls the one chosen
-IMPLS = {"reference": "loop", "fast": "grouped"}
+    def down_then_gate(self, h_AF, offs_E, scale_A) -> torch.Tensor:
+        y_AD = grouped_mm(h_AF, self.down, offs_E) + self.down_bias[expert_of_rows(offs_E, h_AF.shape[0])]
+        return y_AD * scale_A[:, None]
 
 
-# ---- grouped matmul: torch's kernel where it runs, else one matmul per group
+def expert_of_rows(offs_E: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """(A,) expert of each row from the group ends; rows past the last group get expert E - 1."""
+    rows_A = torch.arange(n_rows, device=offs_E.device, dtype=offs_E.dtype)
+    return torch.searchsorted(offs_E, rows_A, right=True).clamp_(max=offs_E.shape[0] - 1)
+
+
+# ============================================================== routing plans
+@dataclasses.dataclass
+class Assignment:
+    """Every token-expert choice, in routing order (choice-major: every token's first choice,
+    then every second choice, ...), with the gate weight and whether it is computed."""
+
+    token_A: torch.Tensor  # (K*T,)
+    expert_A: torch.Tensor  # (K*T,)
+    weight_A: torch.Tensor  # (K*T,) gate weight; 0 where not kept
+    keep_A: torch.Tensor  # (K*T,) bool: sent, and within its expert's capacity
+    sent_E: torch.Tensor  # (E,) assignments sent to each expert, before capacity
+    kept: torch.Tensor  # () how many are kept
+    capacity: int | None = None  # C, rows per expert; None when dropless
+    slot_A: torch.Tensor | None = None  # (K*T,) slot expert * C + place in its queue if kept, else E * C
+
+
+@dataclasses.dataclass
+class Plan:
+    """The rows the experts compute, grouped by expert: which token each row reads and is added
+    back to, its gate weight, where each expert's group ends, and the way back: the row of each
+    assignment."""
+
+    token_A: torch.Tensor  # (A,)
+    weight_A: torch.Tensor  # (A,) 0 for padding rows
+    offs_E: torch.Tensor  # (E,) int32 group ends
+    row_KT: torch.Tensor  # (K*T,) the row computing each assignment (routing order); A if it is dropped
+    padded: bool  # may row_KT hold A (capacity), or is it a permutation of the rows (dropless)?
+
+
+def plan(a: Assignment) -> Plan:
+    """The rows the experts compute for ``a``: every assignment when dropless, C slots per expert
+    when capacity-limited."""
+    return sorted_plan(a) if a.slot_A is None else capacity_plan(a)
+
+
+def sorted_plan(a: Assignment) -> Plan:
+    """Dropless: all T*K assignments, stably sorted by expert; ragged groups of sizes sent_E."""
+    order_A = torch.sort(a.expert_A, stable=True).indices
+    offs_E = a.sent_E.cumsum(0).to(torch.int32)
+    row_KT = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(order_A.numel(), device=order_A.device))
+    return Plan(a.token_A[order_A], a.weight_A.index_select(0, order_A), offs_E, row_KT, padded=False)
+
+
+def capacity_plan(a: Assignment) -> Plan:
+    """Capacity-limited: C slots per expert, filled by the kept assignments (``slot_A``). Empty
+    slots read token 0 with weight 0, so they add exactly nothing (GShard's dispatch tensor, as an
+    index). E*C rows, whatever the routing."""
+    E, C = a.sent_E.shape[0], a.capacity
+    trash = E * C  # dropped assignments all land here, and it is cut off
+    token_S = a.token_A.new_zeros(E * C + 1).scatter_(0, a.slot_A, a.token_A)[:trash]
+    weight_S = a.weight_A.new_zeros(E * C + 1).scatter(0, a.slot_A, a.weight_A)[:trash]
+    offs_E = torch.arange(1, E + 1, device=token_S.device, dtype=torch.int32) * C
+    return Plan(token_S, weight_S, offs_E, a.slot_A, padded=True)
+
+
+def sum_per_token(y_AD: torch.Tensor, plan: Plan, T: int) -> torch.Tensor:
+    """(T, D): the sum of each token's K rows of y_AD (dropped assignments add nothing), as one
+    ``embedding_bag``, a bag of K rows per token: a single pass, ten times faster on CPU than a
+    gather of the (K*T, D) rows and a sum over K, and than autograd's scatter-add."""
+    row_TK = plan.row_KT.view(-1, T).t()
+    if not plan.padded:
+        return F.embedding_bag(row_TK, y_AD, mode="sum")
+    kept_TK = row_TK < y_AD.shape[0]  # dropped assignments point past the last row
+    return F.embedding_bag(torch.where(kept_TK, row_TK, 0), y_AD, mode="sum", per_sample_weights=kept_TK.to(y_AD.dtype))
+
+
+class Dispatch(torch.autograd.Function):
+    """x_TD (T, D) -> x_AD (A, D), rows = tokens in the plan's order. Its backward sums each
+    token's K gradient rows (:func:`sum_per_token`): autograd's backward of the gather is a
+    scatter-add (index_add), which on CPU runs element by element over (A, D)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
+        ctx.plan, ctx.T = plan, x_TD.shape[0]
+        return x_TD.index_select(0, plan.token_A)
+
+    @staticmethod
+    def backward(ctx, g_AD: torch.Tensor):
+        return sum_per_token(g_AD, ctx.plan, ctx.T), None
+
+
+class Combine(torch.autograd.Function):
+    """out_TD + the sum of each token's K expert rows of y_AD -> (T, D) (:func:`sum_per_token`, not
+    a scatter-add); its backward is a gather."""
+
+    @staticmethod
+    def forward(ctx, y_AD: torch.Tensor, out_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
+        ctx.plan = plan
+        return sum_per_token(y_AD, plan, out_TD.shape[0]).add_(out_TD)
+
+    @staticmethod
+    def backward(ctx, g_TD: torch.Tensor):
+        return g_TD.index_select(0, ctx.plan.token_A), g_TD, None
+
+
+def dispatch(x_TD: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Token rows in the plan's order: x_AD (A, D), row r = x_TD[plan.token_A[r]]."""
+    return Dispatch.apply(x_TD, plan)
+
+
+def combine(y_AD: torch.Tensor, plan: Plan, out_TD: torch.Tensor) -> torch.Tensor:
+    """out_TD (T, D) plus each row's (already weighted) output added back to its token."""
+    return Combine.apply(y_AD.to(out_TD.dtype), out_TD, plan)
+
+
+# ---- grouped matmul: torch's kernel where it runs, else a matmul per group
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def grouped_mm(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Rows offs[e-1]:offs[e] of x times w[e]^T (nn.Linear layout), for every group e -> (A, O)."""
+    """Rows offs[e-1]:offs[e] of x times w[e]^T (nn.Linear layout), for every group e -> (A, O),
+    in the dtype autocast would use. One opaque op (``lmlab::grouped_mm``) for torch.compile:
+    the compiler cannot trace torch's kernel outside bf16, nor the per-group fallback at all."""
     dtype = compute_dtype(x_AI)
-    x_AI, w_EOI = x_AI.to(dtype), w_EOI.to(dtype)
+    return grouped_mm_op(x_AI.to(dtype), w_EOI.to(dtype), offs_E)
+
+
+@torch.library.custom_op("lmlab::grouped_mm", mutates_args=())
+def grouped_mm_op(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     if grouped_mm_kernel_ok(x_AI, w_EOI):
         return _GROUPED_MM(x_AI, w_EOI.transpose(-2, -1), offs=offs_E)
     return grouped_mm_split(x_AI, w_EOI, offs_E)
 
 
+@torch.library.custom_op("lmlab::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(g_AO: torch.Tensor, x_AI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """d loss / d w (E, O, I) of :func:`grouped_mm`: g[rows of e]^T @ x[rows of e] for each group e."""
+    if grouped_mm_kernel_ok(g_AO, x_AI):
+        return _GROUPED_MM(g_AO.transpose(0, 1), x_AI, offs=offs_E)  # 2D x 2D: groups split the shared axis
+    sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
+    return torch.stack([g.T @ x for g, x in zip(torch.split(g_AO, sizes), torch.split(x_AI, sizes))])
+
+
+@grouped_mm_op.register_fake
+def _(x_AI, w_EOI, offs_E):
+    return x_AI.new_empty(x_AI.shape[0], w_EOI.shape[1])
+
+
+@grouped_mm_weight_grad.register_fake
+def _(g_AO, x_AI, offs_E):
+    return g_AO.new_empty(offs_E.shape[0], g_AO.shape[1], x_AI.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    x_AI, w_EOI, offs_E = inputs
+    ctx.save_for_backward(x_AI, w_EOI, offs_E)
+
+
+def _grouped_mm_backward(ctx, g_AO: torch.Tensor):
+    x_AI, w_EOI, offs_E = ctx.saved_tensors
+    g_x = grouped_mm_op(g_AO, w_EOI.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
+    g_w = grouped_mm_weight_grad(g_AO, x_AI, offs_E) if ctx.needs_input_grad[1] else None
+    return g_x, g_w, None
+
+
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
 def grouped_mm_split(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """The fallback: split the sorted rows into groups (one host sync) and run a matmul per group.
+    """The fallback, where torch has no grouped kernel for this device and dtype: split the sorted
+    rows into groups and run a matmul per group. Reading the group sizes waits for the device.
     split and unbind, not indexing, keep the backward to one cat and one stack."""
     sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
     return torch.cat([x_NI @ w_OI.T for x_NI, w_OI in zip(torch.split(x_AI, sizes), w_EOI.unbind(0))])
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast would use for a matmul on x's device (grouped_mm is not autocast-aware)."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def grouped_mm_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -290,22 +451,22 @@ def _aligned16(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
-    """Does torch's grouped matmul run, forward and backward, and agree with plain matmuls here?"""
+    """Does torch's grouped matmul run here, in both forms the layer uses (3D weights for the
+    forward and the input gradient, 2D x 2D for the weight gradient), and agree with plain matmuls?"""
     if _GROUPED_MM is None:
         return False
     try:
-        # identity saved-tensor hooks: the probe's graph stays out of an enclosing activation
-        # checkpoint, which would otherwise count its tensors on the first forward only
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
             g = torch.Generator().manual_seed(0)
-            x = torch.randn(24, 16, generator=g).to(device, dtype).requires_grad_()
-            w = torch.randn(3, 32, 16, generator=g).to(device, dtype).requires_grad_()
+            x = torch.randn(24, 16, generator=g).to(device, dtype)
+            w = torch.randn(3, 32, 16, generator=g).to(device, dtype)
             offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)  # includes an empty group
-            y = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
-            y.backward(torch.ones_like(y))
-            ref = grouped_mm_split(x.detach().float(), w.detach().float(), offs)
-            return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)) and x.grad is not None
+            y = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)  # (24, 32)
+            g_w = _GROUPED_MM(y.transpose(0, 1), x, offs=offs)  # (3, 32, 16)
+            x32, y32 = x.float(), grouped_mm_split(x.float(), w.float(), offs)
+            g_w_ref = torch.stack([y32[:8].T @ x32[:8], torch.zeros(32, 16, device=device), y32[8:].T @ x32[8:]])
+            close = lambda a, b: bool(torch.allclose(a.float(), b, rtol=2e-2, atol=2e-2 * float(b.abs().max())))
+            return close(y, y32) and close(g_w, g_w_ref)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -343,14 +504,21 @@ class NoSharedExperts(nn.Module):
         return torch.zeros_like(x_TD)
 
 
+# the two implementations, by Experts method name: a module that stands in for Experts (expert
+# parallelism, lmlab.run.parallel.ShardedExperts) provides both, and MoE.routed_experts calls the one chosen
+IMPLS = {"reference": "loop", "fast": "grouped"}
+
+
 # ============================================================== the layer
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward sublayer: ``forward(x (B, S, D)) -> (B, S, D)``.
 
+        route ─ assign (capacity) ─ plan: rows grouped by expert ─ dispatch ─ experts ─ combine
+
     After each forward: ``aux_losses`` (each enabled balancing loss times its coefficient),
     ``aux_loss`` (their sum) and ``stats`` (load statistics, ready to log). The model adds the
     auxiliary losses to its training loss. ``set_impl`` switches between the grouped-matmul fast
-    path and the reference loop over experts.
+    path (``dispatch``, ``self.experts``, ``combine``) and the reference loop over experts.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -385,38 +553,40 @@ class MoE(nn.Module):
         check_choice("impl", impl, IMPLS)
         self.impl = impl
 
-    def routed_experts(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
+    def routed_experts(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
         """``out_TD`` plus each kept assignment's expert output times its gate weight, by ``impl``.
 
         The seam for expert parallelism: ``lmlab.run.parallel`` replaces ``self.experts`` with a
         module holding this process's share of the experts, whose ``loop`` and ``grouped`` send
-        each assignment to the process that holds its expert and bring the result back."""
-        return getattr(self.experts, IMPLS[self.impl])(x_TD, token_A, expert_A, weight_A, out_TD)
+        each row to the process that holds its expert and bring the result back."""
+        return getattr(self.experts, IMPLS[self.impl])(x_TD, a, out_TD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         x_TD = x.reshape(B * S, D)
         r = self.router(x_TD)
-        token_A, expert_A, weight_A, sent_E, kept = self.assign(r)
+        a = self.assign(r)
         shared_TD = self.shared(x_TD).to(x.dtype)  # the sum is kept in x's dtype (fp32 under autocast)
-        out_TD = self.routed_experts(x_TD, token_A, expert_A, weight_A, shared_TD)  # shared + routed
+        out_TD = self.routed_experts(x_TD, a, shared_TD)  # shared + routed
         self.aux_losses = {name: coef * fn(r) for name, (coef, fn) in self.loss_terms.items()}
         if self.training:
-            self.load += sent_E
+            self.load += a.sent_E
         with torch.no_grad():
             p_TE = r.probs_TE
             entropy = -(p_TE * p_TE.clamp_min(1e-20).log()).sum(dim=-1).mean()
-            self._last = (sent_E.detach(), kept, entropy)
+            self._last = (a.sent_E.detach(), a.kept, entropy)
         return out_TD.view(B, S, D)
 
     # ---- which token goes to which expert, in routing order
-    def assign_all(self, r: Routing):
-        """Dropless: every choice is computed. Assignments are token-major (t0k0, t0k1, ...)."""
+    def assign_all(self, r: Routing) -> Assignment:
+        """Dropless: every choice is computed."""
         T, K = r.expert_TK.shape
-        token_A = torch.arange(T, device=r.expert_TK.device).repeat_interleave(K)
-        return token_A, r.expert_TK.reshape(-1), r.weight_TK.reshape(-1), r.chosen_E, T * K
+        token_A = torch.arange(T, device=r.expert_TK.device).repeat(K)  # choice-major: t0k0, t1k0, ...
+        keep_A = torch.ones(T * K, dtype=torch.bool, device=token_A.device)
+        kept = torch.full((), T * K, device=token_A.device)
+        return Assignment(token_A, r.expert_TK.t().reshape(-1), r.weight_TK.t().reshape(-1), keep_A, r.chosen_E, kept)
 
-    def assign_limited(self, r: Routing):
+    def assign_limited(self, r: Routing) -> Assignment:
         """Capacity (and GShard's random second expert): each expert takes at most C =
         ceil(capacity_factor * T * K / E) assignments, in routing order: every token's first choice,
         then every second choice, each in token order (GShard Algorithm 1; Switch sec. 2.1). An
@@ -426,11 +596,14 @@ class MoE(nn.Module):
         expert_A = r.expert_TK.t().reshape(-1)  # (K*T,) choice-major: the routing order
         send_A = r.send_TK.t().reshape(-1)
         queue_A = torch.where(send_A, expert_A, E)  # unsent ones queue at a phantom expert E
-        sent_E = torch.bincount(queue_A, minlength=E + 1)[:E]
+        sent_E = count_per_expert(queue_A, E + 1)[:E]
         capacity = math.ceil(self.capacity_factor * T * K / E) if self.capacity_factor else T * K
-        keep_A = send_A & (queue_position(queue_A, E + 1) < capacity)
-        a = keep_A.nonzero().squeeze(1)  # one host sync: the number of kept assignments
-        return a % T, expert_A[a], r.weight_TK.t().reshape(-1)[a], sent_E, a.numel()
+        position_A = queue_position(queue_A, E + 1)
+        keep_A = send_A & (position_A < capacity)
+        weight_A = torch.where(keep_A, r.weight_TK.t().reshape(-1), 0.0)
+        token_A = torch.arange(T, device=expert_A.device).repeat(K)
+        slot_A = torch.where(keep_A, expert_A * capacity + position_A, E * capacity)
+        return Assignment(token_A, expert_A, weight_A, keep_A, sent_E, keep_A.sum(), capacity, slot_A)
 
     # ---- outputs read by the model
     @property
@@ -476,10 +649,11 @@ class MoE(nn.Module):
             init_module(part, init)
         init.zeros(self.load)
 
+
 def queue_position(queue_A: torch.Tensor, n_queues: int) -> torch.Tensor:
     """For each assignment, how many earlier assignments joined the same queue."""
     order_A = torch.argsort(queue_A, stable=True)
-    count_Q = torch.bincount(queue_A, minlength=n_queues)
+    count_Q = count_per_expert(queue_A, n_queues)
     start_Q = count_Q.cumsum(0) - count_Q
     position_A = torch.empty_like(queue_A)
     position_A[order_A] = torch.arange(queue_A.numel(), device=queue_A.device) - start_Q[queue_A[order_A]]

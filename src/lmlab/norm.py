@@ -9,6 +9,53 @@ from torch import nn
 from .config import ModelConfig
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """g * x / rms(x), normalized in fp32 (as Llama does) and cast back before the gain: the reference."""
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def _normalize(x32: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x), 1 / rms(x)) over the last axis of an fp32 tensor, as Llama and ``F.rms_norm``
+    compute it (mean of squares, then rsqrt), so results match theirs to the last bit or two."""
+    rstd = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return x32 * rstd, rstd
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """The fast path of :func:`rms_norm_reference`: the same forward, with the backward written out.
+
+    Autograd differentiates ``F.rms_norm`` through its decomposition (pow, mean, rsqrt, mul, div:
+    about a dozen passes and allocations over (N, D) on CPU, where no fused backward kernel exists).
+    With n = x / rms(x): dg = sum(dy * n) and dx = (dn - n * mean(dn * n)) / rms(x), dn = dy * g,
+    in six passes and two allocations."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        n, rstd = _normalize(x.float(), eps)
+        ctx.save_for_backward(n, rstd, weight)
+        ctx.x_dtype = x.dtype
+        return weight * n.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        n, rstd, weight = ctx.saved_tensors
+        g_weight = None
+        if ctx.needs_input_grad[1]:
+            g_weight = (g * n.to(ctx.x_dtype)).flatten(0, -2).sum(0).to(weight.dtype)
+        gn = (g * weight).float()  # (..., D)
+        D = n.shape[-1]
+        dot = torch.bmm(gn.reshape(-1, 1, D), n.reshape(-1, D, 1)).view(rstd.shape) / D  # mean(dn * n), one pass
+        return gn.addcmul_(n, dot, value=-1).mul_(rstd).to(ctx.x_dtype), g_weight, None
+
+
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """g * x / rms(x) in fp32, cast back to x's dtype before the gain; equal to :func:`rms_norm_reference`.
+    Under ``torch.compile`` the reference: the compiler fuses its ops and their backward itself."""
+    if torch.compiler.is_compiling():
+        return rms_norm_reference(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * g, computed in fp32 (as Llama does) and cast back."""
 
@@ -18,7 +65,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return rms_normalize(x, self.weight, self.eps)
 
 
 def layer_norm(cfg: ModelConfig) -> nn.Module:

@@ -96,6 +96,9 @@ class AttentionTerm(nn.Module):
     """How a position scheme enters attention. Default: it does not."""
 
     sdpa_ok = True  # can the fused kernel compute this scheme's attention?
+    # does ``rotate`` apply ctx.state's half-layout tables (cos, sin_half), so that attention's fused
+    # projection may apply them itself (see attention.QKVHeads)?
+    half_rotation = False
 
     def rotate(self, qk: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Queries and keys, stacked along the head axis (B, H + KV, T, hd), as attention scores them."""
@@ -123,6 +126,7 @@ class RotaryTerm(AttentionTerm):
     def __init__(self, layout: str):
         super().__init__()
         self.rotate_one = rotate_half if layout == "half" else rotate_interleaved
+        self.half_rotation = layout == "half"
 
     def rotate(self, qk, ctx):
         # queries and keys in one call; the tables are fp32, a bf16 model stays bf16

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model import Transformer
-from ..moe import Experts
+from ..moe import Assignment, Experts, combine, dispatch, plan
 from .config import TrainConfig
 from .distributed import Dist
 from .optim import clip_gradients
@@ -72,8 +72,8 @@ class ShardedExperts(Experts):
     """This process's E/N of a MoE layer's routed experts. ``loop`` and ``grouped`` (the two
     implementations ``MoE.set_impl`` chooses) run on the owners of the experts::
 
-        assignments sorted by expert ─ all_to_all ─▶ rows for my experts ─ loop / grouped ─┐
-        out_TD += gated rows ◀──────── all_to_all ─────────── gated rows ◀────────────────┘
+        plan: rows grouped by expert ─ all_to_all ─▶ rows for my experts ─ loop / grouped ─┐
+        combine: out_TD += gated rows ◀── all_to_all ─────── gated rows ◀────────────────┘
 
     Routing, capacity and gate weights are decided where the tokens are, as without expert
     parallelism, so a process's outputs equal the single-process layer's on its own tokens.
@@ -95,34 +95,35 @@ class ShardedExperts(Experts):
             p.copy_(getattr(full, name).narrow(0, self.first, self.n))
         return self
 
-    def loop(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
-        return self.exchange(Experts.loop, x_TD, token_A, expert_A, weight_A, out_TD)
+    def loop(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
+        return self.exchange(Experts.loop, x_TD, a, out_TD)
 
-    def grouped(self, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
-        return self.exchange(Experts.grouped, x_TD, token_A, expert_A, weight_A, out_TD)
+    def grouped(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
+        return self.exchange(Experts.grouped, x_TD, a, out_TD)
 
-    def exchange(self, compute: Callable, x_TD, token_A, expert_A, weight_A, out_TD) -> torch.Tensor:
-        """Send each assignment's row to its expert's process, run ``compute`` there on this
-        process's experts, and add the gated results back in sorted-by-expert order (the order the
-        single-process ``grouped`` adds them in)."""
+    def exchange(self, compute: Callable, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
+        """Send the plan's rows (grouped by expert) to their experts' processes, run ``compute`` there
+        on this process's experts, bring the gated rows back and add them to their tokens as the
+        single-process fast path does (``combine``), so the sums are the same."""
         import torch.distributed as dist
 
         N, n = self.groups.size, self.n
-        expert_A, order_A = torch.sort(expert_A, stable=True)
-        token_A, weight_A = token_A[order_A], weight_A.index_select(0, order_A)
-        send_E = torch.bincount(expert_A, minlength=self.n_total)  # (E,) rows for each expert
+        p = plan(a)  # dropless: every assignment; capacity: C slots per expert, the empty ones weighted 0
+        send_E = torch.diff(p.offs_E, prepend=p.offs_E.new_zeros(1)).long()  # (E,) rows for each expert
         recv_E = torch.empty_like(send_E)  # (N*n,) rows from each source process for each of my experts
         dist.all_to_all_single(recv_E, send_E, group=self.groups.group)
         send_N = send_E.view(N, n).sum(1).tolist()  # one host sync: all_to_all needs the split sizes
         recv_N = recv_E.view(N, n).sum(1).tolist()
-        x_RD = all_to_all(x_TD.index_select(0, token_A), send_N, recv_N, self.groups.group)
-        weight_R = all_to_all(weight_A, send_N, recv_N, self.groups.group)
-        # rows arrive grouped by source, each source's sorted by expert: my expert j, recv_E[i*n + j] times
+        x_RD = all_to_all(dispatch(x_TD, p), send_N, recv_N, self.groups.group)
+        weight_R = all_to_all(p.weight_A, send_N, recv_N, self.groups.group)
+        # rows arrive grouped by source, each source's by expert: my expert j, recv_E[i*n + j] times
         local_R = torch.arange(n, device=recv_E.device).repeat(N).repeat_interleave(recv_E)
-        rows_R = torch.arange(local_R.numel(), device=recv_E.device)
-        y_RD = compute(self, x_RD, rows_R, local_R, weight_R, x_RD.new_zeros(x_RD.shape))
+        R = local_R.numel()
+        mine = Assignment(torch.arange(R, device=recv_E.device), local_R, weight_R,
+                          torch.ones(R, dtype=torch.bool, device=recv_E.device), recv_E.view(N, n).sum(0), torch.tensor(R))
+        y_RD = compute(self, x_RD, mine, x_RD.new_zeros(x_RD.shape))  # one row per received row, gated
         y_AD = all_to_all(y_RD, recv_N, send_N, self.groups.group)
-        return out_TD.index_add(0, token_A, y_AD.to(out_TD.dtype))
+        return combine(y_AD, p, out_TD)
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:

@@ -52,6 +52,7 @@ from torch import nn
 from ..memory import check_fits, max_memory_bytes, training_memory
 from . import checkpoint as ckpt
 from . import dcp
+from .compile import compile_blocks, eager
 from .config import RunConfig
 from .directory import RunDir
 from .distributed import Dist, lost_peers, peak_flops, resolve_device
@@ -300,8 +301,9 @@ class Trainer:
                              "FSDP and expert parallelism shard language models only")
         # expert parallelism, activation checkpointing and FSDP change the model in place; DDP wraps it
         self.parallel = parallelize(self.transformer, t, self.dist, self.device)
-        self.train_model: nn.Module = torch.compile(self.model) if t.compile else self.model
-        self.train_model = self.parallel.wrap(self.train_model)
+        if t.compile:
+            compile_blocks(self.transformer)  # in place: parameter names and checkpoints are unchanged
+        self.train_model: nn.Module = self.parallel.wrap(self.model)
         self.optimizer = build_optimizer(self.model, t, self.device)
         if self.parallel.sharded:
             self.saver = dcp.ShardedSaver(self.parallel, self.dist, t.save_mode)
@@ -524,7 +526,8 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.parallel.whole_root():
+            # compiled blocks (train.compile) run eagerly while the KV cache grows
+            with self.parallel.whole_root(), eager():
                 pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
                                      seed=t.seed, eos_id=self.tokenizer.eos_id)
                 return prompt + "".join(pieces)  # pieces is a generator: consume it gathered

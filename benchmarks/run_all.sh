@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every benchmark in benchmarks/, one after the other, each printing both libraries, the ratio and MFU.
+#
+#   benchmarks/run_all.sh                      # CPU sizes (the README's CPU table), fp32, 2 threads
+#   benchmarks/run_all.sh --device cuda        # GPU sizes, bf16 autocast, eager and compiled
+#   benchmarks/run_all.sh --quick              # tiny sizes on CPU: seconds per script, for CI
+#
+# GPU sizes: the 198M dense llama at 8 x 1024 tokens (eager and torch.compile), the MoE with 64
+# experts of width 256, top-6 + 1 shared (eager and compiled), generation at batch 1 and 8
+# (bench_generate.py --size gpu), and the loss's peak memory at vocab 128k and 8 x 1024 tokens.
+# Budget: under 8 minutes on one H100/H200-class GPU.
+# Extra arguments after the flags are passed to every script (e.g. --threads 1).
+set -euo pipefail
+
+device=cpu
+quick=()
+extra=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --quick) quick=(--quick); shift ;;
+    *) extra+=("$1"); shift ;;
+  esac
+done
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+flags=(--device "$device" ${quick[@]+"${quick[@]}"})
+if [[ "$device" == cpu && ${#extra[@]} -eq 0 ]]; then
+  # the README's CPU numbers use 2 threads; the quick run is a smoke test, where 1 thread is faster
+  # on a busy machine
+  if [[ ${#quick[@]} -gt 0 ]]; then extra=(--threads 1); else extra=(--threads 2); fi
+fi
+size=()
+[[ "$device" == cuda && ${#quick[@]} -eq 0 ]] && size=(--size gpu)
+
+run() {
+  echo
+  echo "=== $* ==="
+  local start=$SECONDS
+  python "$here/$1" "${@:2}"
+  echo "--- $1: $((SECONDS - start)) s"
+}
+
+total=$SECONDS
+run bench_train_step.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extra[@]}"}
+run bench_moe.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extra[@]}"}
+if [[ "$device" == cuda ]]; then
+  run bench_train_step.py "${flags[@]}" ${size[@]+"${size[@]}"} --compile ${extra[@]+"${extra[@]}"}
+  run bench_moe.py "${flags[@]}" ${size[@]+"${size[@]}"} --compile ${extra[@]+"${extra[@]}"}
+fi
+run bench_loss_memory.py "${flags[@]}" ${extra[@]+"${extra[@]}"}
+run bench_generate.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extra[@]}"}
+echo
+echo "all benchmarks: $((SECONDS - total)) s"
