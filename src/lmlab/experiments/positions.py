@@ -401,7 +401,7 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
         notes.append(f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, {sin - scaled:.2f} nats "
                      f"worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): the unit-amplitude "
                      "encoding swamps the token embeddings unless they are scaled up. The scale also makes the residual stream "
-                     "~11x larger for every later layer, and the other schemes train unscaled, so the scaled arm's gap to "
+                     f"{math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train unscaled, so the scaled arm's gap to "
                      "them mixes a positions effect with an embedding-scale effect.")
     if v.get("zero-shot-yarn-8x") != "reproduced" or v.get("zero-shot-yarn-16x") != "reproduced":
         r = cfg.model.rope
