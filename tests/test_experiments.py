@@ -92,7 +92,7 @@ def positions_rows(move: str | None = None, delta: float = 0.0) -> list[dict]:
     """Every scheme's and fine-tune's measurements, flat at 3.0 (+ shared seed noise) unless moved."""
     rows = []
     for name in ("none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
-                 "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"):
+                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"):
         for s in SEEDS:
             base = 3.0 + SHARED[s]
             r = {"variant": name, "seed": s, "final_val_loss": base, "status": "ok", "loss_1x": base, "copy_1x": 0.5,
@@ -158,7 +158,11 @@ def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost(
     for r in rows:
         if r["variant"] == "sinusoidal":
             r["final_val_loss"] += 0.8
-    assert "0.80 nats worse" in positions.paper_note(claims, cfg, rows)
+    for r in rows:
+        if r["variant"] == "rope-scaled":
+            r["final_val_loss"] -= 0.1
+    note = positions.paper_note(claims, cfg, rows)
+    assert "0.80 nats worse" in note and "the two schemes differ by +0.100 nats" in note
     rows = [r for r in rows if r["variant"] != "sinusoidal-scaled"]  # the control arm missing: no claim made
     assert "swamps" not in positions.paper_note(claims, cfg, rows)
 
@@ -199,7 +203,7 @@ EXPECTED = {
         "plots": ["grad_norm_init.png", "loss_curves.png", "final_loss_vs_depth.png", "update_size.png"],
     },
     "positions": {
-        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
+        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope", "rope-scaled",
                  "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
         "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x", "copy_8x_far"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],

@@ -387,6 +387,11 @@ def yarn_bands(head_dim: int, L: int, base: float, beta_fast: float, beta_slow: 
     return full, head_dim // 2 - full - kept, kept
 
 
+def _mean_loss(rows: list[dict], variant: str) -> float:
+    runs = seeds_of(rows, variant)
+    return statistics.fmean(num(r["final_val_loss"]) for r in runs.values()) if runs else float("nan")
+
+
 def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
     """Where a result disagrees with the papers, the setup difference that plausibly explains it."""
     v = {c.id: c.verdict for c in claims}
@@ -395,14 +400,18 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
         notes.append("Shaw's relative positions degrade beyond the training length once their clip covers it: the flat curve of "
                      "the first version came from clip 16 < 64, where every offset past 16 shares one trained embedding. The "
                      "clip-16 arm is that setup, shown.")
-    sin, scaled = (statistics.fmean(num(r["final_val_loss"]) for r in runs.values()) if runs else float("nan")
-                   for runs in (seeds_of(rows, "sinusoidal"), seeds_of(rows, "sinusoidal-scaled")))
+    sin, scaled = _mean_loss(rows, "sinusoidal"), _mean_loss(rows, "sinusoidal-scaled")
     if sin - scaled > 0.05:  # False when either is missing (nan)
         notes.append(f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, {sin - scaled:.2f} nats "
                      f"worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): the unit-amplitude "
-                     "encoding swamps the token embeddings unless they are scaled up. The scale also makes the residual stream "
-                     f"{math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train unscaled, so the scaled arm's gap to "
-                     "them mixes a positions effect with an embedding-scale effect.")
+                     "encoding swamps the token embeddings unless they are scaled up. The scale also makes the residual "
+                     f"stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train "
+                     "unscaled, so the scaled arm's gap to them mixes a positions effect with an embedding-scale effect.")
+        rs = _mean_loss(rows, "rope-scaled")
+        if math.isfinite(rs):
+            notes.append(f"With the same scale, rope trained to {rs:.3f} (unscaled {_mean_loss(rows, 'rope'):.3f}), against "
+                         f"{scaled:.3f} for scaled sinusoidal: at equal embedding scale the two schemes differ by "
+                         f"{scaled - rs:+.3f} nats.")
     if v.get("zero-shot-yarn-8x") != "reproduced" or v.get("zero-shot-yarn-16x") != "reproduced":
         r = cfg.model.rope
         full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
