@@ -21,7 +21,6 @@ from lmlab.run.sources import open_source, read_text_file
 from lmlab.run.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
-    CharTokenizer,
     HFTokenizer,
     load_tokenizer,
     tokenizer_from_path,

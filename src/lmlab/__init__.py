@@ -2,7 +2,8 @@
 
 from .attention import KVCache
 from .config import PRESETS, ModelConfig, MoEConfig, RopeConfig
-from .model import IGNORE_INDEX, LMOutput, SequenceClassifier, Transformer
+from .loss import IGNORE_INDEX
+from .model import LMOutput, SequenceClassifier, Transformer
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from .run.errors import EXIT_DIVERGED, EXIT_ENVIRONMENT, EXIT_USAGE, EnvironmentFailure, describe_os_error, one_line
 from .schema import suggest

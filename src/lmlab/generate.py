@@ -342,7 +342,7 @@ def decode_fixed(r: Request, run_for: Callable[[torch.nn.Module, StepState], Cal
                  cache_len: int) -> Iterator[torch.Tensor]:
     """Prefill as the reference does, then ``run_for(model, state)()`` for every further token,
     looking at the device every ``r.sync_every`` steps."""
-    model, (B, T) = r.model, r.idx.shape
+    model, B = r.model, r.idx.shape[0]
     with r.ctx():
         cache = model.new_cache(B, cache_len, dtype=r.cache_dtype)
         logits = model.head(model.hidden(r.idx, cache, r.mask)[:, -1])  # the prefill stays eager

@@ -22,7 +22,7 @@ from .attention import Attention, KVCache, StaticKVCache
 from .config import ModelConfig
 from .feedforward import FFNS
 from .init import Init, init_module
-from .loss import IGNORE_INDEX, LOSSES
+from .loss import LOSSES
 from .moe import MoE
 from .norm import build_norm
 from .positions import Context, build_positions, causal_context, padded_context

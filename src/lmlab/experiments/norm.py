@@ -303,7 +303,7 @@ def markdown(spec, rows, claims, tune: dict | None, *, command, wall_s, data, li
         "### Xiong's gradient at initialization\n\n||dL/dW^{2,l}||_F, the feed-forward output matrix of layer l, averaged over "
         f"{GRAD_BATCHES} fixed batches before any update; table: top layer / bottom layer (geometric mean over seeds).\n\n"
         + markdown_table(grad_table(rows, depths, n_layers)) + "\n![gradient per layer](grad_norm_init.png)\n\n"
-        f"![update size](update_size.png)\n\n## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims)
+        "![update size](update_size.png)\n\n## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims)
     )
     return text
 

@@ -218,7 +218,7 @@ def positions_claims(rows: list[dict], *, L: int) -> list[Claim]:
         effects = [extension_effect(ra[s], rb[s], None) for s in sorted(set(ra) & set(rb))]
         claims.append(Claim("positions", f"ft-extension-{method}",
                             f"fine-tuning with {DISPLAY[method]} helps beyond the training length more than within it",
-                            f"At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range positions minus the "
+                            "At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range positions minus the "
                             "same on in-range positions, per seed, below 0 (an extension effect, not a general gain).",
                             mean_interval(effects) if effects else None, margin, "lower",
                             detail=f"Gain beyond {_m([ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb])}, "

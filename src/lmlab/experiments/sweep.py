@@ -85,7 +85,7 @@ from ..run.evaluate import evaluate
 from ..run.metrics import jsonable
 from ..run.provenance import code_revision
 from ..run.trainer import Trainer, TrainingDiverged
-from ..schema import read_yaml, suggest
+from ..schema import read_yaml
 from . import corpus as corpus_mod
 from .report import band_plot, figure, fmt, markdown_table, mean_std, write_csv
 from .spec import SweepSpec, Tune, Variant, check_active_params, model_accounting, parse_spec  # noqa: F401 (re-exported)

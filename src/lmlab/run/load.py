@@ -19,7 +19,6 @@ from . import checkpoint as ckpt
 from .config import RunConfig, load_config
 from .data import read_meta, run_data_dir
 from .directory import CHECKPOINTS, CONFIG_FILE
-from .errors import CorruptFile, one_line
 from .tasks import TASKS
 from .tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
 
