@@ -87,6 +87,20 @@ def test_norm_counts_a_diverged_run_as_the_untrained_loss():
     assert got["warmup-post-normal"].interval.mean == pytest.approx(7.6 - 4.0, abs=0.03)
 
 
+def test_norm_calls_a_comparison_of_two_arms_that_never_learned_inconclusive():
+    rows = norm_rows()
+    for r in rows:  # post-xavier at 24 layers stuck at the unigram loss with and without warmup, a hair apart
+        if (r["arch"], r["depth"]) == ("post-xavier", "L24"):
+            r.update(final_val_loss=6.237 + (0.001 if r["warmup"] == "warmup" else 0.0) + SHARED[r["seed"]] / 100,
+                     status="no better than unigram")
+    got = {c.id: c for c in norm.norm_claims(rows, init_loss=7.6, deepest="L24")}
+    stuck = got["warmup-post-xavier"]
+    assert stuck.interval.excludes_zero()  # the interval alone would call it "opposite"
+    assert stuck.verdict == "inconclusive" and not stuck.negligible and "untestable" in stuck.line()
+    assert got["pre-beats-post-xavier"].verdict == "reproduced"  # pre-norm learned: that comparison still counts
+    assert json.loads(json.dumps(stuck.to_json()))["untestable"]
+
+
 # ============================================================== positions
 def positions_rows(move: str | None = None, delta: float = 0.0) -> list[dict]:
     """Every scheme's and fine-tune's measurements, flat at 3.0 (+ shared seed noise) unless moved."""

@@ -39,9 +39,12 @@ class Claim:
     claimed: Claimed = "lower"
     unit: str = "nats"
     detail: str = ""  # the numbers behind it, one line
+    untestable: str = ""  # why the runs cannot test the claim (e.g. neither arm learned): inconclusive, whatever the interval
 
     @property
     def verdict(self) -> Verdict | None:
+        if self.untestable:
+            return "inconclusive"
         return None if self.interval is None else decide(self.interval, self.margin, self.claimed)
 
     @property
@@ -49,13 +52,14 @@ class Claim:
         """A difference whose interval excludes zero yet lies inside the tie margin: real, but smaller
         than what reseeding one run moves it by."""
         iv = self.interval
-        return bool(iv is not None and iv.excludes_zero() and math.isfinite(self.margin) and -self.margin < iv.lo and iv.hi < self.margin)
+        return bool(not self.untestable and iv is not None and iv.excludes_zero() and math.isfinite(self.margin) and -self.margin < iv.lo and iv.hi < self.margin)
 
     def line(self) -> str:
         """A markdown bullet: the claim, its verdict and the interval."""
         iv = self.interval.text() if self.interval is not None else "not measured"
         margin = f"; margin ±{self.margin:.3f}" if math.isfinite(self.margin) else ""
         small = " (inside the tie margin: a real difference, but smaller than reseeding one run moves it)" if self.negligible else ""
+        small += f" ({self.untestable})" if self.untestable else ""
         return f"- **{self.id}** — {self.claim}: {label(self.verdict)}{small}. Difference {iv} {self.unit}{margin}. {self.detail}".rstrip()
 
     def to_json(self) -> dict[str, Any]:
@@ -63,7 +67,7 @@ class Claim:
         return {"id": self.id, "claim": self.claim, "criterion": self.criterion, "verdict": self.verdict,
                 "difference": iv.mean if iv else None, "ci95": [iv.lo, iv.hi] if iv else None, "n": iv.n if iv else 0,
                 "margin": self.margin, "claimed": self.claimed, "unit": self.unit, "negligible": self.negligible,
-                "detail": self.detail}
+                "detail": self.detail, "untestable": self.untestable}
 
 
 def capped(row: dict, init_loss: float) -> float:
@@ -71,6 +75,16 @@ def capped(row: dict, init_loss: float) -> float:
     the loss of the untrained model, so that one bad seed weighs in instead of voiding the interval."""
     v = row.get("final_val_loss")
     return v if row.get("status") != "diverged" and isinstance(v, float) and math.isfinite(v) else init_loss
+
+
+def neither_learned(*arms: list[dict]) -> str:
+    """Why a loss comparison between ``arms`` (their result rows) cannot test anything, or "": every
+    run of every arm diverged or ended no better than the unigram loss, so no arm learned and their
+    difference is noise around a floor."""
+    runs = [r for arm in arms for r in arm]
+    if runs and all(r.get("status") in ("diverged", "no better than unigram") for r in runs):
+        return "untestable: every run of both arms diverged or ended no better than unigram"
+    return ""
 
 
 def criteria_text(claims: list[Claim]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..run.atomic import atomic_write_text
-from .claims import Claim, capped, criteria_text, write_verdicts
+from .claims import Claim, capped, criteria_text, neither_learned, write_verdicts
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import mean_interval, paired_interval, tie_margin
 from .sweep import Hooks as SweepHooks
@@ -125,6 +125,10 @@ def _paired(cells, a, b, value) -> tuple[Any, list[float], list[float]]:
     return (paired_interval(va, vb) if seeds else None), va, vb
 
 
+def _neither(cells, a, b) -> str:
+    return neither_learned(list(cells.get(a, {}).values()), list(cells.get(b, {}).values()))
+
+
 def _mean(v: list[float]) -> str:
     return f"{statistics.fmean(v):.3f}" if v else "—"
 
@@ -148,26 +152,31 @@ def norm_claims(rows: list[dict], *, init_loss: float, deepest: str) -> list[Cla
             mean_interval(ratios) if ratios else None, grad_margin, "higher", "log ratio",
             f"Top/bottom ratio: post {math.exp(statistics.fmean(ratios)) if ratios else float('nan'):.2f}x, pre "
             f"{math.exp(statistics.fmean(pre_ratios)) if pre_ratios else float('nan'):.2f}x (geometric means)."))
-        iv, a, b = _paired(cells, (post, deepest, "nowarmup"), (post, deepest, "warmup"), loss)
+        arms = (post, deepest, "nowarmup"), (post, deepest, "warmup")
+        iv, a, b = _paired(cells, *arms, loss)
         claims.append(Claim(
             "norm", f"warmup-post-{init}", f"post-norm needs warmup at depth ({INIT_TEXT[init]} init)",
             f"At {deepest}, each at its tuned lr: post-norm without warmup minus with warmup, paired by seed, above 0.",
-            iv, margin, "higher", detail=f"Without warmup {_mean(a)}, with {_mean(b)}."))
-        iv, a, b = _paired(cells, (pre, deepest, "nowarmup"), (post, deepest, "nowarmup"), loss)
+            iv, margin, "higher", detail=f"Without warmup {_mean(a)}, with {_mean(b)}.", untestable=_neither(cells, *arms)))
+        arms = (pre, deepest, "nowarmup"), (post, deepest, "nowarmup")
+        iv, a, b = _paired(cells, *arms, loss)
         claims.append(Claim(
             "norm", f"pre-beats-post-{init}", f"pre-norm trains deep models better than post-norm without warmup ({INIT_TEXT[init]} init)",
             f"At {deepest}, no warmup: pre-norm minus post-norm final loss, paired by seed, below 0.",
-            iv, margin, "lower", detail=f"Pre {_mean(a)}, post {_mean(b)}."))
-        iv, a, b = _paired(cells, (pre, deepest, "nowarmup"), (pre, deepest, "warmup"), loss)
+            iv, margin, "lower", detail=f"Pre {_mean(a)}, post {_mean(b)}.", untestable=_neither(cells, *arms)))
+        arms = (pre, deepest, "nowarmup"), (pre, deepest, "warmup")
+        iv, a, b = _paired(cells, *arms, loss)
         claims.append(Claim(
             "norm", f"pre-no-warmup-{init}", f"pre-norm does not need warmup ({INIT_TEXT[init]} init)",
             f"At {deepest}: pre-norm without warmup minus with warmup, paired by seed, below the tie margin (no worse).",
-            iv, margin, "not_higher", detail=f"Without warmup {_mean(a)}, with {_mean(b)}."))
-    iv, a, b = _paired(cells, ("deepnorm", deepest, "nowarmup"), ("post-xavier", deepest, "nowarmup"), loss)
+            iv, margin, "not_higher", detail=f"Without warmup {_mean(a)}, with {_mean(b)}.", untestable=_neither(cells, *arms)))
+    arms = ("deepnorm", deepest, "nowarmup"), ("post-xavier", deepest, "nowarmup")
+    iv, a, b = _paired(cells, *arms, loss)
     claims.append(Claim(
         "norm", "deepnorm-beats-post", "DeepNorm makes deep post-norm train better (Wang et al. 2022)",
         f"At {deepest}, no warmup: DeepNorm minus post-norm with Xavier init (DeepNorm's init without its beta and "
-        "residual up-scaling), paired by seed, below 0.", iv, margin, "lower", detail=f"DeepNorm {_mean(a)}, post {_mean(b)}."))
+        "residual up-scaling), paired by seed, below 0.", iv, margin, "lower", detail=f"DeepNorm {_mean(a)}, post {_mean(b)}.",
+        untestable=_neither(cells, *arms)))
     return claims
 
 
