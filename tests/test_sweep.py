@@ -355,6 +355,16 @@ def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
     assert math.isclose(next(t for t in table if t["group"] == "pre" and t["value"] == 3e-3)["mean_final_val_loss"], 2.55)
 
 
+def test_a_choice_at_either_edge_of_the_grid_is_flagged_and_an_interior_one_is_not():
+    tune = {"values": [1.5e-3, 3e-3, 6e-3], "chosen": {"dense": 6e-3, "moe": 3e-3, "tiny": 1.5e-3}}
+    assert sweep.grid_edges(tune) == {"dense": 6e-3, "tiny": 1.5e-3}
+    assert sweep.grid_edge_text(tune) == "Chosen at an edge of the grid, so the best value may lie beyond it: dense 0.006, tiny 0.0015. "
+    assert sweep.grid_edges({"values": [1e-3, 2e-3, 3e-3, 1.2e-2], "chosen": {"dense": 3e-3}}) == {}
+    assert sweep.grid_edge_text({"values": [1e-3, 3e-3], "chosen": {"a": 2e-3}}) == ""
+    assert sweep.grid_edges({"values": ["glu", "mlp"], "chosen": {"a": "glu"}}) == {}  # not an ordered grid
+    assert sweep.grid_edges(None) == {} and sweep.grid_edges({"values": [3e-3], "chosen": {"a": 3e-3}}) == {}
+
+
 def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus):
     path = spec_file(tmp_path, corpus, variants=None, grid=[
         {"axis": "arch", "levels": [{"name": "pre", "overrides": {"model.norm_position": "pre"}},

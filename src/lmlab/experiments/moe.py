@@ -25,7 +25,7 @@ from .claims import Claim, capped, criteria_text, write_verdicts
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import paired_interval, tie_margin
 from .sweep import Hooks as SweepHooks
-from .sweep import eval_slice_text, seed_curves
+from .sweep import eval_slice_text, grid_edge_text, seed_curves
 
 LOAD_BATCHES = 8  # validation batches for the load heatmap
 BALANCE = {"fg-m4-shared-nobalance": "no balancing", "fg-m4-shared": "auxiliary loss (alpha 0.01)",
@@ -202,7 +202,7 @@ def markdown(spec, rows, claims, tune, *, command, wall_s, data, init_loss) -> s
         f"F = {cfg.model.d_ff}, vocab {cfg.model.vocab_size}. Every run: {t.steps} steps of {t.batch_size}×{cfg.seq_len} tokens "
         f"({t.steps * t.batch_size * cfg.seq_len:,} tokens), {t.warmup_steps} warmup steps and cosine decay to lr/10, identical "
         "data order per seed. " + (f"Learning rate per arm from {tune['values']} by a tuning run of {spec.tune.overrides.get('train.steps', t.steps)} "
-                                   f"steps (seed {tune['seeds']}, not reused). " if tune and spec.tune else "")
+                                   f"steps (seed {tune['seeds']}, not reused). " + grid_edge_text(tune) if tune and spec.tune else "")
         + (f"Arms no verdict rests on ({', '.join(few)}) train the first {min(seeds[n] for n in few)} seeds; the others "
            f"{len(spec.seeds)}. " if few else "")
         + f"Active parameters include the router; the sweep refuses arms more than 5% from dense. {eval_slice_text(spec)}.\n\n"

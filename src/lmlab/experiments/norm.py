@@ -30,7 +30,7 @@ from .claims import Claim, capped, criteria_text, neither_learned, write_verdict
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import mean_interval, paired_interval, tie_margin
 from .sweep import Hooks as SweepHooks
-from .sweep import eval_slice_text, seed_curves
+from .sweep import eval_slice_text, grid_edge_text, seed_curves
 
 UPDATE_STEPS = 50  # steps over which the relative parameter change is recorded
 GRAD_BATCHES = 4  # batches averaged for the gradient at initialization
@@ -322,7 +322,8 @@ def tune_text(tune: dict | None) -> str:
         return ""
     at = ", ".join(tune.get("at", {}).values())
     return (f"Learning rate per arch, chosen from {tune['values']} by the lowest mean final loss of its tuning runs (at {at}; "
-            f"seed {tune['seeds']}, which no main run reuses): " + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ".\n\n")
+            f"seed {tune['seeds']}, which no main run reuses): " + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ". "
+            + grid_edge_text(tune) + "\n\n")
 
 
 def paper_note(claims: list[Claim]) -> str:

@@ -648,6 +648,8 @@ def tune_and_apply(spec: SweepSpec, out: Path, trainer_cls, quiet: bool, log, jo
                      "seeds": spec.tune.seeds, "chosen": choices, "table": table})
     atomic_write_text(out / "tune.json", json.dumps(info, indent=1) + "\n")
     log("chosen " + ", ".join(f"{g}: {v}" for g, v in choices.items()))
+    if grid_edges(info):
+        log("note: " + grid_edge_text(info).strip())
     return spec.with_tuned(choices), info
 
 
@@ -667,6 +669,24 @@ def choose(tune: Tune, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list
                 best, best_loss = value, loss
         choices[group] = best if best is not None else tune.values[0]
     return choices, table
+
+
+def grid_edges(tune: dict | None) -> dict[str, Any]:
+    """Groups whose chosen value is the smallest or largest of a numeric grid: their best value may
+    lie beyond the grid, so a comparison against them may be against an under-tuned arm."""
+    values = (tune or {}).get("values") or []
+    if len(values) < 2 or not all(isinstance(v, (int, float)) for v in values):
+        return {}
+    return {g: v for g, v in tune["chosen"].items() if v in (min(values), max(values))}
+
+
+def grid_edge_text(tune: dict | None) -> str:
+    """One sentence naming the groups tuned to an edge of the grid ("" when none is)."""
+    edges = grid_edges(tune)
+    if not edges:
+        return ""
+    return ("Chosen at an edge of the grid, so the best value may lie beyond it: "
+            + ", ".join(f"{g} {v:g}" for g, v in edges.items()) + ". ")
 
 
 # ============================================================== tables and plots
