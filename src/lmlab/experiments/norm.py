@@ -323,7 +323,7 @@ def tune_text(tune: dict | None) -> str:
     at = ", ".join(tune.get("at", {}).values())
     return (f"Learning rate per arch, chosen from {tune['values']} by the lowest mean final loss of its tuning runs (at {at}; "
             f"seed {tune['seeds']}, which no main run reuses): " + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ". "
-            + grid_edge_text(tune) + "\n\n")
+            + grid_edge_text(tune)).rstrip() + "\n\n"
 
 
 def paper_note(claims: list[Claim]) -> str:
