@@ -160,6 +160,17 @@ def test_a_fine_tune_gain_everywhere_is_not_an_extension_effect():
     assert verdicts(positions.positions_claims(rows, L=64))["ft-extension-yarn"] == "tie"
 
 
+def test_retrieval_is_untestable_when_rope_does_not_copy_even_within_its_training_length():
+    rows = positions_rows("copy:rope-ft-yarn", 0.3)  # a clear win for the YaRN fine-tune...
+    assert verdicts(positions.positions_claims(rows, L=64))["retrieval-yarn"] == "reproduced"
+    for r in rows:
+        if r["variant"] == "rope":
+            r["copy_1x"] = 0.002  # ...by models that never copy in range: noise around chance
+    claim = {c.id: c for c in positions.positions_claims(rows, L=64)}["retrieval-yarn"]
+    assert claim.verdict == "inconclusive" and "never learned to copy" in claim.line() and "0.002" in claim.line()
+    assert {c.id: c.verdict for c in positions.positions_claims(rows, L=64)}["shaw-flat-from-clip"] == "tie"  # only retrieval
+
+
 def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost():
     from types import SimpleNamespace
 
@@ -305,12 +316,15 @@ def test_claims_table_is_generated_from_verdict_files(tmp_path):
 
     c = claims.Claim("norm", "warmup-post-xavier", "post-norm needs warmup", "criterion", Interval(0.2, 0.1, 0.3, 3, 0.04), 0.05, "higher")
     small = claims.Claim("norm", "tiny", "a real but tiny effect", "criterion", Interval(-0.005, -0.008, -0.001, 3, 0.002), 0.026, "lower")
-    claims.write_verdicts(results / "norm", "norm", [c, small], {})
+    stuck = claims.Claim("norm", "stuck", "arms that never learned", "criterion", Interval(-0.001, -0.0012, -0.0008, 3, 0.0001), 0.05,
+                         "lower", untestable="untestable: every run of both arms diverged or ended no better than unigram")
+    claims.write_verdicts(results / "norm", "norm", [c, small, stuck], {})
     (results / "old").mkdir()
     (results / "old" / "verdict.json").write_text(json.dumps({"gradients": False}))
     table = claims.claims_table(results)
     assert "| [norm](norm/report.md) | warmup-post-xavier: post-norm needs warmup | **REPRODUCED** | +0.200 [+0.100, +0.300] nats | ±0.050 | 3 |" in table
     assert "| tiny: a real but tiny effect | **REPRODUCED** (inside the tie margin) | -0.005 [-0.008, -0.001] nats | ±0.026 | 3 |" in table
+    assert "| stuck: arms that never learned | **INCONCLUSIVE** (untestable) | -0.001 [-0.001, -0.001] nats | ±0.050 | 3 |" in table
     assert "an older report without intervals" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{claims.BEGIN}\nstale\n{claims.END}\noutro\n")

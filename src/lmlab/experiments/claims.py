@@ -117,7 +117,7 @@ def claims_table(results: str | Path) -> str:
             ci = c.get("ci95") or [None, None]
             diff = f"{_cell(c['difference'])} [{_cell(ci[0])}, {_cell(ci[1])}] {c['unit']}" if c["difference"] is not None else "—"
             margin = f"±{c['margin']:.3f}" if isinstance(c.get("margin"), (int, float)) and math.isfinite(c["margin"]) else "—"
-            small = " (inside the tie margin)" if c.get("negligible") else ""
+            small = " (inside the tie margin)" if c.get("negligible") else " (untestable)" if c.get("untestable") else ""
             lines.append(f"| [{data['experiment']}]({path.parent.name}/report.md) | {c['id']}: {c['claim']} | "
                          f"{label(c['verdict'])}{small} | {diff} | {margin} | {c['n']} |")
     return "\n".join(lines) + "\n"
