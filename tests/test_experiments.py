@@ -308,6 +308,24 @@ def test_gpu_profile_sizes_models_of_10_to_100_million_parameters():
         assert spec.seeds == [0] and all(c.train.device == "auto" for c in spec.configs.values())
 
 
+def test_moe_report_names_the_learning_rate_difference_only_when_capacity_was_not_shown_and_the_rates_differ():
+    from types import SimpleNamespace
+
+    from lmlab import ModelConfig
+
+    cfg = SimpleNamespace(model=ModelConfig(vocab_size=2048, d_model=64, n_heads=4, max_seq_len=128, ffn="glu", activation="silu"),
+                          seq_len=128, train=SimpleNamespace(steps=2500, batch_size=16))
+
+    shown = moe.moe_claims(moe_rows("fg-m4-shared", "loss", offset("win", "lower")), init_loss=7.6)
+    not_shown = moe.moe_claims(moe_rows(), init_loss=7.6)
+    assert verdicts(shown)["capacity"] == "reproduced" and verdicts(not_shown)["capacity"] == "tie"
+    differ, same = {"dense": 6e-3, "fg-m4-shared": 3e-3}, {"dense": 3e-3, "fg-m4-shared": 3e-3}
+    assert "Dense trained at lr 0.006 and m=4 + shared at 0.003" in moe.paper_note(not_shown, cfg, differ)
+    assert "Dense trained at lr" not in moe.paper_note(not_shown, cfg, same)
+    assert "Dense trained at lr" not in moe.paper_note(not_shown, cfg, {"dense": 6e-3})  # an arm missing: nothing to compare
+    assert "Dense trained at lr" not in moe.paper_note(shown, cfg, differ)
+
+
 # ============================================================== the README's table
 def test_claims_table_is_generated_from_verdict_files(tmp_path):
     results = tmp_path / "results"

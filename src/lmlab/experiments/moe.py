@@ -214,12 +214,12 @@ def markdown(spec, rows, claims, tune, *, command, wall_s, data, init_loss) -> s
         "![expert load](expert_load_heatmaps.png)\n\n![balance](balance_max_load.png)\n\n"
         "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n"
         "Wall time is this CPU and this implementation (dropless, one thread): MoE's routing costs more here than on a GPU "
-        "with grouped GEMMs; read the tokens/s column as a property of the setup.\n\n" + paper_note(claims, cfg)
+        "with grouped GEMMs; read the tokens/s column as a property of the setup.\n\n" + paper_note(claims, cfg, (tune or {}).get("chosen"))
     )
     return text
 
 
-def paper_note(claims: list[Claim], cfg) -> str:
+def paper_note(claims: list[Claim], cfg, chosen: dict | None = None) -> str:
     """Where a result disagrees with the papers, the setup difference that plausibly explains it."""
     v = {c.id: c.verdict for c in claims}
     notes = []
@@ -230,6 +230,11 @@ def paper_note(claims: list[Claim], cfg) -> str:
                      "tokens. Routing has less to specialize on, and an expert that narrow is a weak "
                      "function: the setup difference most likely to explain a missing gain. Showing it needs a wider "
                      "body, more than one extra arm's budget here; the --profile gpu size is the place to test it.")
+    dense_lr, moe_lr = (chosen or {}).get("dense"), (chosen or {}).get("fg-m4-shared")
+    if v.get("capacity") != "reproduced" and None not in (dense_lr, moe_lr) and dense_lr != moe_lr:
+        notes.append(f"Dense trained at lr {dense_lr:g} and m=4 + shared at {moe_lr:g}, each chosen by tuning runs "
+                     "a quarter as long as the main runs, which may rank rates differently from full-length runs: the choice "
+                     "is a second setup difference in the capacity comparison.")
     if v.get("loss-free") == "opposite":
         notes.append("DeepSeek-V3 tuned gamma for 671B parameters and 14.8T tokens; gamma 1e-3 over a few thousand steps moves "
                      "the biases by at most a few units, which may be too slow or too fast for this run length.")
