@@ -292,7 +292,7 @@ def test_experiment_specs_ship_with_the_package_and_validate_at_every_size():
     full = load_experiment_spec("moe")
     assert full.configs["dense"].train.steps * full.configs["dense"].train.batch_size * full.configs["dense"].seq_len >= 10 * 512_000
     assert {v.name: len(full.seeds_of(v)) for v in full.variants if len(full.seeds_of(v)) == 5}.keys() == {
-        "dense", "gshard-top2", "fg-m4", "fg-m4-shared", "fg-m4-shared-lossfree"}  # every arm a verdict rests on: 5 seeds
+        "dense", "gshard-top2", "fg-m4", "fg-m4-shared", "fg-m4-shared-lossfree", "fg-m4-shared-nobalance"}  # every arm a verdict rests on
     assert all(len(full.seeds_of(v)) >= 3 for v in full.variants)
     assert load_experiment_spec("norm").seeds == [0, 1, 2] and load_experiment_spec("positions").seeds == [0, 1, 2]
     assert load_experiment_spec("positions").configs["relative"].model.relative_clip >= 64  # clip >= the training length
