@@ -233,7 +233,7 @@ def paper_note(claims: list[Claim], cfg, chosen: dict | None = None) -> str:
     dense_lr, moe_lr = (chosen or {}).get("dense"), (chosen or {}).get("fg-m4-shared")
     if v.get("capacity") != "reproduced" and None not in (dense_lr, moe_lr) and dense_lr != moe_lr:
         notes.append(f"Dense trained at lr {dense_lr:g} and m=4 + shared at {moe_lr:g}, each chosen by tuning runs "
-                     "a quarter as long as the main runs, which may rank rates differently from full-length runs: the choice "
+                     "shorter than the main runs, which may rank rates differently from full-length runs: the choice "
                      "is a second setup difference in the capacity comparison.")
     if v.get("loss-free") == "opposite":
         notes.append("DeepSeek-V3 tuned gamma for 671B parameters and 14.8T tokens; gamma 1e-3 over a few thousand steps moves "

@@ -648,8 +648,8 @@ def tune_and_apply(spec: SweepSpec, out: Path, trainer_cls, quiet: bool, log, jo
                      "seeds": spec.tune.seeds, "chosen": choices, "table": table})
     atomic_write_text(out / "tune.json", json.dumps(info, indent=1) + "\n")
     log("chosen " + ", ".join(f"{g}: {v}" for g, v in choices.items()))
-    if grid_edges(info):
-        log("note: " + grid_edge_text(info).strip())
+    if edges := grid_edge_text(info):
+        log("note: " + edges.strip())
     return spec.with_tuned(choices), info
 
 
