@@ -99,9 +99,9 @@ def distinct_bytes(tensors) -> int:
 
 # ============================================================== part 1: DDP vs FSDP, 2 processes
 def static_worker() -> None:
-    from lmlab.run.distributed import Dist
+    from lmlab.run.parallel.group import Dist
     from lmlab.run.optim import build_optimizer
-    from lmlab.run.parallel import parallelize
+    from lmlab.run.parallel.plan import parallelize
     from lmlab.run.trainer import forward_backward
 
     torch.set_num_threads(1)
@@ -157,7 +157,7 @@ def static_part() -> None:
 
 # ============================================================== part 2: activation checkpointing
 def activation_part(steps: int) -> None:
-    from lmlab.run.parallel import checkpoint_blocks
+    from lmlab.run.parallel.plan import checkpoint_blocks
 
     torch.set_num_threads(1)
     x = torch.randint(0, V, (8, 256), generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,7 @@ checked against ``getrusage``'s ``ru_maxrss``):
   encode_batch   the same documents, already in memory, encoded by ``tokenizers`` in batches of
                  about 4 MB of text with ``encode_batch_fast`` (every core, GIL released); ids
                  discarded. The speed limit of tokenization itself; memory is the corpus held.
-  prepare        ``lmlab.run.data.prepare`` with the same tokenizer.json (``--tokenizer PATH``,
+  prepare        ``lmlab.run.data.prepare.prepare`` with the same tokenizer.json (``--tokenizer PATH``,
                  nothing to train): reading, JSON parsing, hashing, duplicate detection, the
                  document split, encoding, writing shards, meta.json.
   prepare+bpe    ``prepare`` with ``tokenizer="bpe"``: the same, plus training the tokenizer on a
@@ -167,7 +167,7 @@ print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - start, "cpu
 
 PREPARE = r"""
 import json, sys, time
-from lmlab.run.data import DataConfig, prepare
+from lmlab.run.data.prepare import DataConfig, prepare
 cfg = DataConfig(source=sys.argv[1], tokenizer=sys.argv[2], vocab_size=int(sys.argv[4]))
 start, cpu = time.perf_counter(), time.process_time()
 meta = prepare(cfg, sys.argv[3], overwrite=True)
@@ -180,7 +180,7 @@ print(json.dumps({"tokens": meta["train_tokens"] + meta["val_tokens"], "seconds"
 
 REFERENCE_TOKENIZER = r"""
 import json, sys
-from lmlab.run.tokenizer import BPETokenizer
+from lmlab.run.data.tokenizer import BPETokenizer
 
 def texts():
     n = 0

@@ -10,7 +10,7 @@ AdamW, as ``lmlab.run.optim`` does.
 
 Sizes (``--size``): ``cpu``: llama preset, d_model 256, 4 layers, vocab 256, 8 x 256 tokens.
 ``gpu``: the 198M llama of the README's GPU table (d_model 1024, 12 layers, vocab 32000), 8 x 1024.
-``--compile``: lmlab compiles each block (``train.compile``, lmlab.run.compile), transformers
+``--compile``: lmlab compiles each block (``train.compile``, lmlab.run.parallel.compile), transformers
 the whole model with ``torch.compile``. Timing, clocks and MFU: see harness.py.
 
     python benchmarks/bench_train_step.py --threads 2              # the README's CPU row

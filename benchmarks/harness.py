@@ -117,7 +117,7 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak: float) -> float:
 
 
 def compile_blocks(model) -> None:
-    """lmlab's compile option, as ``train.compile`` applies it (lmlab.run.compile)."""
-    from lmlab.run.compile import compile_blocks as apply
+    """lmlab's compile option, as ``train.compile`` applies it (lmlab.run.parallel.compile)."""
+    from lmlab.run.parallel.compile import compile_blocks as apply
 
     apply(model)

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 import lmlab
-from lmlab.run import checkpoint as ckpt
-from lmlab.run import dcp
+from lmlab.run.checkpoint import local as ckpt
+from lmlab.run.checkpoint import sharded as dcp
 from lmlab.run.config import TrainConfig, load_config
-from lmlab.run.distributed import Dist
+from lmlab.run.parallel.group import Dist
 from lmlab.run.optim import build_optimizer
-from lmlab.run.parallel import parallelize
+from lmlab.run.parallel.plan import parallelize
 
 CPU = torch.device("cpu")
 MOE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn="glu",

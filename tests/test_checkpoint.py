@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import lmlab
-from lmlab.run import checkpoint as ckpt
+from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)

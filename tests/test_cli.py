@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmlab.run import checkpoint as ckpt
+from lmlab.run.checkpoint import local as ckpt
 from lmlab import cli
 from lmlab.run.load import load_run
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lmlab import cli
-from lmlab.run import checkpoint as ckpt
+from lmlab.run.checkpoint import local as ckpt
 
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -36,7 +36,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same arithmetic as this proc
 # after save_checkpoint / MetricsLog.write return (the gaps between a checkpoint and its record).
 KILLER = textwrap.dedent("""
     import os, shutil, signal, sys
-    from lmlab.run import checkpoint, metrics
+    from lmlab.run.checkpoint import local as checkpoint
+    from lmlab.run import metrics
     point, n = sys.argv[1], int(sys.argv[2])
     calls = [0]
     def count():
@@ -169,7 +170,7 @@ def test_a_second_process_is_refused_while_the_first_trains_and_takes_over_after
 
 @pytest.mark.slow
 def test_prepare_waits_for_another_process_preparing_the_same_directory(tmp_path):
-    from lmlab.run.data import DataConfig, prepare
+    from lmlab.run.data.prepare import DataConfig, prepare
 
     data = tmp_path / "data"
     data.mkdir()

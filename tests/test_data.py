@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from lmlab.run import data as data_mod
-from lmlab.run import shards as shards_mod
-from lmlab.run.atomic import write_atomic
-from lmlab.run.data import DataConfig, RowData, TokenData, prepare, read_meta, token_dtype
+from lmlab.run.data import prepare as data_mod
+from lmlab.run.data import shards as shards_mod
+from lmlab.run.checkpoint.atomic import write_atomic
+from lmlab.run.data.prepare import DataConfig, RowData, TokenData, prepare, read_meta, token_dtype
 from lmlab.run.errors import CorruptFile
-from lmlab.run.sources import open_source, read_text_file
-from lmlab.run.tokenizer import (
+from lmlab.run.data.sources import open_source, read_text_file
+from lmlab.run.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
     HFTokenizer,

@@ -26,8 +26,8 @@ import yaml
 
 import lmlab
 from lmlab.cli import main as cli
-from lmlab.run import checkpoint as ckpt
-from lmlab.run import dcp
+from lmlab.run.checkpoint import local as ckpt
+from lmlab.run.checkpoint import sharded as dcp
 from lmlab.run.errors import CorruptFile
 from lmlab.run.trainer import Trainer
 from test_train import losses, run_config, train
@@ -261,7 +261,7 @@ def test_consolidate_writes_what_eval_reads(dense, tmp_path, capsys):
 
 
 def test_a_failed_collective_says_peers_were_lost_and_only_that_arms_the_watchdog():
-    from lmlab.run.distributed import Dist, PeersLost, lost_peers
+    from lmlab.run.parallel.group import Dist, PeersLost, lost_peers
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:8580. This is typically caused by a remote worker crashing.")
@@ -278,7 +278,7 @@ def test_a_failed_collective_says_peers_were_lost_and_only_that_arms_the_watchdo
 
 
 def test_the_shutdown_watchdog_ends_a_hung_process():
-    code = "from lmlab.run.distributed import exit_after; import time; exit_after(1); time.sleep(60)"
+    code = "from lmlab.run.parallel.group import exit_after; import time; exit_after(1); time.sleep(60)"
     start = time.time()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and time.time() - start < 30 and out.stderr == ""  # silently, with status 1

@@ -427,7 +427,7 @@ TEXTS = ["héllo wörld\n\tspaces  end ", "日本語 🙂 mixed", " leading spac
 
 def tokenizer(kind: str):
     pytest.importorskip("tokenizers")
-    from lmlab.run.tokenizer import train_tokenizer
+    from lmlab.run.data.tokenizer import train_tokenizer
 
     return train_tokenizer(kind, [t for t in TEXTS[:-1] for _ in range(10)], 300)
 

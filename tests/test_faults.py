@@ -34,7 +34,7 @@ import torch
 
 import lmlab
 from lmlab import cli
-from lmlab.run import checkpoint as ckpt
+from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
 
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
@@ -210,7 +210,7 @@ def enospc_in_writes(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 def enospc_in_shard(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """prepare's token shard ``name`` (train, val) meets a full disk half way through a write, at the
     file object prepare writes through (Python's write reports it with no file name)."""
-    from lmlab.run import shards
+    from lmlab.run.data import shards
 
     class FullDisk(io.FileIO):
         def write(self, data):
@@ -267,7 +267,7 @@ def garbage(path: Path, data: bytes = b"\x00garbage\xff{") -> Path:
 
 
 def setup_lock_held(env: Env) -> list:
-    from lmlab.run.lock import DirLock
+    from lmlab.run.checkpoint.lock import DirLock
 
     env.lock = DirLock(env.run()).acquire()  # held here; test_crash.py holds it from another process
     return resume(env)
@@ -511,7 +511,7 @@ def test_a_failed_write_names_the_target_and_leaves_nothing(tmp_path, monkeypatc
 
 
 def test_metrics_are_strict_json_and_unreadable_lines_never_block_a_resume(tmp_path):
-    from lmlab.run.directory import RunDir
+    from lmlab.run.checkpoint.directory import RunDir
     from lmlab.run.metrics import MetricsLog, read_metrics
 
     run = RunDir(tmp_path)
@@ -585,7 +585,7 @@ def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys)
     """lr jumps to 1e10 after step 3: step 4's update is huge but finite, and the old guard
     checkpointed it (and the skipped steps after it) and named it as the last good one."""
     from lmlab.run.config import RunConfig, TrainConfig
-    from lmlab.run.data import DataConfig
+    from lmlab.run.data.prepare import DataConfig
     from lmlab.run.trainer import Trainer, TrainingDiverged
 
     cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
@@ -676,7 +676,7 @@ def test_from_hf_refuses_an_absurd_config_before_reading_or_allocating(tmp_path)
 
 
 def test_lock_refuses_a_second_holder_and_is_gone_when_released(tmp_path):
-    from lmlab.run.lock import DirectoryInUse, DirLock, locked
+    from lmlab.run.checkpoint.lock import DirectoryInUse, DirLock, locked
 
     first = DirLock(tmp_path / "a" / "run").acquire()
     assert (tmp_path / "a" / "run" / ".lock").read_text() == f"{os.getpid()}\n"

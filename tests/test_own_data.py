@@ -230,7 +230,7 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
     assert report["accuracy"] == pytest.approx(accuracy[60])  # the trainer evaluated every val row the same way
     # recompute from the saved model: row by row, the last real token's prediction
     loaded = load_run(tmp_path / "run", checkpoint="latest")
-    from lmlab.run.data import RowData
+    from lmlab.run.data.prepare import RowData
 
     val = RowData(tmp_path / "data", "val")
     x, y = val.rows(np.arange(len(val)), 32)

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_prepare_parser(sub) -> None:
-    from .run.data import DataConfig
+    from .run.data.prepare import DataConfig
 
     d = DataConfig()
     p = sub.add_parser("prepare", help="tokenize text into train/val token shards", formatter_class=Formatter,
@@ -303,7 +303,7 @@ def exit_status(e: Exception) -> tuple[int, str] | None:
 
 # ============================================================== commands
 def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data import DataConfig, describe, prepare
+    from .run.data.prepare import DataConfig, describe, prepare
 
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      bpe_sample_mb=args.bpe_sample_mb, val_fraction=args.val_fraction, text_field=args.text_field,
@@ -316,7 +316,7 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
 
 def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.config import load_config
-    from .run.directory import CONFIG_FILE
+    from .run.checkpoint.directory import CONFIG_FILE
     from .run.trainer import Trainer
 
     run_dir = Path(args.run_dir)
@@ -359,11 +359,11 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data import open_prepared
-    from .run.distributed import resolve_device
+    from .run.data.prepare import open_prepared
+    from .run.parallel.group import resolve_device
     from .run.load import is_hf_dir, load_run
     from .run.tasks import TASKS
-    from .run.tokenizer import tokenizer_from_path
+    from .run.data.tokenizer import tokenizer_from_path
 
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
@@ -454,7 +454,7 @@ def generate_prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .generate import complete, sample_text
-    from .run.distributed import resolve_device
+    from .run.parallel.group import resolve_device
     from .run.load import load_run
 
     if args.max_new_tokens < 0:
@@ -501,7 +501,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
 
 def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .hf import to_hf
-    from .run.directory import CHECKPOINTS, CONFIG_FILE
+    from .run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE
     from .run.load import load_run
 
     source, checkpoint = Path(args.run), args.checkpoint
@@ -532,7 +532,7 @@ def set_threads(n: int | None) -> None:
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
-    from .run.lock import locked
+    from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
@@ -560,7 +560,7 @@ def sweep_stopped(e: Exception) -> int:
 def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments import run_experiment
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel
-    from .run.lock import locked
+    from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
@@ -620,7 +620,7 @@ def add_consolidate_parser(sub) -> None:
 
 
 def cmd_consolidate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.dcp import consolidate_run
+    from .run.checkpoint.sharded import consolidate_run
 
     for path in consolidate_run(args.run, args.checkpoint):
         print(f"wrote {path}")

@@ -505,7 +505,7 @@ class NoSharedExperts(nn.Module):
 
 
 # the two implementations, by Experts method name: a module that stands in for Experts (expert
-# parallelism, lmlab.run.parallel.ShardedExperts) provides both, and MoE.routed_experts calls the one chosen
+# parallelism, lmlab.run.parallel.plan.ShardedExperts) provides both, and MoE.routed_experts calls the one chosen
 IMPLS = {"reference": "loop", "fast": "grouped"}
 
 
@@ -556,7 +556,7 @@ class MoE(nn.Module):
     def routed_experts(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
         """``out_TD`` plus each kept assignment's expert output times its gate weight, by ``impl``.
 
-        The seam for expert parallelism: ``lmlab.run.parallel`` replaces ``self.experts`` with a
+        The seam for expert parallelism: ``lmlab.run.parallel.plan`` replaces ``self.experts`` with a
         module holding this process's share of the experts, whose ``loop`` and ``grouped`` send
         each row to the process that holds its expert and bring the result back."""
         return getattr(self.experts, IMPLS[self.impl])(x_TD, a, out_TD)

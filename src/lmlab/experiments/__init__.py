@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 from . import corpus, moe, norm, positions
 from .sweep import Outcome, SweepSpec, data_identity, load_spec, sweep_outcome
 

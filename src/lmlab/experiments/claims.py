@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 from ..run.metrics import jsonable
 from .stats import Claimed, Interval, Verdict, decide, label
 

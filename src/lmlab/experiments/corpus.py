@@ -40,7 +40,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 
 CORPUS_VERSION = 1  # bump when the selection or deduplication rules change: it is part of the identity
 SHINGLE = 5  # words per shingle
@@ -294,8 +294,8 @@ def window_overlap(val: bytes, train: bytes, width: int = WINDOW) -> float:
 def split_overlap(data_dir: str | Path, width: int = WINDOW) -> dict:
     """The prepared data's splits decoded back to bytes: token and byte counts of each, and the
     verbatim ``width``-byte overlap of validation with training (target: under 1%)."""
-    from ..run.data import TokenData
-    from ..run.tokenizer import load_tokenizer
+    from ..run.data.prepare import TokenData
+    from ..run.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_dir)
     train, val = TokenData(data_dir, "train"), TokenData(data_dir, "val")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 from .claims import Claim, capped, criteria_text, neither_learned, write_verdicts
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import mean_interval, paired_interval, tie_margin

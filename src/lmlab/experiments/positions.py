@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..model import Transformer
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 from .claims import Claim, criteria_text, write_verdicts
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import mean_interval, paired_interval, tie_margin

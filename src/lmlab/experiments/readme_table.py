@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 from .claims import claims_table, replace_table
 
 

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text
 from ..run.metrics import jsonable
 
 

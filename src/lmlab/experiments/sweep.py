@@ -75,11 +75,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..run import checkpoint as ckpt
-from ..run.atomic import atomic_write_text
+from ..run.checkpoint import local as ckpt
+from ..run.checkpoint.atomic import atomic_write_text
 from ..run.config import config_diff, load_config
-from ..run.data import TokenData, prepare
-from ..run.directory import CHECKPOINTS
+from ..run.data.prepare import TokenData, prepare
+from ..run.checkpoint.directory import CHECKPOINTS
 from ..run.errors import one_line
 from ..run.evaluate import evaluate
 from ..run.metrics import jsonable

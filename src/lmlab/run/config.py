@@ -18,7 +18,7 @@ import torch
 
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
-from .data import DataConfig
+from .data.prepare import DataConfig
 
 Parallel = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
@@ -46,7 +46,7 @@ class TrainConfig(Config):
     keep_last: int = 2  # newest checkpoints kept, besides the best
     seed: int = 0  # data order and dropout; weights are seeded by model.init_seed
     device: str = "auto"  # auto = cuda if available, else cpu; or cpu, cuda, cuda:1, mps
-    compile: bool = False  # torch.compile each block, fullgraph (run/compile.py; slow to start, worth it on GPUs)
+    compile: bool = False  # torch.compile each block, fullgraph (run/parallel/compile.py; slow to start, worth it on GPUs)
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     log_every: int = 10  # steps between metrics.jsonl records
     sample_every: int = 0  # steps between printed samples; 0 = only at the end

@@ -15,12 +15,12 @@ import torch
 from ..hf import from_hf
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import checkpoint as ckpt
+from .checkpoint import local as ckpt
 from .config import RunConfig, load_config
-from .data import read_meta, run_data_dir
-from .directory import CHECKPOINTS, CONFIG_FILE
+from .data.prepare import read_meta, run_data_dir
+from .checkpoint.directory import CHECKPOINTS, CONFIG_FILE
 from .tasks import TASKS
-from .tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
+from .data.tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
 
 
 @dataclasses.dataclass

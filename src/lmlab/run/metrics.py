@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .directory import METRICS_FILE, RunDir, metrics_record
+from .checkpoint.directory import METRICS_FILE, RunDir, metrics_record
 from .errors import CorruptFile, write_failure
 
 

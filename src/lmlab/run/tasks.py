@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model import SequenceClassifier, Transformer
-from .data import RowData, TokenData
+from .data.prepare import RowData, TokenData
 from .evaluate import evaluate
 
 Loss = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # (loss to minimize, cross-entropy, aux losses)

@@ -50,19 +50,19 @@ import torch
 from torch import nn
 
 from ..memory import check_fits, max_memory_bytes, training_memory
-from . import checkpoint as ckpt
-from . import dcp
-from .compile import compile_blocks, eager
+from .checkpoint import local as ckpt
+from .checkpoint import sharded as dcp
+from .parallel.compile import compile_blocks, eager
 from .config import RunConfig
-from .directory import RunDir
-from .distributed import Dist, lost_peers, peak_flops, resolve_device
+from .checkpoint.directory import RunDir
+from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .errors import CorruptFile
-from .lock import DirLock
+from .checkpoint.lock import DirLock
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate
-from .parallel import global_moe_stats, parallelize
+from .parallel.plan import global_moe_stats, parallelize
 from .provenance import provenance
-from .rundata import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
+from .data.binding import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
                       saved_provenance)
 from .tasks import TASKS, Loss, language_model_loss
 

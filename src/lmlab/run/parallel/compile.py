@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from ..model import Transformer
+from ...model import Transformer
 
 
 def compile_blocks(model: Transformer, **options) -> None:

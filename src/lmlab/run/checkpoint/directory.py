@@ -24,9 +24,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint as ckpt
+from . import local as ckpt
 from .atomic import atomic_write_text, write_atomic
-from .config import RunConfig, config_diff, load_config
+from ..config import RunConfig, config_diff, load_config
 from .lock import DirLock
 
 CONFIG_FILE = "config.yaml"
@@ -123,7 +123,7 @@ class RunDir:
         """The resolved config, with ``entry`` appended to the provenance of earlier sessions."""
         import yaml
 
-        from ..schema import read_yaml
+        from ...schema import read_yaml
 
         history = []
         if self.config.is_file():

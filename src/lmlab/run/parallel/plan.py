@@ -36,12 +36,12 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..model import Transformer
-from ..moe import Assignment, Experts, combine, dispatch, plan
-from .config import TrainConfig
-from .distributed import Dist
-from .optim import clip_gradients
+from ...config import ModelConfig
+from ...model import Transformer
+from ...moe import Assignment, Experts, combine, dispatch, plan
+from ..config import TrainConfig
+from .group import Dist
+from ..optim import clip_gradients
 
 
 # ============================================================== expert parallelism

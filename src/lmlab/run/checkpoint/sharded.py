@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
+from . import local as ckpt
 from .atomic import atomic_write, fsync_dir
-from .config import flatten
-from .distributed import Dist
-from .errors import CorruptFile
-from .parallel import Parallel
+from ..config import flatten
+from ..parallel.group import Dist
+from ..errors import CorruptFile
+from ..parallel.plan import Parallel
 
 DCP_DIR = "dcp"
 
@@ -341,7 +341,7 @@ def consolidate(path: str | Path, model_config: Any) -> Path:
     """Write the weights of distributed checkpoint ``path`` as its ``model.safetensors`` (one
     process, no process group; memory for the whole model), so that eval, generate and export can
     read it. Returns the file. An existing file is left as it is."""
-    from ..model import Transformer
+    from ...model import Transformer
 
     path = Path(path)
     out = path / ckpt.WEIGHTS
@@ -376,7 +376,7 @@ def load_distributed_weights(path: str | Path, model: nn.Module) -> None:
 def consolidate_run(run_dir: str | Path, which: str = "best") -> list[Path]:
     """:func:`consolidate` the checkpoint ``which`` ("best", "latest", a step, or "all") of a run
     directory; returns the weight files, written or already there."""
-    from .config import load_config
+    from ..config import load_config
     from .directory import CHECKPOINTS, CONFIG_FILE
 
     run_dir = Path(run_dir)

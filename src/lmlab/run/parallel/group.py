@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import EnvironmentFailure, one_line
+from ..errors import EnvironmentFailure, one_line
 
 
 class PeersLost(EnvironmentFailure):

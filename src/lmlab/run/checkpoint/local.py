@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .atomic import atomic_write, atomic_write_text, fsync_dir
-from .errors import CorruptFile, one_line
+from ..errors import CorruptFile, one_line
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"

@@ -37,11 +37,11 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 import torch
 
-from ..schema import Config, check_choice, check_positive, suggest
+from ...schema import Config, check_choice, check_positive, suggest
 from . import shards as sh
-from .atomic import fsync_dir, write_atomic
-from .errors import CorruptFile
-from .lock import DirLock
+from ..checkpoint.atomic import fsync_dir, write_atomic
+from ..errors import CorruptFile
+from ..checkpoint.lock import DirLock
 from .sources import open_source
 from .tokenizer import TOKENIZERS, Tokenizer, is_tokenizer_path, tokenizer_from_path, train_tokenizer
 
@@ -382,7 +382,7 @@ def _final_names(task: str) -> dict[str, str]:
 
 def _meta(cfg: DataConfig, survey: sh.Survey, tokenizer: Tokenizer, split: tuple[str, str], shards: sh.ShardSet,
           stats: sh.EncodeStats, request: dict, *, task: str, source_spec: str) -> dict:
-    from .. import __version__
+    from ... import __version__
 
     train, val = shards["train"], shards["val"]
     n = max(len(train.counts), len(val.counts))  # longer than the vocabulary only if an id is out of range

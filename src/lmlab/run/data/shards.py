@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .errors import write_failure
+from ..errors import write_failure
 from .sources import Piece, Source
 from .tokenizer import Tokenizer
 

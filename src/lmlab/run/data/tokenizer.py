@@ -37,8 +37,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .atomic import write_atomic
-from .errors import CorruptFile
+from ..checkpoint.atomic import write_atomic
+from ..errors import CorruptFile
 
 REPLACEMENT = "\ufffd".encode()  # bytes for ids a tokenizer cannot decode (unknown, out of range)
 BYTE_EOD = 0xFF  # never a byte of UTF-8 text (RFC 3629), so the byte tokenizer's end of document
@@ -532,7 +532,7 @@ def is_tokenizer_path(name: str) -> bool:
 
 def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Build a tokenizer of ``kind`` from ``texts`` (``vocab_size`` is used by ``bpe`` only)."""
-    from ..schema import check_choice
+    from ...schema import check_choice
 
     check_choice("tokenizer", kind, TOKENIZERS)
     return TOKENIZERS[kind].train(texts, vocab_size)

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .errors import write_failure
+from ..errors import write_failure
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -19,8 +19,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig
-from .data import DataConfig, describe, open_prepared, prepare, read_meta, resolve_path, run_data_dir
+from ..config import RunConfig
+from .prepare import DataConfig, describe, open_prepared, prepare, read_meta, resolve_path, run_data_dir
 from .tokenizer import Tokenizer, load_tokenizer
 
 # data fields that say how data was prepared: with data.prepared they must agree with its meta.json
@@ -95,7 +95,7 @@ def resolve_data_config(cfg: RunConfig) -> RunConfig:
 
 
 def _init_tokenizer_dir(init_from: str) -> str | None:
-    from .init_from import init_source
+    from ..init_from import init_source
 
     where = init_source(init_from).tokenizer_dir
     return str(where) if where is not None else None
@@ -155,7 +155,7 @@ def check_tokenizer(data: RunData, init_from: str | None, model_vocab: int) -> s
     vocabulary. Returns a note when the init model comes without a tokenizer to compare."""
     if init_from is None:
         return None
-    from .init_from import init_source
+    from ..init_from import init_source
 
     src = init_source(init_from)
     theirs = src.tokenizer()

@@ -1,0 +1,1 @@
+"""Checkpoints and the run directory: local (safetensors) and sharded (DCP) layouts, lock, atomic writes."""
