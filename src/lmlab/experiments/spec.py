@@ -22,6 +22,7 @@ import torch
 from ..model import Transformer
 from ..run.config import RunConfig
 from ..run.errors import one_line
+from ..run.renamed_keys import upgrade_keys
 from ..schema import suggest
 
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
@@ -169,7 +170,8 @@ def _tune_for(tune: Tune | None, change: Mapping[str, Any] | None) -> Tune | Non
 
 # ============================================================== parsing
 def flat_overrides(data: Any, where: str) -> dict[str, Any]:
-    """Nested mappings as dotted keys, except ``moe`` (a whole MoEConfig value)."""
+    """Nested mappings as dotted keys, except ``moe`` (a whole MoEConfig value); old keys
+    (``train.lr``) are read as their new ones (``optim.lr``), with a note."""
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -180,7 +182,7 @@ def flat_overrides(data: Any, where: str) -> dict[str, Any]:
             out.update({f"{key}.{k}": v for k, v in flat_overrides(value, where).items()})
         else:
             out[str(key)] = value
-    return out
+    return upgrade_keys(out, where)
 
 
 def _check_keys(raw: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -265,14 +267,15 @@ def _tune(raw: Any, source: str) -> Tune | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping) or "field" not in raw or not raw.get("values"):
-        raise ValueError(f"{source}: tune needs field: (e.g. train.lr) and values: [3e-3, 1e-2, 3e-2]")
+        raise ValueError(f"{source}: tune needs field: (e.g. optim.lr) and values: [3e-3, 1e-2, 3e-2]")
     _check_keys(raw, TUNE_KEYS, f"{source}: tune")
     by = raw.get("by", ["variant"])
     by = [by] if isinstance(by, str) else list(by)
     at = raw.get("at") or {}
     if not isinstance(at, Mapping):
         raise ValueError(f"{source}: tune.at must map grid axes to levels, e.g. {{depth: L12}}")
-    return Tune(str(raw["field"]), list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
+    field = next(iter(upgrade_keys({str(raw["field"]): None}, f"{source}: tune field")))
+    return Tune(field, list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
                 _seeds(raw.get("seeds", [1000]), f"{source}: tune"), flat_overrides(raw.get("overrides"), "tune overrides"))
 
 

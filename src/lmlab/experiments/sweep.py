@@ -18,11 +18,11 @@ A spec is a base run config plus variants, each a name and dotted overrides::
     variants:
       - {name: shallow, overrides: {model.n_layers: 2}}
       - {name: deep, overrides: {model.n_layers: 8}, profiles: {gpu: {model.n_layers: 24}}}
-      - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, train.lr: 3e-4}}
+      - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, optim.lr: 3e-4}}
     grid:                     # optional: the product of these axes is appended to the variants
       - {axis: norm, levels: [{name: pre, overrides: {model.norm_position: pre}}, {name: post, overrides: {model.norm_position: post}}]}
       - {axis: depth, levels: [{name: L2, overrides: {model.n_layers: 2}}, {name: L8, overrides: {model.n_layers: 8}}]}
-    tune: {field: train.lr, values: [1e-3, 3e-3, 1e-2], by: [norm], at: {depth: L8}, seeds: [1000]}
+    tune: {field: optim.lr, values: [1e-3, 3e-3, 1e-2], by: [norm], at: {depth: L8}, seeds: [1000]}
     match_active_params: {reference: shallow, tolerance: 0.05}   # optional equal-compute check
     corpus: {name: stdlib}    # optional: train on the deduplicated stdlib corpus (experiments.corpus)
     final_eval: {tokens: 65536}   # optional: the final loss over 65,536 tokens in windows spread over validation
@@ -78,6 +78,7 @@ import numpy as np
 from ..run.checkpoint import local as ckpt
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.config import config_diff, load_config
+from ..run.renamed_keys import one_section_dict
 from ..run.data.prepare import TokenData, prepare
 from ..run.checkpoint.directory import CHECKPOINTS
 from ..run.errors import one_line
@@ -295,7 +296,7 @@ class Sweep:
             if done is None or done.get("config_hash") != self.key(self.spec.variant(variant.init_from), seed):
                 return None
             parent = done["config_hash"]
-        cfg = self.config(variant, seed).to_dict()
+        cfg = one_section_dict(self.config(variant, seed).to_dict())  # the layout results were first keyed by
         cfg["data"] = {k: v for k, v in cfg["data"].items() if k not in ("source", "dir")}  # where it lives is not what it is
         blob = json.dumps(jsonable({"config": cfg, "data": self.data_ids[str(self.data_dirs[variant.name])], "init_from": parent,
                                     "final_eval": self.spec.final_eval}), sort_keys=True)
@@ -408,8 +409,8 @@ def _final_loss(sw: Sweep, trainer, result) -> tuple[float, int]:
         return r.loss, r.tokens
     if result is None or result.val_loss is None:
         return float("nan"), 0
-    t = trainer.cfg.train
-    return float(result.val_loss), t.eval_batches * t.batch_size * trainer.cfg.seq_len
+    cfg = trainer.cfg
+    return float(result.val_loss), cfg.eval.batches * cfg.train.batch_size * cfg.seq_len
 
 
 def _row(sw, variant, seed, cfg, trainer, result, reason, curve, start) -> dict[str, Any]:
@@ -723,8 +724,8 @@ def eval_slice_text(spec: SweepSpec) -> str:
     if spec.final_eval:
         return (f"final_val_loss: mean next-token loss over {spec.final_eval['tokens']:,} validation tokens, in windows of "
                 "the run's seq_len spread evenly over the whole validation split, after the last step")
-    t = spec.configs[spec.variants[0].name].train
-    return f"final_val_loss: the trainer's last evaluation, over the first {t.eval_batches} x {t.batch_size} windows of the validation split"
+    cfg = spec.configs[spec.variants[0].name]
+    return f"final_val_loss: the trainer's last evaluation, over the first {cfg.eval.batches} x {cfg.train.batch_size} windows of the validation split"
 
 
 def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None:

@@ -1,6 +1,8 @@
 """One training run and its directory: the layer between the model and many runs compared.
 
-    config.py       RunConfig (task + model + data + train), load_config: defaults < preset/init_from < YAML < --overrides
+    config.py       RunConfig: task, model, data, and a section per concern (train, optim, eval, checkpoint, log,
+                    parallel); load_config: defaults < preset/init_from < YAML < --overrides
+    renamed_keys.py the old one-section keys (train.lr, ...) and their new names, read for one release
     tasks.py        language modeling and classification: model, loss, evaluation
     init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
     optim.py        AdamW groups and the warmup + cosine schedule
@@ -32,13 +34,15 @@ Dependencies run one way: this package imports the model modules (``lmlab.config
 ``lmlab.model``, ...), never ``lmlab.experiments`` or ``lmlab.cli``.
 """
 
-from .config import RunConfig, TrainConfig, load_config
+from .config import (CheckpointConfig, EvalConfig, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+                     load_config)
 from .data.prepare import DataConfig, TokenData, prepare
 from .load import LoadedRun, load_run
 from .metrics import read_metrics
 from .trainer import Trainer, TrainingDiverged, TrainResult
 
 __all__ = [
-    "DataConfig", "LoadedRun", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged",
-    "load_config", "load_run", "prepare", "read_metrics",
+    "CheckpointConfig", "DataConfig", "EvalConfig", "LoadedRun", "LogConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+    "TokenData", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged", "load_config", "load_run", "prepare",
+    "read_metrics",
 ]

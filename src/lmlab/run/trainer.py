@@ -1,6 +1,6 @@
 """The training loop: one run, from its config to checkpoints, metrics and a sample.
 
-    cfg = load_config("run.yaml", {"train.lr": 3e-4})
+    cfg = load_config("run.yaml", {"optim.lr": 3e-4})
     with Trainer(cfg, "runs/mine") as trainer:
         result = trainer.fit()
 
@@ -177,7 +177,7 @@ class Trainer:
         self.run_dir = self.run.path
         self.callbacks, self.quiet = list(callbacks), quiet
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.dist = Dist.from_env(self.device, cfg.train.collective_timeout, cfg.train.setup_timeout)
+        self.dist = Dist.from_env(self.device, cfg.parallel.collective_timeout, cfg.parallel.setup_timeout)
         self.log: MetricsLog | None = None
         self.data: RunData | None = None
         self.saver: dcp.ShardedSaver | None = None
@@ -216,8 +216,8 @@ class Trainer:
             from .init_from import init_source
 
             init_source(self.cfg.train.init_from).load_into(self.model)
-        if self.cfg.train.warmup_steps >= self.cfg.train.steps:
-            self._print(f"warning: train.warmup_steps={self.cfg.train.warmup_steps} >= train.steps="
+        if self.cfg.optim.warmup_steps >= self.cfg.train.steps:
+            self._print(f"warning: optim.warmup_steps={self.cfg.optim.warmup_steps} >= train.steps="
                         f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
         if self.dist.main:
             self._start_records(overwrite, command)
@@ -257,7 +257,7 @@ class Trainer:
         self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
                                                    world_size=self.dist.world, data=identity(self.data)))
         # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
-        self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard,
+        self.log = MetricsLog(self.run, tensorboard=self.cfg.log.tensorboard,
                               purge_step=self.step + 1 if self.step else None, say=self._print)
 
     def _abandon(self, peers_lost: bool = False) -> None:
@@ -293,20 +293,20 @@ class Trainer:
         return cfg
 
     def _setup_model(self) -> None:
-        t = self.cfg.train
+        p = self.cfg.parallel
         self.model = self.task.build_model(self.cfg.model, self.meta).to(self.device)
         self.transformer = self.task.body(self.model)  # the Transformer itself, for accounting and MoE biases
-        if self.model is not self.transformer and (t.parallel == "fsdp" or t.expert_parallel > 1):
-            raise ValueError(f"task={self.cfg.task!r} trains with train.parallel=ddp and train.expert_parallel=1; "
+        if self.model is not self.transformer and (p.strategy == "fsdp" or p.experts > 1):
+            raise ValueError(f"task={self.cfg.task!r} trains with parallel.strategy=ddp and parallel.experts=1; "
                              "FSDP and expert parallelism shard language models only")
         # expert parallelism, activation checkpointing and FSDP change the model in place; DDP wraps it
-        self.parallel = parallelize(self.transformer, t, self.dist, self.device)
-        if t.compile:
+        self.parallel = parallelize(self.transformer, p, self.dist, self.device)
+        if self.cfg.train.compile:
             compile_blocks(self.transformer)  # in place: parameter names and checkpoints are unchanged
         self.train_model: nn.Module = self.parallel.wrap(self.model)
-        self.optimizer = build_optimizer(self.model, t, self.device)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
         if self.parallel.sharded:
-            self.saver = dcp.ShardedSaver(self.parallel, self.dist, t.save_mode)
+            self.saver = dcp.ShardedSaver(self.parallel, self.dist, self.cfg.checkpoint.mode)
         # under FSDP its MixedPrecisionPolicy computes in bf16 instead of autocast
         use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported() and not self.parallel.fsdp
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
@@ -348,7 +348,8 @@ class Trainer:
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
-            sample = self.sample() if self._takes_part and t.sample_tokens and self.task.writes_text else None
+            writes = self._takes_part and self.cfg.log.sample_tokens and self.task.writes_text
+            sample = self.sample() if writes else None
         return TrainResult(
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val,
             skipped_steps=self.skipped_steps, tokens=self.tokens, elapsed_s=time.perf_counter() - start,
@@ -358,7 +359,7 @@ class Trainer:
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
         t = self.cfg.train
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, t)
+            group["lr"] = learning_rate(step, self.cfg.optim, t.steps)
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for j in micro_ids:
@@ -375,7 +376,7 @@ class Trainer:
         loss, asked = self.dist.all_reduce_sum(shared).tolist()
         loss /= self.dist.world
         self.stop.agree(bool(asked))
-        grad_norm = self.parallel.clip_gradients(self.model, t.grad_clip)
+        grad_norm = self.parallel.clip_gradients(self.model, self.cfg.optim.grad_clip)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             # balance on the load summed over processes, so every rank's biases agree
@@ -400,8 +401,7 @@ class Trainer:
     def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
         """At evaluation steps add val_loss (and the task's metrics) to ``record``; returns (this
         step's val loss or None, improved)."""
-        t = self.cfg.train
-        if not (self.step % t.eval_every == 0 or self.step == t.steps):
+        if not (self.step % self.cfg.eval.every == 0 or self.step == self.cfg.train.steps):
             return None, False
         val_loss, improved = self._evaluate()
         if val_loss is not None:
@@ -413,12 +413,12 @@ class Trainer:
 
     def _save_if_due(self, improved: bool, val_loss: float | None) -> None:
         """Checkpoint when due, improved or stopping; print a sample when due (where :attr:`_takes_part`)."""
-        t = self.cfg.train
+        steps, every, log = self.cfg.train.steps, self.cfg.checkpoint.every, self.cfg.log
         if not self._takes_part:
             return
-        if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
+        if self.step % every == 0 or self.step == steps or improved or self.stop.stopping:
             self._save(best=improved, val_loss=val_loss)
-        if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
+        if log.sample_every and self.step % log.sample_every == 0 and self.step < steps and self.task.writes_text:
             self._print(f"sample at step {self.step}: {self.sample()!r}")
 
     # ---- evaluation, checkpoints, samples
@@ -433,9 +433,9 @@ class Trainer:
         Sharded, every process evaluates the same batches and takes rank 0's value, so all decide alike."""
         if not self._takes_part:
             return None, False
-        t = self.cfg.train
-        self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
-                                            max_batches=t.eval_batches, autocast=self.autocast)
+        self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=self.cfg.train.batch_size,
+                                            seq_len=self.cfg.seq_len, max_batches=self.cfg.eval.batches,
+                                            autocast=self.autocast)
         loss = self.last_eval.loss
         if self.parallel.sharded:
             mine = torch.tensor([loss if self.dist.main else 0.0], dtype=torch.float64, device=self.device)
@@ -468,7 +468,7 @@ class Trainer:
         if self.dist.main:
             if best:
                 ckpt.write_best(root, self.step, self.best_val)
-            ckpt.prune(root, self.cfg.train.keep_last)
+            ckpt.prune(root, self.cfg.checkpoint.keep_last)
         return self.last_checkpoint
 
     def _unsaveable(self, val_loss: float | None) -> str | None:
@@ -506,20 +506,20 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
         ckpt.read_best(self.run.checkpoints)  # a damaged best.json is refused now, not at the first save
         for group in self.optimizer.param_groups:  # hyperparameters come from the config, which may have changed
-            group.update(betas=tuple(self.cfg.train.betas), eps=self.cfg.train.eps)
-            group["weight_decay"] = self.cfg.train.weight_decay if group["weight_decay"] > 0 else 0.0
+            group.update(betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
+            group["weight_decay"] = self.cfg.optim.weight_decay if group["weight_decay"] > 0 else 0.0
         self.step, self.skipped_steps, self.tokens = state["step"], state["skipped_steps"], state["tokens"]
         self.best_val, self.best_step = state["best_val"], state.get("best_step")
         self.last_checkpoint = path
         self._print(f"resumed from {path} (step {step})")
 
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
-        """Text the model writes after ``prompt`` (default: the config's), seeded by train.seed."""
+        """Text the model writes after ``prompt`` (default: log.sample_prompt), seeded by train.seed."""
         from ..generate import context_limit, sample_text
 
-        t = self.cfg.train
-        prompt = t.sample_prompt if prompt is None else prompt
-        n = max_new_tokens or t.sample_tokens
+        log = self.cfg.log
+        prompt = log.sample_prompt if prompt is None else prompt
+        n = max_new_tokens or log.sample_tokens
         limit = context_limit(self.model)  # only a learned position table has an end
         if limit is not None:
             n = max(0, min(n, limit - len(self.tokenizer.encode(prompt))))
@@ -529,7 +529,7 @@ class Trainer:
             # compiled blocks (train.compile) run eagerly while the KV cache grows
             with self.parallel.whole_root(), eager():
                 pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
-                                     seed=t.seed, eos_id=self.tokenizer.eos_id)
+                                     seed=self.cfg.train.seed, eos_id=self.tokenizer.eos_id)
                 return prompt + "".join(pieces)  # pieces is a generator: consume it gathered
         finally:
             self.model.train(was_training)
@@ -541,11 +541,11 @@ class Trainer:
         window_start, window_tokens = self._window
         window_tokens += tokens_per_step
         record: dict[str, Any] = {"step": self.step}
-        if self.step % t.log_every == 0 or self.step == t.steps:
+        if self.step % self.cfg.log.every == 0 or self.step == t.steps:
             now = time.perf_counter()
             tps = window_tokens / max(now - window_start, 1e-9)
             window_start, window_tokens = now, 0
-            record.update(loss=loss, lr=learning_rate(self.step - 1, t), grad_norm=grad_norm,
+            record.update(loss=loss, lr=learning_rate(self.step - 1, self.cfg.optim, t.steps), grad_norm=grad_norm,
                           tokens=self.tokens, tokens_per_s=tps, skipped_steps=self.skipped_steps)
             if self.peak_flops:
                 record["mfu"] = tps * self.flops_per_token / (self.peak_flops * self.dist.world)
@@ -607,8 +607,8 @@ class Trainer:
         self.stop.signal = signum
 
     def _layout(self) -> str:
-        t = self.cfg.train
-        parts = [t.parallel] + ([f"expert parallel {t.expert_parallel}"] if t.expert_parallel > 1 else [])
+        p = self.cfg.parallel
+        parts = [p.strategy] + ([f"expert parallel {p.experts}"] if p.experts > 1 else [])
         return ", ".join(parts)
 
     def close(self, peers_lost: bool = False) -> None:
