@@ -14,10 +14,9 @@ import yaml
 
 from lmlab import cli
 from lmlab.experiments.spec import parse_spec
-from lmlab.run import renamed_keys
-from lmlab.run.config import (CheckpointConfig, EvalConfig, LogConfig, OptimConfig, ParallelConfig, RunConfig,
-                              TrainConfig, build_config, load_config)
-from lmlab.run.renamed_keys import RENAMED, one_section_dict
+from lmlab.run import config as run_config
+from lmlab.run.config import (RENAMED, CheckpointConfig, EvalConfig, LogConfig, OptimConfig, ParallelConfig, RunConfig,
+                              TrainConfig, build_config, load_config, one_section_dict)
 
 OLD_RUN = Path(__file__).resolve().parent / "fixtures" / "old_layout_run"
 
@@ -35,7 +34,7 @@ MOE = {"model.preset": "mixtral", "model.n_layers": 1}
 @pytest.fixture
 def notes(monkeypatch, capsys):
     """A fresh process's view of the notes (none given yet); returns a reader of the lines printed since."""
-    monkeypatch.setattr(renamed_keys, "NOTED", set())
+    monkeypatch.setattr(run_config, "NOTED", set())
     capsys.readouterr()
     return lambda: [line for line in capsys.readouterr().err.splitlines() if line]
 

@@ -20,9 +20,8 @@ from typing import Any, Mapping
 import torch
 
 from ..model import Transformer
-from ..run.config import RunConfig
+from ..run.config import RunConfig, upgrade_keys
 from ..run.errors import one_line
-from ..run.renamed_keys import upgrade_keys
 from ..schema import suggest
 
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset

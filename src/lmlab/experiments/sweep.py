@@ -77,8 +77,7 @@ import numpy as np
 
 from ..run.checkpoint import local as ckpt
 from ..run.checkpoint.atomic import atomic_write_text
-from ..run.config import config_diff, load_config
-from ..run.renamed_keys import one_section_dict
+from ..run.config import config_diff, load_config, one_section_dict
 from ..run.data.prepare import TokenData, prepare
 from ..run.checkpoint.directory import CHECKPOINTS
 from ..run.errors import one_line

@@ -1,8 +1,8 @@
 """One training run and its directory: the layer between the model and many runs compared.
 
     config.py       RunConfig: task, model, data, and a section per concern (train, optim, eval, checkpoint, log,
-                    parallel); load_config: defaults < preset/init_from < YAML < --overrides
-    renamed_keys.py the old one-section keys (train.lr, ...) and their new names, read for one release
+                    parallel); load_config: defaults < preset/init_from < YAML < --overrides; the old
+                    one-section keys (train.lr, ...) read as the new ones for one release
     tasks.py        language modeling and classification: model, loss, evaluation
     init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
     optim.py        AdamW groups and the warmup + cosine schedule
