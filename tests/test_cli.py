@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -185,6 +186,47 @@ def test_help_loads_without_torch():
     imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert proc.returncode == 0 and "usage: lmlab" in proc.stdout and "lmlab.run.errors" in imported
     assert not [m for m in imported if m.split(".")[0] == "torch"]
+
+
+def other_thread_count() -> int:
+    """A torch thread count different from the current one, so that setting it is observable."""
+    return 2 if torch.get_num_threads() == 1 else 1
+
+
+def test_train_prints_next_steps_that_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # export writes exported/<run name> here
+    source, threads, before = corpus(tmp_path / "corpus.txt"), other_thread_count(), torch.get_num_threads()
+    try:
+        code, out, err = run(capsys, "train", "--run-dir", "runs/my run", "--data.source", source, *TINY,
+                             *[a for a in FAST if a != "--quiet"], "--train.steps", "2", "--threads", str(threads))
+        assert code == 0, err
+        assert torch.get_num_threads() == threads  # --threads reached torch
+    finally:
+        torch.set_num_threads(before)
+    steps = out.split("\nnext:\n", 1)[1].splitlines()
+    commands = [shlex.split(line, comments=True) for line in steps]
+    assert [c[:3] for c in commands] == [["lmlab", "generate", "runs/my run"], ["lmlab", "eval", "runs/my run"],
+                                         ["lmlab", "export", "runs/my run"]]
+    for command in commands:  # each runs as printed
+        assert cli.main(command[1:]) == 0, (command, capsys.readouterr().err)
+    assert (tmp_path / "exported" / "my run" / "config.json").is_file()
+    code, out, _ = run(capsys, "train", "--run-dir", "runs/quiet", "--data.source", source, *TINY, *FAST,
+                       "--train.steps", "1")
+    assert code == 0 and "done: step 1" in out and "next:" not in out  # --quiet: no messages
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_threads_sets_torch_threads_and_refuses_zero(trained, capsys, command):
+    before, threads = torch.get_num_threads(), other_thread_count()
+    extra = ["--max-batches", "1"] if command == "eval" else ["--max-new-tokens", "2"]
+    try:
+        code, _, err = run(capsys, command, trained / "run", *extra, "--threads", str(threads))
+        assert code == 0 and torch.get_num_threads() == threads, err
+    finally:
+        torch.set_num_threads(before)
+    err = bad_input(capsys, command, trained / "run", *extra, "--threads", "0")
+    assert f"lmlab {command}: error: --threads 0 is not valid; give 1 or more" in err
+    assert torch.get_num_threads() == before
 
 
 def test_sweep_and_experiment_bad_input_is_one_line_exit_2(capsys, tmp_path):

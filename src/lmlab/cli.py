@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import sys
 import textwrap
 import time
@@ -269,6 +270,7 @@ def build_train(t: argparse.ArgumentParser) -> None:
     mode.add_argument("--overwrite", action="store_true", help="replace the run in --run-dir")
     t.add_argument("--quiet", action="store_true", help="no progress bar or messages")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_threads_arg(t)
 
 
 def build_eval(e: argparse.ArgumentParser) -> None:
@@ -331,6 +333,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN", help="run directory (or, for generate, a Hugging Face checkpoint directory)")
     p.add_argument("--checkpoint", default="best", help="best, latest or a step number")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    add_threads_arg(p)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (torch.set_num_threads); torch's choice when not given")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -409,6 +417,7 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     from .run.checkpoint.directory import CONFIG_FILE
     from .run.trainer import Trainer
 
+    set_threads(args.threads)
     run_dir = Path(args.run_dir)
     if args.data is not None:
         overrides = {**overrides, "data.prepared": args.data}
@@ -445,7 +454,21 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
               "frequencies alone); train longer or check the learning rate")
     if result.sample is not None:
         print("sample:\n" + result.sample)
+    if not args.quiet:
+        print(next_steps(run_dir, cfg.task))
     return 0
+
+
+def next_steps(run_dir: Path, task: str) -> str:
+    """What to do with a finished run, as commands to copy: generate, eval and export (a classifier: eval)."""
+    run = shlex.quote(str(run_dir))
+    steps = [(f"lmlab eval {run}", "validation loss, perplexity and loss by position")]
+    if task == "lm":
+        steps = [(f"lmlab generate {run}", "sample text"), *steps,
+                 (f"lmlab export {run} --out {shlex.quote(str(Path('exported') / run_dir.name))}",
+                  "a Hugging Face transformers checkpoint")]
+    width = max(len(command) for command, _ in steps)
+    return "next:\n" + "\n".join(f"  {command:<{width}}  # {what}" for command, what in steps)
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
@@ -455,6 +478,7 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.tasks import TASKS
     from .run.data.tokenizer import tokenizer_from_path
 
+    set_threads(args.threads)
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
     if args.buckets < 1:
@@ -547,6 +571,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
     from .run.parallel.group import resolve_device
     from .run.load import load_run
 
+    set_threads(args.threads)
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is not valid; give a number >= 0")
     if any(not s for s in args.stop):
