@@ -27,11 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal, Mapping
 
-import torch
-
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
-from .data.prepare import DataConfig
+from .data.config import DataConfig
 
 Strategy = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
@@ -83,6 +81,8 @@ class TrainConfig(Section):
             raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
         try:
             if self.device != "auto":
+                import torch  # here, not at the top: the config (and `lmlab train --help`) loads without torch
+
                 torch.device(self.device)
         except RuntimeError:
             raise ValueError(
