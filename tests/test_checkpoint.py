@@ -140,7 +140,7 @@ def test_prune_keeps_the_newest_and_the_best(tmp_path):
     m = model()
     for step in (10, 20, 30, 40, 50):
         ckpt.save_checkpoint(tmp_path, step, m, state(step))
-    ckpt.write_best(tmp_path, 20, 1.5)
+    ckpt.Best(20, 1.5).write(tmp_path)
     assert ckpt.prune(tmp_path, keep_last=2) == [10, 30]
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [20, 40, 50]
     assert ckpt.resolve(tmp_path, "best").name == "step_0000020"
