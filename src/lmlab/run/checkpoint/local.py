@@ -1,9 +1,10 @@
-"""Checkpoints on disk: weights as safetensors, training state as a weights-only torch file.
+"""The local checkpoint layout (one process writes): weights as safetensors, training state as a
+weights-only torch file. checkpointer.py's LocalCheckpointer writes it; every reader starts here.
 
     checkpoints/
       step_0000200/model.safetensors   weights; tied tensors stored once; the model config in the metadata
-      step_0000200/state.pt            step, optimizer state, counters (load with torch.load(weights_only=True))
-      best.json                        {"step": 200, "val_loss": 1.83}: the best checkpoint is never pruned
+      step_0000200/state.pt            TrainState's counters and the optimizer's state dict (weights_only=True)
+      best.json                        {"step": 200, "val_loss": 1.83} (:class:`Best`): never pruned
 
 A checkpoint appears all at once or not at all: its files are written and fsynced inside a hidden
 temporary directory, which is then renamed into place (``os.replace``, atomic on POSIX) and the
