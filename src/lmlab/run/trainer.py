@@ -248,8 +248,7 @@ class Trainer:
         state = self.checkpointer.load_latest() if resume else TrainState()
         self.step, self.skipped_steps, self.tokens = state.step, state.skipped_steps, state.tokens
         self.best_val, self.best_step = state.best_val, state.best_step
-        self.bad_steps = 0
-        self.stop = StopRequest(self.dist.world)
+        self.bad_steps, self.stop = 0, StopRequest(self.dist.world)
         if self.step == 0 and self.cfg.train.init_from is not None:
             from .init_from import init_source
 
@@ -322,7 +321,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.checkpointer = build_checkpointer(
             layout_of(self.parallel), self.run.checkpoints, self.model, self.optimizer, self.parallel, self.dist,
-            keep_last=t.keep_last, save_mode=t.save_mode, model_config=self.cfg.model.to_dict(), say=self.progress.print)
+            keep_last=t.keep_last, save_mode=t.save_mode, model_config=self.cfg.model.to_dict(),
+            say=self.progress.print)
         # under FSDP its MixedPrecisionPolicy computes in bf16 instead of autocast
         use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported() and not self.parallel.fsdp
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
@@ -366,9 +366,9 @@ class Trainer:
                 val_loss, _ = self._evaluate()
             sample = self.sample() if self._takes_part and t.sample_tokens and self.task.writes_text else None
         return TrainResult(
-            step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val,
-            skipped_steps=self.skipped_steps, tokens=self.tokens, elapsed_s=time.perf_counter() - start,
-            checkpoint=self.checkpointer.latest, stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
+            step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val, skipped_steps=self.skipped_steps,
+            tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
+            stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
         )
 
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
@@ -400,7 +400,8 @@ class Trainer:
         else:
             self.bad_steps += 1
             self.skipped_steps += 1
-            self.progress.print(f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; step skipped")
+            what = "loss" if not math.isfinite(loss) else "gradient"
+            self.progress.print(f"step {step + 1}: non-finite {what}; step skipped")
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, {k: float(v) for k, v in aux.items()}
 
@@ -537,8 +538,7 @@ class Trainer:
         self._release(peers_lost)
 
     def _release(self, peers_lost: bool, remove_created: bool = False) -> None:
-        """Close the metrics, unlock the run directory (``remove_created``: removing it, contents
-        and all, if this run created it) and leave the process group."""
+        """Close the metrics, unlock the run directory (``remove_created``: delete it if this run made it), leave."""
         if self.log is not None:
             self.log.close()
             self.log = None
