@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 import torch
 
-from ...schema import Config, check_choice, check_positive, suggest
+from ...schema import check_choice, check_positive, suggest
 from . import shards as sh
+from .config import DataConfig  # noqa: F401  (re-exported: callers import it from here)
 from ..checkpoint.atomic import fsync_dir, write_atomic
 from ..errors import CorruptFile
 from ..checkpoint.lock import DirLock
@@ -50,50 +51,6 @@ SPLITS = ("train", "val")
 TASKS = ("lm", "classify")
 FORMAT_VERSION = 2
 ROW_FILES = ("ends", "labels")  # classification: <split>.ends.bin (int64), <split>.labels.bin (int32)
-
-
-# ============================================================== config
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class DataConfig(Config):
-    """Which data a run trains on: prepared data (``prepared``), or a source the run prepares itself."""
-
-    prepared: str | None = None  # a directory `lmlab prepare` wrote: trained on as it is; the fields below then only check it
-    source: str = "builtin"  # builtin | a .txt/.md/.jsonl file | a directory | hf:<local dataset path>
-    text_field: str = "text"  # the field holding the text, for .jsonl and hf: sources
-    label_field: str = "label"  # classification: the field holding each row's label
-    tokenizer: str = "byte"  # byte | char | bpe | a path: tokenizer.json, a Hugging Face checkpoint or prepared data
-    vocab_size: int = 2048  # bpe only: target vocabulary, including the 256 bytes and <|endoftext|>
-    bpe_sample_mb: float = 64.0  # bpe only: train it on a uniform sample of about this much training text
-    val_fraction: float = 0.05  # documents go to validation with this probability (or the last 5% of tokens)
-    errors: Literal["strict", "replace"] = "strict"  # undecodable bytes: stop and say where, or use U+FFFD
-    dir: str = "data"  # where a run prepares its source (relative to the run; absolute to share between runs)
-
-    def validate(self) -> None:
-        if self.prepared is not None and not self.prepared.strip():
-            raise ValueError("data.prepared='' is not valid; name a directory written by `lmlab prepare`, or leave it unset")
-        if not self.source.strip():
-            raise ValueError("source='' is not valid; use 'builtin', a .txt/.md/.jsonl file, a directory, or hf:<path>")
-        if self.source.startswith("hf:") and not self.source[3:].strip():
-            raise ValueError(f"source={self.source!r} names no dataset; write hf:<path to a dataset saved on disk>")
-        for name in ("text_field", "label_field"):
-            if not getattr(self, name):
-                raise ValueError(f"{name}='' is not valid; name the JSON/dataset field that holds it, e.g. 'text'")
-        if self.tokenizer not in TOKENIZERS and not is_tokenizer_path(self.tokenizer):
-            raise ValueError(
-                f"tokenizer={self.tokenizer!r} is not a valid choice; choose one of {list(TOKENIZERS)} or a path to a "
-                f"tokenizer.json{suggest(self.tokenizer, list(TOKENIZERS))}"
-            )
-        check_positive("vocab_size", self.vocab_size)
-        if self.tokenizer == "bpe" and not 257 <= self.vocab_size <= 2**32:
-            raise ValueError(
-                f"vocab_size={self.vocab_size} is not valid for tokenizer='bpe'; byte-level BPE needs at least "
-                "257 (one id per byte and <|endoftext|>), e.g. 2048 or 8192"
-            )
-        check_positive("bpe_sample_mb", self.bpe_sample_mb)
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction!r} is out of range; it must be in (0, 1), e.g. 0.05")
-        if not self.dir.strip():
-            raise ValueError("dir='' is not valid; name a directory for the prepared shards, e.g. 'data'")
 
 
 def resolve_path(spec: str) -> str:
