@@ -12,7 +12,10 @@
     errors.py       the exceptions that map to exit codes
 
     data/           prepared data
-        prepare.py      DataConfig, prepare, meta.json, memory-mapped shards and reproducible batches
+        config.py       DataConfig: which data a run trains on, and where it lives
+        meta.py         DataMeta: meta.json read, validated, written and compared; the one tokenizer/vocabulary check
+        prepare.py      prepare: a corpus in, token shards and meta.json out (reused when nothing changed)
+        batches.py      TokenData, RowData: memory-mapped shards and reproducible batches
         sources.py      a corpus read as a stream of documents (files, JSONL, directories, hf datasets, builtin)
         shards.py       prepare's passes: survey (hash, duplicates, split keys), encode, write shards as it goes
         tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface
@@ -33,12 +36,14 @@ Dependencies run one way: this package imports the model modules (``lmlab.config
 """
 
 from .config import RunConfig, TrainConfig, load_config
-from .data.prepare import DataConfig, TokenData, prepare
+from .data import DataConfig, DataMeta, TokenData
+from .data.prepare import prepare
 from .load import LoadedRun, load_run
 from .metrics import read_metrics
 from .trainer import Trainer, TrainingDiverged, TrainResult
 
 __all__ = [
-    "DataConfig", "LoadedRun", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged",
+    "DataConfig", "DataMeta", "LoadedRun", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer",
+    "TrainingDiverged",
     "load_config", "load_run", "prepare", "read_metrics",
 ]

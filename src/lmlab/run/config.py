@@ -18,7 +18,7 @@ import torch
 
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
-from .data.prepare import DataConfig
+from .data.config import DataConfig
 
 Parallel = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
