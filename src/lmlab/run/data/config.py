@@ -5,7 +5,9 @@
     run_data_dir("runs/a", cfg)                                           # where the prepared shards are
 
 With ``prepared`` set, the other fields only check that data (binding.py); otherwise they say how
-``prepare`` (prepare.py) turns the source into shards.
+``prepare`` (prepare.py) turns the source into shards. Its own file, apart from prepare.py and its
+torch import, so that the run config (and ``lmlab train --help``, which prints its defaults) loads
+without torch.
 """
 
 from __future__ import annotations
