@@ -491,7 +491,7 @@ def test_checkpoint_files_have_the_usual_permissions(tmp_path):
     try:
         model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
         path = ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, model.config.to_dict())
-        ckpt.write_best(tmp_path, 1, 2.5)
+        ckpt.Best(1, 2.5).write(tmp_path)
         modes = {p.name: p.stat().st_mode & 0o777 for p in [*path.iterdir(), tmp_path / "best.json"]}
         assert modes == {"model.safetensors": 0o644, "state.pt": 0o644, "best.json": 0o644}
         os.umask(0o027)

@@ -5,6 +5,7 @@
     init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
     optim.py        AdamW groups and the warmup + cosine schedule
     trainer.py      the training loop: setup, the step, evaluation, checkpoints, logging, signals
+    progress.py     what a run shows as it trains: banner, notes, progress bar, throughput
     metrics.py      metrics.jsonl and TensorBoard
     evaluate.py     validation loss, perplexity, loss by position
     load.py         reading a run (or a Hugging Face checkpoint) back for eval and generate
@@ -21,6 +22,7 @@
         tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface
         binding.py      which prepared data a run trains on, and that it is still the same data
     checkpoint/     checkpoints and the run directory
+        checkpointer.py the Checkpointer: save, resume, prune, best; TrainState; local or sharded by layout
         local.py        safetensors weights + weights-only state, written atomically
         sharded.py      distributed checkpoints of sharded runs (torch.distributed.checkpoint), resharding
         directory.py    a run directory's files and the checks before a run starts
