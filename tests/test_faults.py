@@ -585,7 +585,7 @@ def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys)
     """lr jumps to 1e10 after step 3: step 4's update is huge but finite, and the old guard
     checkpointed it (and the skipped steps after it) and named it as the last good one."""
     from lmlab.run.config import RunConfig, TrainConfig
-    from lmlab.run.data.prepare import DataConfig
+    from lmlab.run.data.config import DataConfig
     from lmlab.run.trainer import Trainer, TrainingDiverged
 
     cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),

@@ -25,7 +25,8 @@ from lmlab.experiments.sweep.tables import COLUMNS
 from lmlab.experiments.sweep.tuning import choose, grid_edge_text, grid_edges
 from lmlab.experiments.sweep.workers import claim
 from lmlab.run.config import load_config
-from lmlab.run.data.prepare import DataConfig, prepare
+from lmlab.run.data.config import DataConfig
+from lmlab.run.data.prepare import prepare
 from lmlab.run.trainer import Trainer
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(400))
@@ -324,7 +325,7 @@ def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
                      tmp_path / "out2", log=quiet)
     assert rows[0]["status"] == "no better than unigram" and not rows[0]["diverged"]  # 4 steps at lr 1e-6 learn nothing
     data = tmp_path / "out" / "data"
-    from lmlab.run.data.prepare import TokenData
+    from lmlab.run.data.batches import TokenData
 
     train, val = np.asarray(TokenData(data, "train").tokens), np.asarray(TokenData(data, "val").tokens)
     counts = np.bincount(train, minlength=256) + 1.0
@@ -343,7 +344,7 @@ def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus
     assert rows[0]["eval_tokens"] == 96  # 6 windows of 16
     from lmlab.model import Transformer
     from lmlab.run.checkpoint import local as ckpt
-    from lmlab.run.data.prepare import TokenData
+    from lmlab.run.data.batches import TokenData
     from lmlab.run.evaluate import evaluate
 
     cfg = yaml.safe_load((out / "runs/one/seed0/config.yaml").read_text())

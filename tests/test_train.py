@@ -18,7 +18,7 @@ import yaml
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import RunConfig, TrainConfig, load_config
-from lmlab.run.data.prepare import DataConfig
+from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
 

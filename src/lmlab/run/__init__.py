@@ -13,8 +13,10 @@
     errors.py       the exceptions that map to exit codes
 
     data/           prepared data
-        config.py       DataConfig: prepared data, or a source to prepare (no torch, so --help can show it)
-        prepare.py      prepare, meta.json, memory-mapped shards and reproducible batches
+        config.py       DataConfig: prepared data, or a source to prepare, and where it lives (no torch: --help shows it)
+        meta.py         DataMeta: meta.json read, validated, written and compared; the one tokenizer/vocabulary check
+        prepare.py      prepare: a corpus in, token shards and meta.json out (reused when nothing changed)
+        batches.py      TokenData, RowData: memory-mapped shards and reproducible batches
         sources.py      a corpus read as a stream of documents (files, JSONL, directories, hf datasets, builtin)
         shards.py       prepare's passes: survey (hash, duplicates, split keys), encode, write shards as it goes
         tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface
@@ -44,19 +46,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the real imports; at run time __getattr__ makes each on first use, so that
     # `lmlab --help` and the config modules load without torch
     from .config import RunConfig, TrainConfig, load_config
+    from .data.batches import TokenData
     from .data.config import DataConfig
-    from .data.prepare import TokenData, prepare
+    from .data.meta import DataMeta
+    from .data.prepare import prepare
     from .load import LoadedRun, load_run
     from .metrics import read_metrics
     from .trainer import Trainer, TrainingDiverged, TrainResult
 
 EXPORTS = {"RunConfig": "config", "TrainConfig": "config", "load_config": "config", "DataConfig": "data.config",
-           "TokenData": "data.prepare", "prepare": "data.prepare", "LoadedRun": "load", "load_run": "load",
-           "read_metrics": "metrics", "Trainer": "trainer", "TrainingDiverged": "trainer",
+           "DataMeta": "data.meta", "TokenData": "data.batches", "prepare": "data.prepare", "LoadedRun": "load",
+           "load_run": "load", "read_metrics": "metrics", "Trainer": "trainer", "TrainingDiverged": "trainer",
            "TrainResult": "trainer"}  # public name -> the module that defines it
 
 __all__ = [
-    "DataConfig", "LoadedRun", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged",
+    "DataConfig", "DataMeta", "LoadedRun", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer",
+    "TrainingDiverged",
     "load_config", "load_run", "prepare", "read_metrics",
 ]
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 from ...run.checkpoint import local as ckpt
 from ...run.checkpoint.directory import CHECKPOINTS
 from ...run.config import RunConfig, config_diff, load_config
+from ...run.data.meta import META, DataMeta
 from ...run.data.prepare import prepare
 from ...run.errors import one_line
 from ...run.metrics import jsonable
@@ -65,7 +66,7 @@ def data_identity(data_dir: Path) -> str:
     """sha256 over the prepared data's files (shards and tokenizer; meta.json, which records versions, excluded)."""
     h = hashlib.sha256()
     for p in sorted(data_dir.iterdir()):
-        if p.is_file() and p.name != "meta.json" and not p.name.startswith("."):
+        if p.is_file() and p.name != META and not p.name.startswith("."):
             h.update(p.name.encode() + b"\0")
             with open(p, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -180,7 +181,7 @@ def setup(spec: SweepSpec, out: Path, hooks: Hooks, trainer_cls, quiet: bool, lo
     fe = spec.final_eval
     for d in set(data_dirs.values()):
         seq = max(c.seq_len for n, c in spec.configs.items() if data_dirs[n] == d)
-        vocabs[str(d)] = vocab = int(json.loads((d / "meta.json").read_text())["vocab_size"])
+        vocabs[str(d)] = vocab = DataMeta.open(d).vocab_size
         limits[str(d)] = {"unigram": unigram_loss(d, seq, max(1, fe["tokens"] // seq)) if fe else unigram_loss(d),
                           "init": math.log(vocab)}
         ids[str(d)] = data_identity(d)

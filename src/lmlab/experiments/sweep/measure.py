@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ...run.data.prepare import TokenData
+from ...run.data.batches import TokenData
 from ...run.evaluate import evaluate
 
 __all__ = ["SpreadSlice", "run_status", "spread_eval", "spread_starts", "unigram_loss"]
@@ -54,7 +54,7 @@ def unigram_loss(data_dir: str | Path, seq_len: int | None = None, windows: int 
     split (on the targets of ``windows`` spread windows of ``seq_len`` when given): the loss of a
     model that learned nothing but which tokens are common."""
     train, val = TokenData(data_dir, "train"), TokenData(data_dir, "val")
-    vocab = max(int(train.meta["vocab_size"]), int(max(train.tokens.max(), val.tokens.max())) + 1)
+    vocab = max(train.meta.vocab_size, int(max(train.tokens.max(), val.tokens.max())) + 1)
     counts = np.bincount(np.asarray(train.tokens), minlength=vocab).astype(np.float64) + 1.0  # add-one smoothing
     logp = np.log(counts / counts.sum())
     targets = np.asarray(val.tokens)
