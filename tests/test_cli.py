@@ -305,6 +305,45 @@ def test_checkpoint_not_matching_the_config(trained, capsys):
     assert snapshot(trained / "run") == before
 
 
+def test_data_that_does_not_fit_the_model_is_refused_by_eval_and_by_train_init_from_alike(trained, capsys, tmp_path):
+    """One check (DataMeta.check_tokenizer) behind both: another tokenizer, or ids beyond the vocabulary."""
+    wide = tmp_path / "wide.txt"  # 300 distinct characters: a char vocabulary past the model's 256 ids
+    wide.write_text("".join(" ".join(chr(0x4E00 + (i * 7 + j) % 300) * 3 for j in range(60)) + "\n" for i in range(40)))
+    assert run(capsys, "prepare", wide, "--tokenizer", "char", "--out", tmp_path / "wide")[0] == 0
+    top = json.loads((tmp_path / "wide" / "meta.json").read_text())["max_token_id"]
+    model, data = str(trained / "run"), str(trained / "data")
+    err = bad_input(capsys, "eval", model, "--data", data, "--tokenizer", tmp_path / "wide")
+    assert err.endswith(f"the data in {data!r} was tokenized with another tokenizer than the model {model!r} "
+                        f"(byte, vocab 256); prepare it with --tokenizer {tmp_path / 'wide'}"), err
+    err = bad_input(capsys, "eval", model, "--data", tmp_path / "wide")
+    assert err.endswith(f"the data in {str(tmp_path / 'wide')!r} holds token id {top}, beyond the vocabulary of the "
+                        f"model {model!r} (model.vocab_size=256); prepare it with that model's tokenizer"), err
+
+    train = ["train", "--run-dir", tmp_path / "run", "--data", tmp_path / "wide", *FAST, "--train.steps", "1"]
+    err = bad_input(capsys, *train, "--train.init_from", model)  # the run's tokenizer: its data's
+    assert err.endswith(f"the data in {str(tmp_path / 'wide')!r} was tokenized with another tokenizer than "
+                        f"train.init_from {model!r} (char, vocab {top + 1}); prepare it with --tokenizer {data}"), err
+    lone = tmp_path / "step_0000012"  # a checkpoint outside its run: no tokenizer to compare, the vocabulary still
+    lone.mkdir()
+    (lone / ckpt.WEIGHTS).write_bytes((trained / "run" / "checkpoints" / "step_0000012" / ckpt.WEIGHTS).read_bytes())
+    err = bad_input(capsys, *train, "--train.init_from", lone)
+    assert err.endswith(f"the data in {str(tmp_path / 'wide')!r} holds token id {top}, beyond the vocabulary of "
+                        f"train.init_from {str(lone)!r} (model.vocab_size=256); prepare it with that model's tokenizer")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_meta_json_field_is_one_line_naming_the_file_and_field(trained, capsys, tmp_path):
+    (tmp_path / "data").mkdir()
+    for p in (trained / "data").iterdir():
+        (tmp_path / "data" / p.name).write_bytes(p.read_bytes())
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({**meta, "train_tokens": "many"}))
+    for args in (["eval", trained / "run"], ["train", "--run-dir", tmp_path / "run", *FAST]):
+        code, _, err = run(capsys, *args, "--data", tmp_path / "data")
+        assert code == 3 and "Traceback" not in err and err.count("\n") == 1, err
+        assert f"{tmp_path / 'data' / 'meta.json'}: field 'train_tokens' is 'many' (str), not int; prepare again" in err
+
+
 def test_run_dir_holding_another_run(trained, capsys):
     before = snapshot(trained / "run")
     err = bad_input(capsys, "train", "--run-dir", trained / "run", "--data", trained / "data",

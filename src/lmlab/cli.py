@@ -402,14 +402,15 @@ def exit_status(e: Exception) -> tuple[int, str] | None:
 
 # ============================================================== commands
 def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data.prepare import DataConfig, describe, prepare
+    from .run.data.config import DataConfig
+    from .run.data.prepare import prepare
 
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      bpe_sample_mb=args.bpe_sample_mb, val_fraction=args.val_fraction, text_field=args.text_field,
                      label_field=args.label_field, errors=args.errors)
     meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite, task=args.task,
                    progress=not args.quiet)
-    print(f"prepared {args.out}: {describe(meta)}")
+    print(f"prepared {args.out}: {meta.describe()}")
     return 0
 
 
@@ -449,7 +450,7 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
           f"(perplexity {math.exp(min(result.val_loss, 700.0)):.2f}), best {best}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
-    unigram = trainer.meta.get("unigram_loss")
+    unigram = trainer.meta.unigram_loss
     if unigram is not None and result.val_loss >= unigram:
         print(f"note: val loss {result.val_loss:.4f} is no better than the unigram baseline {unigram:.4f} (token "
               "frequencies alone); train longer or check the learning rate")
@@ -473,7 +474,7 @@ def next_steps(run_dir: Path, task: str) -> str:
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data.prepare import open_prepared
+    from .run.data.meta import DataMeta
     from .run.parallel.group import resolve_device
     from .run.load import is_hf_dir, load_run
     from .run.tasks import TASKS
@@ -496,14 +497,10 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     if seq_len <= 0 or args.batch_size <= 0:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
     data_dir = Path(args.data) if args.data else run.data_dir
-    meta = open_prepared(data_dir)
-    if args.tokenizer is not None and tokenizer_from_path(args.tokenizer).fingerprint() != meta["tokenizer_hash"]:
-        raise ValueError(f"the data in {str(data_dir)!r} was not tokenized with {args.tokenizer!r}; prepare it with "
-                         f"--tokenizer {args.tokenizer}")
-    vocab = task.body(run.model).config.vocab_size
-    if meta["max_token_id"] >= vocab:
-        raise ValueError(f"the data in {str(data_dir)!r} holds token id {meta['max_token_id']}, beyond the model's "
-                         f"vocabulary of {vocab}; evaluate on data prepared with the model's tokenizer")
+    given = tokenizer_from_path(args.tokenizer).fingerprint() if args.tokenizer is not None else None
+    DataMeta.open(data_dir).check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
+                                            tokenizer_path=args.tokenizer,
+                                            model_vocab=task.body(run.model).config.vocab_size)
     data = task.open(data_dir, args.split)
     start = time.perf_counter()
     result = task.evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len,

@@ -3,6 +3,7 @@ run's ``config.yaml``.
 
     cfg = load_config("run.yaml", {"optim.lr": 3e-4})      # defaults < YAML < dotted overrides
     cfg.seq_len                                             # train.seq_len or model.max_seq_len
+    build_config(config_changes(mapping, "spec.yaml: base"))  # the same reading, for a sweep's base: and variants
 
     train:       what is trained, for how long, on what device (TrainConfig)
     optim:       AdamW and its warmup + cosine schedule (OptimConfig; run/optim.py)
@@ -262,16 +263,27 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ValueError(f"config file {str(p)!r} is empty; give at least one of {sections()}")
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must be a mapping with sections {sections()}")
-        resolved = data.pop("provenance", None) is not None
-        if isinstance(data.get("data"), str):  # data: DIR
-            data["data"] = {"prepared": data["data"]}
-        leaves = list(_leaves(data))
-        twice = next((k for i, k in enumerate(leaves) if k in leaves[:i]), None)
-        if twice is not None:
-            raise ValueError(f"config file {str(p)!r} gives {twice!r} twice (nested and dotted); keep one")
-        changes.update(upgrade_keys(flatten(data), f"config file {str(p)!r}"))
+        resolved = data.get("provenance") is not None
+        changes.update(config_changes(data, f"config file {str(p)!r}"))
     changes.update(upgrade_keys(overrides or {}, "the overrides"))  # after the file's: an override wins
     return build_config(changes, resolved=resolved)
+
+
+def config_changes(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The dotted changes a run config mapping asks for, for :func:`build_config`: nested sections
+    flattened (``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}``; ``model.preset`` stays a
+    change), ``data: DIR`` read as ``data.prepared``, and a run's ``provenance`` record dropped. The
+    one reading of a config: ``train --config`` and a sweep's ``base:`` and variants all use it.
+    A field given twice (nested and dotted, or under its old and new name) is refused, naming
+    ``source``; old keys (``train.lr``) are read as their new ones (``optim.lr``), with a note."""
+    data = {k: v for k, v in data.items() if k != "provenance"}
+    if isinstance(data.get("data"), str):  # data: DIR
+        data["data"] = {"prepared": data["data"]}
+    leaves = list(_leaves(data))
+    twice = next((k for i, k in enumerate(leaves) if k in leaves[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{source} gives {twice!r} twice (nested and dotted); keep one")
+    return upgrade_keys(flatten(data), source)
 
 
 def build_config(changes: Mapping[str, Any], *, resolved: bool = False) -> RunConfig:

@@ -1,12 +1,19 @@
-"""DataConfig: which data a run trains on, the ``data:`` section of a run config.
+"""Which data a run trains on: ``DataConfig`` (the ``data:`` section of a run config), and where it lives.
 
-Its own file, apart from prepare.py and its torch import, so that the run config (and
-``lmlab train --help``, which prints its defaults) loads without torch.
+    cfg = DataConfig(source="notes/", tokenizer="bpe", vocab_size=4096)   # a source the run prepares itself
+    cfg = DataConfig(prepared="data/notes")                               # data `lmlab prepare` wrote
+    run_data_dir("runs/a", cfg)                                           # where the prepared shards are
+
+With ``prepared`` set, the other fields only check that data (binding.py); otherwise they say how
+``prepare`` (prepare.py) turns the source into shards. Its own file, apart from prepare.py and its
+torch import, so that the run config (and ``lmlab train --help``, which prints its defaults) loads
+without torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 from ...schema import Config, check_positive, suggest
@@ -54,3 +61,17 @@ class DataConfig(Config):
             raise ValueError(f"val_fraction={self.val_fraction!r} is out of range; it must be in (0, 1), e.g. 0.05")
         if not self.dir.strip():
             raise ValueError("dir='' is not valid; name a directory for the prepared shards, e.g. 'data'")
+
+
+def resolve_path(spec: str) -> str:
+    """A source or tokenizer setting with its path made absolute (``builtin``, kinds and ``hf:`` kept)."""
+    if spec in ("builtin", *TOKENIZERS):
+        return spec
+    if spec.startswith("hf:"):
+        return "hf:" + str(Path(spec[3:]).expanduser().resolve())
+    return str(Path(spec).expanduser().resolve())
+
+
+def run_data_dir(run_dir: str | Path, cfg: DataConfig) -> Path:
+    """Where a run's prepared data is: ``data.prepared``, or the run's own ``data.dir`` (relative to the run)."""
+    return Path(cfg.prepared) if cfg.prepared else Path(run_dir) / cfg.dir
