@@ -206,14 +206,14 @@ def test_sweep_specs_take_old_keys_in_base_variants_and_tune(notes):
 
     new = parse_spec(spec({"steps": 4}, {"eval": {"every": 2}, "optim": {"warmup_steps": 1}}, "optim.lr")).resolve()
     assert notes() == []
-    old = parse_spec(spec({"steps": 4, "eval_every": 2, "warmup_steps": 1}, {}, "train.lr")).resolve()
+    old = parse_spec(spec({"steps": 4, "eval_every": 2, "warmup_steps": 1}, {}, "train.lr"), "old.yaml").resolve()
     assert old.configs == new.configs and old.tune.field == new.tune.field == "optim.lr"
     assert (new.configs["a"].optim.lr, new.configs["b"].optim.lr, new.configs["b"].eval.every) == (1e-3, 2e-3, 2)
     assert old.tune_spec().configs == new.tune_spec().configs
     assert notes() == [
         "lmlab: note: old config keys in variant 'a' overrides, read as the new ones in this release only; "
         "rename them: train.lr -> optim.lr",
-        "lmlab: note: old config keys in base, read as the new ones in this release only; rename them: "
+        "lmlab: note: old config keys in old.yaml: base, read as the new ones in this release only; rename them: "
         "train.eval_every -> eval.every, train.warmup_steps -> optim.warmup_steps"]  # the tune field's train.lr: noted
 
 
