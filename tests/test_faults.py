@@ -17,6 +17,7 @@ test_crash.py; the pieces (lock, metrics, YAML, memory estimate, ...) are tested
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -26,6 +27,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -235,6 +237,30 @@ class Case:
     says: tuple[str, ...]  # substrings of the one line (may use {tmp})
     after: Callable[[Env, dict, dict], None] | None = None  # custom check instead of "nothing changed"
     mark: object = None
+    seconds: int | None = None  # a fault that used to hang: the command must finish within this
+
+
+class Hung(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: int | None):
+    """Raise Hung inside the block after ``seconds`` (a hang becomes a failure, not a stuck test run)."""
+    if seconds is None:
+        yield
+        return
+
+    def hung(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def resumable(env: Env, before: dict, after: dict) -> None:
@@ -301,6 +327,32 @@ def setup_bpe_tokenizer(env: Env) -> list:
     assert cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "bpe", "--vocab-size", "280"]) == 0
     garbage(data / "tokenizer.json")
     return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
+
+
+def config_file(env: Env, text: str) -> list:
+    """``lmlab train --config c.yaml`` of a YAML text."""
+    env.tmp.joinpath("c.yaml").write_text(text)
+    return ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"]
+
+
+def alias_bomb() -> str:
+    """Nine anchors, each a list of nine aliases of the one before: 9**9 values once written out."""
+    levels = ['&a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"&{name} [{', '.join([f'*{prev}'] * 9)}]")
+    return f"train: {{lr: [{', '.join(levels)}]}}\n"
+
+
+def setup_deep_jsonl(env: Env) -> list:
+    source = env.tmp / "deep.jsonl"
+    source.write_text('{"text": "a line"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def setup_provenance_not_a_list(env: Env) -> list:
+    config = env.run() / "config.yaml"
+    config.write_text(config.read_text().split("provenance:")[0] + "provenance: 5\n")
+    return resume(env)
 
 
 def setup_huge_hf(env: Env) -> list:
@@ -382,6 +434,37 @@ CASES = [
          ("training this model needs", "more than the limit of 1.0 MiB")),
     Case("eval --model.d_model 1073741824", lambda env: ["eval", env.run(), "--model.d_model", "1073741824"], 2,
          ("the model of", "needs at least")),
+    # ---- issue 20 item 1: sizes are checked by arithmetic, never by enumeration (these hung)
+    Case("--model.d_model 10**12+1 --model.n_heads 2",
+         lambda env: new_run(env, "--model.d_model", "1000000000001", "--model.n_heads", "2"), 2,
+         ("n_heads=2 does not divide d_model=1000000000001; choose n_heads in [1]",), seconds=20),
+    Case("--model.n_heads 10**12+1 --model.n_kv_heads 2",
+         lambda env: new_run(env, "--model.head_dim", "8", "--model.n_heads", "1000000000001", "--model.n_kv_heads", "2"),
+         2, ("n_kv_heads=2 does not divide n_heads=1000000000001; choose n_kv_heads in [1, 73, 137, 10001,",), seconds=20),
+    Case("--model.moe.n_experts 10**12+1 --model.moe.n_groups 2",
+         lambda env: new_run(env, "--model.moe.n_experts", "1000000000001", "--model.moe.n_groups", "2"), 2,
+         ("moe.n_groups=2 does not divide the 1000000000001 routed experts", "choose n_groups in [1, 73,"), seconds=20),
+    Case("--model.d_model 10**400", lambda env: new_run(env, "--model.d_model", "1" + "0" * 400), 2,
+         ("it must be at most 2**40 (1,099,511,627,776)",), seconds=20),
+    Case("YAML alias bomb (9 levels of 9 aliases)", lambda env: config_file(env, alias_bomb()), 2,
+         ("c.yaml' expands to more than 10,000 values", "through its aliases"), seconds=20),
+    Case("YAML alias to the list that holds it", lambda env: config_file(env, "train: {lr: &a [1, *a]}\n"), 2,
+         ("c.yaml' contains itself through an alias",), seconds=20),
+    Case("YAML flow list nested 20,000 deep",
+         lambda env: config_file(env, "train: {lr: " + "[" * 20_000 + "]" * 20_000 + "}\n"), 2,
+         ("c.yaml' nests deeper than 64 levels at line 1",), seconds=20),
+    Case("JSONL line nested 100,000 deep", setup_deep_jsonl, 2, ("deep.jsonl:2: nests JSON values too deeply",),
+         seconds=20),
+    Case("a number where a list belongs (train.betas: 5)", lambda env: config_file(env, "train: {betas: 5}\n"), 2,
+         ("betas=5 is not a list",)),
+    Case("a number as a section (data: 5)", lambda env: config_file(env, "data: 5\n"), 2,
+         ("data must be a mapping of DataConfig fields, got 5",)),
+    Case("a !!set as a section", lambda env: config_file(env, "model: !!set {a, b}\n"), 2,
+         ("model must be a mapping of ModelConfig fields",)),
+    Case("a run's provenance: 5", setup_provenance_not_a_list, 2, ("config.yaml': provenance must be the list",)),
+    Case("sweep spec variants: 5",
+         lambda env: (env.spec().write_text("name: t\nvariants: 5\n"), ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
+         2, ("spec.yaml: variants must be a list",)),
     # ---- item 5: a failing resume overwrites nothing (the state.pt rows above check config.yaml too)
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
@@ -442,7 +525,8 @@ def test_fault_is_one_line_and_changes_nothing(case, fault_env, capsys):
     capsys.readouterr()
     before = digest(env.tmp)
     usage_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    code = cli.main(args)
+    with deadline(case.seconds):
+        code = cli.main(args)
     _, err = capsys.readouterr()
     after = digest(env.tmp)
     assert code == case.code, err
@@ -700,3 +784,15 @@ def test_lock_refuses_a_second_holder_and_is_gone_when_released(tmp_path):
         (tmp_path / "work" / "result.json").write_text("{}")
         1 / 0
     assert [p.name for p in (tmp_path / "work").iterdir()] == ["result.json"]  # work done is never deleted
+
+
+def test_divisors_are_found_by_arithmetic_and_listed_near_the_value():
+    from lmlab.schema import MAX_SIZE, divisor_choices, divisors
+
+    assert divisors(30) == [1, 2, 3, 5, 6, 10, 15, 30] and divisors(1) == [1] and divisors(97) == [1, 97]
+    assert divisors(MAX_SIZE) == [2**i for i in range(41)]  # sqrt(2**40) trials, not 2**40
+    assert divisors(10**12 + 1) == [1, 73, 137, 10001, 99990001, 7299270073, 13698630137, 10**12 + 1]
+    assert divisor_choices(96, 7) == "[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]"  # all, when they are few
+    # 720720 has 240 divisors: the 12 nearest the value asked for, with the ends elided
+    assert divisor_choices(720720, 1000) == "[..., 858, 880, 910, 924, 936, 990, 1001, 1008, 1040, 1092, 1144, 1155, ...]"
+    assert divisor_choices(720720, 7000, keep=lambda d: d <= 64).startswith("[..., 36, 39,")

@@ -171,7 +171,11 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ValueError(f"config file {str(p)!r} is empty; give at least one of model:, data:, train:")
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must be a mapping with model:, data:, train: sections")
-        resolved = data.pop("provenance", None) is not None
+        provenance = data.pop("provenance", None)
+        if provenance is not None and not isinstance(provenance, list):
+            raise ValueError(f"config file {str(p)!r}: provenance must be the list of sessions lmlab writes, "
+                             f"got {type(provenance).__name__}; restore it or delete the section")
+        resolved = provenance is not None
         if isinstance(data.get("data"), str):  # data: DIR
             data["data"] = {"prepared": data["data"]}
         leaves = list(_leaves(data))
