@@ -14,7 +14,14 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from .schema import Config, check_positive, check_range, check_size, divisor_choices, suggest
+from .schema import (
+    Config,
+    check_positive,
+    check_range,
+    check_size,
+    divisor_choices,
+    suggest,
+)
 
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
