@@ -355,6 +355,53 @@ def setup_provenance_not_a_list(env: Env) -> list:
     return resume(env)
 
 
+def torch_writer_fails(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """torch.save of a file called ``name`` fails as torch's stream writer does: no OS error, no file name."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if Path(f).name == name or Path(f).name.startswith(f".{name}."):  # or atomic_write's temporary file
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def setup_best_json_denied_relative(env: Env) -> list:
+    """A resume given a relative run directory, where creating best.json's temporary file is refused."""
+    env.run()
+    env.monkeypatch.chdir(env.tmp)
+    real = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if os.path.basename(path).startswith(".best.json."):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real(path, flags, *args, **kwargs)
+
+    env.monkeypatch.setattr(os, "open", fake_open)
+    return ["train", "--run-dir", "run", "--resume", "--train.steps", "8", "--quiet"]
+
+
+def setup_export_onto_foreign(env: Env) -> list:
+    (env.tmp / "mine").mkdir()
+    (env.tmp / "mine" / "notes.txt").write_text("not an export")
+    return ["export", env.run(), "--out", env.tmp / "mine", "--overwrite"]
+
+
+def setup_export_through_link(env: Env) -> list:
+    (env.tmp / "link").symlink_to(env.run())
+    return ["export", env.run(), "--out", env.tmp / "link", "--overwrite"]
+
+
+def no_cuda(env: Env, device: str, gpus: int = 0) -> list:
+    """A new run on ``device`` where this machine has ``gpus`` GPUs (CUDA unavailable with none)."""
+    env.monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    env.monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    env.monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    return new_run(env, "--train.device", device)
+
+
 def setup_huge_hf(env: Env) -> list:
     hf_dir(env.tmp / "hf", hidden_size=1e9, intermediate_size=4e9)
     return ["generate", env.tmp / "hf"]
@@ -465,6 +512,27 @@ CASES = [
     Case("sweep spec variants: 5",
          lambda env: (env.spec().write_text("name: t\nvariants: 5\n"), ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
          2, ("spec.yaml: variants must be a list",)),
+    # ---- issue 20 item 2: export never replaces what it did not write; errors name the real file
+    Case("export --out RUN --overwrite", lambda env: ["export", env.run(), "--out", env.run(), "--overwrite"], 2,
+         ("--out '", "run' is the run directory '", "being exported")),
+    Case("export --out RUN/checkpoints --overwrite",
+         lambda env: ["export", env.run(), "--out", env.run() / "checkpoints", "--overwrite"], 2,
+         ("run/checkpoints' is inside the run directory",)),
+    Case("export --out the directory holding RUN --overwrite",
+         lambda env: ["export", env.run() / "checkpoints" / "step_0000004", "--out", env.tmp, "--overwrite"], 2,
+         ("holds the run directory",)),
+    Case("export --out a link to RUN --overwrite", setup_export_through_link, 2, ("link' is the run directory",)),
+    Case("export --overwrite onto a directory lmlab did not write", setup_export_onto_foreign, 2,
+         ("mine' holds files lmlab did not export (no .lmlab-export)",)),
+    Case("torch's writer fails on state.pt",
+         lambda env: (torch_writer_fails(env.monkeypatch, "state.pt"), resume(env))[1], 3,
+         ("writing '", "run/checkpoints/step_0000006/state.pt' failed"), after=resumable),
+    Case("best.json's temporary file refused, relative --run-dir", setup_best_json_denied_relative, 3,
+         ("permission denied for 'run/checkpoints/best.json'",), after=resumable),
+    Case("--train.device cuda without a GPU", lambda env: no_cuda(env, "cuda"), 3, ("CUDA is not available here",)),
+    Case("--train.device cuda:99 with one GPU", lambda env: no_cuda(env, "cuda:99", gpus=1), 3,
+         ("device 'cuda:99' does not exist: this machine has 1 GPU(s)",)),
+    Case("--train.device mps without MPS", lambda env: no_cuda(env, "mps"), 3, ("MPS is not available here",)),
     # ---- item 5: a failing resume overwrites nothing (the state.pt rows above check config.yaml too)
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
@@ -796,3 +864,20 @@ def test_divisors_are_found_by_arithmetic_and_listed_near_the_value():
     # 720720 has 240 divisors: the 12 nearest the value asked for, with the ends elided
     assert divisor_choices(720720, 1000) == "[..., 858, 880, 910, 924, 936, 990, 1001, 1008, 1040, 1092, 1144, 1155, ...]"
     assert divisor_choices(720720, 7000, keep=lambda d: d <= 64).startswith("[..., 36, 39,")
+
+
+def test_export_files_have_the_usual_permissions(tmp_path):
+    """safetensors creates its files 0600; an export's files are 0666 & ~umask, like a checkpoint's."""
+    model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
+    old = os.umask(0o022)
+    try:
+        lmlab.to_hf(model, tmp_path / "one")
+        lmlab.to_hf(model, tmp_path / "shards", max_shard_size="10KB")
+        os.umask(0o027)
+        lmlab.to_hf(model, tmp_path / "private")
+    finally:
+        os.umask(old)
+    for name, mode in (("one", 0o644), ("shards", 0o644), ("private", 0o640)):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / name).iterdir()}
+        assert len(modes) >= 4 and set(modes.values()) == {mode}, (name, modes)
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
