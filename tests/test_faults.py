@@ -881,3 +881,39 @@ def test_export_files_have_the_usual_permissions(tmp_path):
         modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / name).iterdir()}
         assert len(modes) >= 4 and set(modes.values()) == {mode}, (name, modes)
     assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", [False, True])
+def test_ctrl_c_with_stdout_to_a_closed_pipe_saves_a_checkpoint_and_exits_130(tmp_path, quiet):
+    """``lmlab train ... | tee log``, then Ctrl-C: the terminal's SIGINT stops tee as well, so stdout's
+    reader is gone. The handler printed before it set its flag: BrokenPipeError, exit 3, no checkpoint."""
+    import subprocess
+    import sys
+    import time
+
+    from lmlab.run.checkpoint.local import list_checkpoints
+
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--data.source", str(corpus(tmp_path / "c.txt")), *TINY,
+            *[a for a in FAST if a != "--quiet"], *(["--quiet"] if quiet else []), "--train.steps", "100000",
+            "--train.eval_every", "100000", "--train.save_every", "100000"]
+    with open(tmp_path / "stderr", "wb") as err:  # a file: a progress bar never fills a pipe nobody reads
+        proc = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):  # a step done
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        proc.stdout.close()  # the reader is gone (tee stopped by the same Ctrl-C)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    err = (tmp_path / "stderr").read_text()
+    assert code == 130, err  # the documented status of a run stopped by Ctrl-C (lmlab --help)
+    assert "Traceback" not in err and "Broken pipe" not in err and "BrokenPipeError" not in err, err
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [last]  # saved at the step it stopped after
