@@ -6,8 +6,11 @@ would be valid), round-trips through dicts, JSON and YAML, and rejects unknown k
 "did you mean" suggestion. Nested configs are plain dataclass fields.
 
 Every ``float`` field must be finite: ``inf`` is refused like ``nan`` (no field of lmlab means
-"unbounded" by infinity). YAML is read by :func:`read_yaml` / :func:`parse_yaml`, which refuse a
-key given twice in one mapping (plain YAML keeps the last silently), naming the key and lines.
+"unbounded" by infinity). Sizes are bounded (:func:`check_size`, at most 2**40) and divisors are
+found by arithmetic, so no check scans up to a number the user typed. YAML is read by
+:func:`read_yaml` / :func:`parse_yaml`, which refuse a key given twice in one mapping (plain YAML
+keeps the last silently), naming the key and lines, and a document nested or, through its aliases,
+expanded past a bound that no config comes near (a "billion laughs" file hung the loader).
 """
 
 from __future__ import annotations
@@ -282,7 +285,9 @@ class Config:
 # ---------------------------------------------------------------- YAML, strictly
 def parse_yaml(text: str, what: str) -> Any:
     """YAML ``text`` as Python data (safe: no arbitrary objects), refusing a mapping that gives a key
-    twice. ``what`` names the source in messages, e.g. "config file 'run.yaml'"."""
+    twice, and a document deeper than MAX_YAML_DEPTH or larger than MAX_YAML_VALUES with its aliases
+    written out (anchors and ``<<: *base`` merges stay usable). ``what`` names the source in
+    messages, e.g. "config file 'run.yaml'"."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
