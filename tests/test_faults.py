@@ -486,8 +486,9 @@ CASES = [
          lambda env: new_run(env, "--model.d_model", "1000000000001", "--model.n_heads", "2"), 2,
          ("n_heads=2 does not divide d_model=1000000000001; choose n_heads in [1]",), seconds=20),
     Case("--model.n_heads 10**12+1 --model.n_kv_heads 2",
-         lambda env: new_run(env, "--model.head_dim", "8", "--model.n_heads", "1000000000001", "--model.n_kv_heads", "2"),
-         2, ("n_kv_heads=2 does not divide n_heads=1000000000001; choose n_kv_heads in [1, 73, 137, 10001,",), seconds=20),
+         lambda env: new_run(env, "--model.head_dim", "8", "--model.n_heads", "1000000000001",
+                             "--model.n_kv_heads", "2"), 2,
+         ("n_kv_heads=2 does not divide n_heads=1000000000001; choose n_kv_heads in [1, 73, 137, 10001,",), seconds=20),
     Case("--model.moe.n_experts 10**12+1 --model.moe.n_groups 2",
          lambda env: new_run(env, "--model.moe.n_experts", "1000000000001", "--model.moe.n_groups", "2"), 2,
          ("moe.n_groups=2 does not divide the 1000000000001 routed experts", "choose n_groups in [1, 73,"), seconds=20),
@@ -510,7 +511,8 @@ CASES = [
          ("model must be a mapping of ModelConfig fields",)),
     Case("a run's provenance: 5", setup_provenance_not_a_list, 2, ("config.yaml': provenance must be the list",)),
     Case("sweep spec variants: 5",
-         lambda env: (env.spec().write_text("name: t\nvariants: 5\n"), ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
+         lambda env: (env.spec().write_text("name: t\nvariants: 5\n"),
+                      ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
          2, ("spec.yaml: variants must be a list",)),
     # ---- issue 20 item 2: export never replaces what it did not write; errors name the real file
     Case("export --out RUN --overwrite", lambda env: ["export", env.run(), "--out", env.run(), "--overwrite"], 2,
@@ -862,7 +864,8 @@ def test_divisors_are_found_by_arithmetic_and_listed_near_the_value():
     assert divisors(10**12 + 1) == [1, 73, 137, 10001, 99990001, 7299270073, 13698630137, 10**12 + 1]
     assert divisor_choices(96, 7) == "[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]"  # all, when they are few
     # 720720 has 240 divisors: the 12 nearest the value asked for, with the ends elided
-    assert divisor_choices(720720, 1000) == "[..., 858, 880, 910, 924, 936, 990, 1001, 1008, 1040, 1092, 1144, 1155, ...]"
+    nearest = "[..., 858, 880, 910, 924, 936, 990, 1001, 1008, 1040, 1092, 1144, 1155, ...]"
+    assert divisor_choices(720720, 1000) == nearest
     assert divisor_choices(720720, 7000, keep=lambda d: d <= 64).startswith("[..., 36, 39,")
 
 

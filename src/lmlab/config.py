@@ -316,7 +316,8 @@ class ModelConfig(Config):
         kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
         if self.n_heads % kv:
             raise ValueError(
-                f"n_kv_heads={kv} does not divide n_heads={self.n_heads}; choose n_kv_heads in {divisor_choices(self.n_heads, kv)}"
+                f"n_kv_heads={kv} does not divide n_heads={self.n_heads}; "
+                f"choose n_kv_heads in {divisor_choices(self.n_heads, kv)}"
             )
         if self.residual_scaling == "deepnorm" and self.norm_position != "post":
             raise ValueError(

@@ -270,7 +270,8 @@ def _write(
 ) -> None:
     from safetensors.torch import save_file
 
-    _write_file(tmp / EXPORT_MARKER, lambda f: f.write_text("written by lmlab export; overwrite replaces this directory\n"))
+    marker = "written by lmlab export; overwrite replaces this directory\n"
+    _write_file(tmp / EXPORT_MARKER, lambda f: f.write_text(marker))
     for name, text in texts.items():
         _write_file(tmp / name, lambda f, text=text: f.write_text(text))
     weight_map, total = {}, 0
@@ -304,8 +305,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it, or choose another --out")
     if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
-        raise ValueError(f"output directory {str(out)!r} holds files lmlab did not export (no {EXPORT_MARKER}); --overwrite "
-                         "replaces only an earlier export: choose another --out, or empty it yourself")
+        raise ValueError(f"output directory {str(out)!r} holds files lmlab did not export (no {EXPORT_MARKER}); "
+                         "--overwrite replaces only an earlier export: choose another --out, or empty it yourself")
 
 
 def check_apart(out: str | Path, source: str | Path, what: str) -> None:

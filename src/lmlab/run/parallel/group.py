@@ -205,7 +205,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
-            raise EnvironmentFailure(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+            gpus = torch.cuda.device_count()
+            raise EnvironmentFailure(f"device {str(device)!r} does not exist: this machine has {gpus} GPU(s)")
     return device
 
 
