@@ -491,7 +491,7 @@ def test_checkpoint_files_have_the_usual_permissions(tmp_path):
     try:
         model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
         path = ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, model.config.to_dict())
-        ckpt.write_best(tmp_path, 1, 2.5)
+        ckpt.Best(1, 2.5).write(tmp_path)
         modes = {p.name: p.stat().st_mode & 0o777 for p in [*path.iterdir(), tmp_path / "best.json"]}
         assert modes == {"model.safetensors": 0o644, "state.pt": 0o644, "best.json": 0o644}
         os.umask(0o027)
@@ -585,7 +585,7 @@ def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys)
     """lr jumps to 1e10 after step 3: step 4's update is huge but finite, and the old guard
     checkpointed it (and the skipped steps after it) and named it as the last good one."""
     from lmlab.run.config import RunConfig, TrainConfig
-    from lmlab.run.data.prepare import DataConfig
+    from lmlab.run.data.config import DataConfig
     from lmlab.run.trainer import Trainer, TrainingDiverged
 
     cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),

@@ -278,7 +278,7 @@ def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
                      tmp_path / "out2", log=quiet)
     assert rows[0]["status"] == "no better than unigram" and not rows[0]["diverged"]  # 4 steps at lr 1e-6 learn nothing
     data = tmp_path / "out" / "data"
-    from lmlab.run.data.prepare import TokenData
+    from lmlab.run.data.batches import TokenData
 
     train, val = np.asarray(TokenData(data, "train").tokens), np.asarray(TokenData(data, "val").tokens)
     counts = np.bincount(train, minlength=256) + 1.0
@@ -297,7 +297,7 @@ def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus
     assert rows[0]["eval_tokens"] == 96  # 6 windows of 16
     from lmlab.model import Transformer
     from lmlab.run.checkpoint import local as ckpt
-    from lmlab.run.data.prepare import TokenData
+    from lmlab.run.data.batches import TokenData
     from lmlab.run.evaluate import evaluate
 
     cfg = yaml.safe_load((out / "runs/one/seed0/config.yaml").read_text())

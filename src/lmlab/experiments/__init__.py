@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ..run.checkpoint.atomic import atomic_write_text
+from ..run.data.meta import DataMeta
 from . import corpus, moe, norm, positions
 from .sweep import Outcome, SweepSpec, data_identity, load_spec, sweep_outcome
 
@@ -45,15 +46,15 @@ def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = 
 def data_report(out: Path, outcome: Outcome) -> dict:
     """The corpus identity, tokenizer, split sizes and verbatim 64-byte overlap of the prepared data
     (the overlap is cached in out/overlap.json, keyed by the data's identity)."""
-    meta = json.loads((outcome.data_dir / "meta.json").read_text())
+    meta = DataMeta.open(outcome.data_dir)
     ident = data_identity(outcome.data_dir)
     cache = out / "overlap.json"
     cached = json.loads(cache.read_text()) if cache.is_file() else {}
     if cached.get("data_identity") != ident:
         cached = {"data_identity": ident, **corpus.split_overlap(outcome.data_dir)}
         atomic_write_text(cache, json.dumps(cached, indent=1) + "\n")
-    return {"corpus": outcome.corpus, "overlap": cached, "tokenizer": meta.get("tokenizer"), "vocab_size": meta.get("vocab_size"),
-            "data_identity": ident, "val_fraction": meta.get("val_fraction")}
+    return {"corpus": outcome.corpus, "overlap": cached, "tokenizer": meta.tokenizer, "vocab_size": meta.vocab_size,
+            "data_identity": ident, "val_fraction": meta.split.val_fraction}
 
 
 def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None, profile: str | None = None,

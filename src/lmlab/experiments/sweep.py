@@ -78,7 +78,9 @@ import numpy as np
 from ..run.checkpoint import local as ckpt
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.config import config_diff, load_config
-from ..run.data.prepare import TokenData, prepare
+from ..run.data.batches import TokenData
+from ..run.data.meta import META, DataMeta
+from ..run.data.prepare import prepare
 from ..run.checkpoint.directory import CHECKPOINTS
 from ..run.errors import one_line
 from ..run.evaluate import evaluate
@@ -129,7 +131,7 @@ def data_identity(data_dir: Path) -> str:
     """sha256 over the prepared data's files (shards and tokenizer; meta.json, which records versions, excluded)."""
     h = hashlib.sha256()
     for p in sorted(data_dir.iterdir()):
-        if p.is_file() and p.name != "meta.json" and not p.name.startswith("."):
+        if p.is_file() and p.name != META and not p.name.startswith("."):
             h.update(p.name.encode() + b"\0")
             with open(p, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -197,7 +199,7 @@ def unigram_loss(data_dir: str | Path, seq_len: int | None = None, windows: int 
     split (on the targets of ``windows`` spread windows of ``seq_len`` when given): the loss of a
     model that learned nothing but which tokens are common."""
     train, val = TokenData(data_dir, "train"), TokenData(data_dir, "val")
-    vocab = max(int(train.meta["vocab_size"]), int(max(train.tokens.max(), val.tokens.max())) + 1)
+    vocab = max(train.meta.vocab_size, int(max(train.tokens.max(), val.tokens.max())) + 1)
     counts = np.bincount(np.asarray(train.tokens), minlength=vocab).astype(np.float64) + 1.0  # add-one smoothing
     logp = np.log(counts / counts.sum())
     targets = np.asarray(val.tokens)
@@ -575,7 +577,7 @@ def setup(spec: SweepSpec, out: Path, hooks: Hooks, trainer_cls, quiet: bool, lo
     fe = spec.final_eval
     for d in set(data_dirs.values()):
         seq = max(c.seq_len for n, c in spec.configs.items() if data_dirs[n] == d)
-        vocabs[str(d)] = vocab = int(json.loads((d / "meta.json").read_text())["vocab_size"])
+        vocabs[str(d)] = vocab = DataMeta.open(d).vocab_size
         limits[str(d)] = {"unigram": unigram_loss(d, seq, max(1, fe["tokens"] // seq)) if fe else unigram_loss(d),
                           "init": math.log(vocab)}
         ids[str(d)] = data_identity(d)

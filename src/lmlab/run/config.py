@@ -14,11 +14,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
-import torch
-
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
-from .data.prepare import DataConfig
+from .data.config import DataConfig
 
 Parallel = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
@@ -88,6 +86,8 @@ class TrainConfig(Config):
             raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
         try:
             if self.device != "auto":
+                import torch  # here, not at the top: the config (and `lmlab train --help`) loads without torch
+
                 torch.device(self.device)
         except RuntimeError:
             raise ValueError(
