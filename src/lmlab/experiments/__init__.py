@@ -1,7 +1,8 @@
 """Many runs compared: the sweep engine, statistics, the corpus, and the design's three claims.
 
     spec.py        a sweep spec: variants, grid, seeds, profiles (quick, gpu), tuning
-    sweep.py       ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
+    sweep/         ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
+                   (engine, workers, tuning, tables, measure, layout: see its docstring)
     stats.py       Student's t, paired intervals over seeds, tie margins, verdicts
     claims.py      claims with their intervals -> verdict.json and the README's results table
     corpus.py      the experiment corpus: the stdlib's source, deduplicated; split overlap
@@ -28,7 +29,9 @@ from pathlib import Path
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.data.meta import DataMeta
 from . import corpus, moe, norm, positions
-from .sweep import Outcome, SweepSpec, data_identity, load_spec, sweep_outcome
+from .spec import SweepSpec
+from .sweep import Outcome, load_spec, sweep_outcome
+from .sweep.engine import data_identity
 
 EXPERIMENTS = {"norm": norm, "positions": positions, "moe": moe}
 
