@@ -327,7 +327,7 @@ def build_export(x: argparse.ArgumentParser) -> None:
     x.add_argument("--architecture", default=None, help="the transformers model_type to write; default: the first that fits")
     x.add_argument("--dtype", default=None, help="stored dtype (float32, bfloat16, float16); default: as trained")
     x.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest weights file, e.g. 500MB or 5GB")
-    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that an earlier export wrote")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -614,6 +614,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
 
 def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .hf import to_hf
+    from .hf.export import check_apart
     from .run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE
     from .run.load import load_run
 
@@ -623,6 +624,7 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
         if not (source / CONFIG_FILE).is_file():
             raise ValueError(f"checkpoint {args.run!r} is not inside a run directory (no {source / CONFIG_FILE}); "
                              "export the run directory that holds its config")
+    check_apart(args.out, source, "run directory" if (source / CONFIG_FILE).is_file() else "checkpoint directory")
     run = load_run(source, checkpoint=checkpoint)
     done = to_hf(run.model, args.out, run.tokenizer, architecture=args.architecture, dtype=args.dtype,
                  max_shard_size=args.max_shard_size, overwrite=args.overwrite)

@@ -314,7 +314,10 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
     base = data.get("base") or {}
     if not isinstance(base, Mapping):
         raise ValueError(f"{source}: base must be a run config mapping with model:, data:, train: sections")
-    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(data.get("variants") or [])]
+    listed = data.get("variants") or []
+    if not isinstance(listed, list):
+        raise ValueError(f"{source}: variants must be a list of {{name:, overrides:}} mappings, got {listed!r}")
+    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(listed)]
     variants += _grid(data["grid"], source) if data.get("grid") else []
     if not variants:
         raise ValueError(f"{source}: no variants; list some under variants: or grid:")

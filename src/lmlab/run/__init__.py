@@ -27,6 +27,7 @@
         checkpointer.py the Checkpointer: save, resume, prune, best; TrainState; local or sharded by layout
         local.py        safetensors weights + weights-only state, written atomically
         sharded.py      distributed checkpoints of sharded runs (torch.distributed.checkpoint), resharding
+        dcp_index.py    their index (a pickle) read by an interpreter that builds only an exact allow-list
         directory.py    a run directory's files and the checks before a run starts
         lock.py         one process group per directory
         atomic.py       crash-safe file writes

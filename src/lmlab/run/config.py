@@ -276,6 +276,10 @@ def config_changes(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     one reading of a config: ``train --config`` and a sweep's ``base:`` and variants all use it.
     A field given twice (nested and dotted, or under its old and new name) is refused, naming
     ``source``; old keys (``train.lr``) are read as their new ones (``optim.lr``), with a note."""
+    provenance = data.get("provenance")
+    if provenance is not None and not isinstance(provenance, list):
+        raise ValueError(f"{source}: provenance must be the list of sessions lmlab writes, "
+                         f"got {type(provenance).__name__}; restore it or delete the section")
     data = {k: v for k, v in data.items() if k != "provenance"}
     if isinstance(data.get("data"), str):  # data: DIR
         data["data"] = {"prepared": data["data"]}

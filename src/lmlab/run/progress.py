@@ -2,11 +2,20 @@
 
 Rank 0 shows them (unless quiet); other ranks keep the same counts silently, so that every process
 computes the same records. Notes go through ``tqdm.write``, which never breaks the bar.
+
+Under ``lmlab train ... | tee log``, Ctrl-C reaches every process of the terminal's foreground
+group and stops ``tee`` as well: from then on each write to stdout fails with BrokenPipeError
+(EPIPE), and a buffered one fails at exit, which turns the exit status into 120. A message must
+never cost the checkpoint that a stop saves, so once stdout's reader is gone it is pointed at
+/dev/null (:func:`mute_stdout_if_closed`) and the run carries on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,10 +32,15 @@ class Progress:
         self.window_start, self.window_tokens = time.perf_counter(), 0  # the throughput window
 
     def print(self, message: str) -> None:
+        """One note on stdout (above the bar), flushed; nothing once stdout's reader is gone."""
         if self.show:
             from tqdm.auto import tqdm
 
-            tqdm.write(message)
+            try:
+                tqdm.write(message)
+                sys.stdout.flush()  # a pipe is block-buffered: reach `tee` now, and meet a closed pipe here
+            except BrokenPipeError:
+                mute_stdout()
 
     @contextlib.contextmanager
     def running(self, total: int, initial: int) -> Iterator[None]:
@@ -80,3 +94,35 @@ def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_
         + (f" x {world} processes ({layout})" if world > 1 else "")
         + f"\ndata: {data}"
     )
+
+
+def mute_stdout_if_closed() -> None:
+    """Point stdout at /dev/null if it is a pipe whose reader has gone (poll reports POLLERR), so that
+    later writes, and the flush at exit, succeed. Call it before work that output must not stop."""
+    fd = stdout_fd()
+    if fd is None or not hasattr(select, "poll"):
+        return
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    if any(events & select.POLLERR for _, events in poll.poll(0)):
+        mute_stdout()
+
+
+def mute_stdout() -> None:
+    """Send everything written to stdout from now on (what Python still buffers too) to /dev/null."""
+    fd = stdout_fd()
+    if fd is None:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def stdout_fd() -> int | None:
+    """The file descriptor behind sys.stdout, or None where it has none (captured by a test, a notebook)."""
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None

@@ -59,7 +59,7 @@ from .checkpoint.lock import DirLock
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate
 from .parallel.plan import Parallel, global_moe_stats, parallelize
-from .progress import Progress, banner
+from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
 from .data.binding import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
                       saved_provenance)
@@ -171,6 +171,7 @@ class StopRequest:
         self.world = world
         self.signal: int | None = None  # the signal that asked this process to stop
         self.agreed = False  # some rank asked, as of the last all-reduce
+        self.notice: str | None = None  # what to tell the user, printed by the loop (a handler does no I/O)
 
     @property
     def stopping(self) -> bool:
@@ -182,8 +183,10 @@ class StopRequest:
             self.signal = self.signal or signal.SIGTERM  # another rank got the signal
 
     @contextlib.contextmanager
-    def handlers(self, say: Callable[[str], None]) -> Iterator[None]:
-        """SIGINT/SIGTERM handlers for the duration (main thread only); a second Ctrl-C stops at once."""
+    def handlers(self) -> Iterator[None]:
+        """SIGINT/SIGTERM handlers for the duration (main thread only); a second Ctrl-C stops at once.
+        The handler only sets the flag and leaves a notice for :meth:`take_notice`: a print there could
+        raise (a closed pipe under ``| tee``) before the flag was set, and no checkpoint would be saved."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -191,8 +194,8 @@ class StopRequest:
         def handler(signum, frame):
             if self.signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            say(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint")
             self.signal = signum
+            self.notice = f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -200,6 +203,11 @@ class StopRequest:
         finally:
             for sig, h in previous.items():
                 signal.signal(sig, h)
+
+    def take_notice(self) -> str | None:
+        """The stop notice a handler left, once."""
+        notice, self.notice = self.notice, None
+        return notice
 
 
 # ============================================================== the trainer
@@ -344,7 +352,7 @@ class Trainer:
                                    world=self.dist.world, data=self.data.describe()))
         start = time.perf_counter()
         loss = val_loss = None
-        with self.progress.running(t.steps, self.step), self.stop.handlers(self.progress.print):
+        with self.progress.running(t.steps, self.step), self.stop.handlers():
             while self.step < t.steps and not self.stop.stopping:
                 loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
                 self.step += 1
@@ -357,8 +365,12 @@ class Trainer:
                 self._log(record)  # before the checkpoint: a crash in between loses no record
                 self._check_diverged()
                 self._save_if_due(improved, now)
-            if self.stop.stopping and self._takes_part:
-                self._save()
+            if self.stop.stopping:
+                mute_stdout_if_closed()  # `| tee` died with the same Ctrl-C: nothing printed may stop the save
+                if (notice := self.stop.take_notice()) is not None:
+                    self.progress.print(notice)
+                if self._takes_part:
+                    self._save()
         self.checkpointer.finish()
         sample = None
         if not self.stop.stopping:

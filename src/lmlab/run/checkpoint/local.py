@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .atomic import atomic_write, atomic_write_text, fsync_dir
-from ..errors import CorruptFile, one_line
+from ..errors import CorruptFile, EnvironmentFailure, one_line
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -153,6 +153,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):  # name the files users know
             e.filename = str(final) + str(e.filename)[len(str(tmp)):]
+        if isinstance(e, EnvironmentFailure) and str(tmp) in str(e):  # torch's writer: the name is in the message
+            raise type(e)(str(e).replace(str(tmp), str(final))) from e
         raise
     fsync_dir(root)
     return final
