@@ -16,7 +16,7 @@ from lmlab import IGNORE_INDEX, ModelConfig, SequenceClassifier, Transformer
 from lmlab.attention import expand_kv
 from lmlab.init import Init, init_module
 from lmlab.model import deepnorm_alpha, deepnorm_beta
-from conftest import tiny_config, tokens
+from helpers import tiny_config, tokens
 
 
 # ================================================================ attention paths

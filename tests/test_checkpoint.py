@@ -13,8 +13,8 @@ from safetensors import safe_open
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
+from helpers import TINY
 
-TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
 
 
 def model(preset: str = "llama", **kw) -> lmlab.Transformer:

@@ -19,19 +19,10 @@ import torch
 from lmlab.run.checkpoint import local as ckpt
 from lmlab import cli
 from lmlab.run.load import load_run
+from helpers import TINY_ARGS, WORDS, corpus, fast_args
 
-WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
-TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.max_seq_len", "32"]
-FAST = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
-        "--log.tensorboard", "false", "--log.sample_tokens", "16", "--train.device", "cpu", "--quiet"]
-
-
-def corpus(path: Path, n_words: int = 6000) -> Path:
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
-    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
-    return path
+TINY = TINY_ARGS
+FAST = fast_args(sample_tokens=16)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

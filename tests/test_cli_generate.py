@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from lmlab import cli
+from helpers import WORDS
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-
-WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 
 
 def run(capsys, *args) -> tuple[int, str, str]:

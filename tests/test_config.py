@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from lmlab import ModelConfig, Transformer
-from conftest import TINY, tiny_config
+from helpers import TINY, tiny_config
 
 # ---------------------------------------------------------------- bad configurations
 # (fields, text the message must contain: field=value and what would be valid)

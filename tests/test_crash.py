@@ -21,10 +21,9 @@ import torch
 
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
+from helpers import TINY_ARGS, WORDS, corpus
 
-WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
-TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.max_seq_len", "32"]
+TINY = TINY_ARGS
 RUN = [*TINY, "--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
        "--log.tensorboard", "false", "--log.sample_tokens", "0", "--train.device", "cpu", "--quiet",
        "--train.steps", "10", "--eval.every", "2", "--checkpoint.every", "2", "--checkpoint.keep_last", "1"]
@@ -63,13 +62,6 @@ KILLER = textwrap.dedent("""
     from lmlab.cli import main
     sys.exit(main(sys.argv[3:]))
 """)
-
-
-def corpus(path: Path, n_words: int = 6000) -> Path:
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
-    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
-    return path
 
 
 def records(run: Path) -> list[dict]:

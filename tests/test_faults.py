@@ -38,20 +38,11 @@ import lmlab
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
+from helpers import TINY_ARGS, WORDS, corpus, fast_args
 
-WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
-TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.max_seq_len", "32"]
-FAST = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
-        "--log.tensorboard", "false", "--log.sample_tokens", "0", "--train.device", "cpu", "--quiet"]
+TINY = TINY_ARGS
+FAST = fast_args()
 ROOT = os.geteuid() == 0  # root ignores file modes: permission faults are then simulated at the system calls
-
-
-def corpus(path: Path, n_words: int = 6000) -> Path:
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
-    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
-    return path
 
 
 def digest(root: Path) -> dict[str, str]:

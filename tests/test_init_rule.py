@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmlab import Transformer
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 def _std(w: torch.Tensor) -> float:

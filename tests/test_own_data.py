@@ -15,12 +15,11 @@ import yaml
 from lmlab import cli
 from lmlab.generate import sample_text
 from lmlab.run.load import load_run
+from helpers import TINY_ARGS, fast_args
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.max_seq_len", "32"]
-FAST = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
-        "--log.tensorboard", "false", "--log.sample_tokens", "8", "--train.device", "cpu"]
+TINY = TINY_ARGS
+FAST = fast_args(sample_tokens=8, quiet=False)
 
 
 def run(capsys, *args) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from lmlab import Transformer
 from lmlab.positions import RelativeTerm, alibi_slopes, build_positions
-from conftest import tiny_config, tokens
+from helpers import tiny_config, tokens
 
 # ---------------------------------------------------------------- rotary
 ROPE_CASES = {

@@ -15,7 +15,7 @@ import torch
 from torch.testing import assert_close
 
 from lmlab import Transformer
-from conftest import tiny_config, tokens
+from helpers import tiny_config, tokens
 
 T = 12  # sequence length; > relative_clip + 1 so every relative offset bucket is used
 GRID_AXES = dict(

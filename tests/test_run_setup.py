@@ -17,21 +17,12 @@ from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import RunConfig, build_config, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.trainer import Trainer
+from helpers import FAST_RUN, TINY_MODEL, WORDS, corpus
 
-TINY = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
-WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
-
-
-def corpus(path: Path, n_words: int = 6000) -> Path:
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
-    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
-    return path
+TINY = TINY_MODEL
 
 
-FAST = {"train.steps": 8, "train.batch_size": 4, "optim.warmup_steps": 2, "optim.lr": 3e-3, "eval.every": 4,
-        "eval.batches": 2, "checkpoint.every": 4, "log.every": 1, "log.tensorboard": False, "log.sample_tokens": 0,
-        "train.device": "cpu"}  # a tiny run's sections, as dotted fields
+FAST = FAST_RUN
 
 
 def run_config(tmp_path: Path, changes: dict | None = None) -> RunConfig:

@@ -23,7 +23,7 @@ from lmlab.loss import linear_cross_entropy, linear_cross_entropy_reference
 from lmlab.moe import MoE, grouped_mm, grouped_mm_split
 from lmlab.norm import rms_norm_reference, rms_normalize
 from lmlab.run.parallel.compile import compile_blocks
-from conftest import tiny_config, tokens
+from helpers import tiny_config, tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 

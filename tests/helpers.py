@@ -1,0 +1,59 @@
+"""What several test files share: a word corpus, the tiny CLI model and the fast run settings.
+
+Import with ``from helpers import ...`` (pytest puts tests/ on sys.path). conftest.py keeps the
+fixtures; this module keeps the plain data and builders, so no test file copies them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import lmlab
+
+# the model-layer tiny config: d_model 32, 2 layers, 4 heads, vocab 64, context 32
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
+
+
+def tiny_config(**overrides) -> lmlab.ModelConfig:
+    """d_model 32, 2 layers, 4 heads, vocab 64, context 32; any field (dotted keys too) overridable."""
+    nested = {k: v for k, v in overrides.items() if "." in k}
+    flat = {k: v for k, v in overrides.items() if "." not in k}
+    cfg = lmlab.ModelConfig(**{**TINY, **flat})
+    return cfg.override(nested) if nested else cfg
+
+
+def tokens(batch: int, length: int, vocab: int = 64, seed: int = 0) -> torch.Tensor:
+    """Reproducible random token ids (batch, length)."""
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
+
+# the tiny model as command-line overrides: d_model 32, 2 layers, 4 heads (2 kv), context 32
+TINY_ARGS = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+             "--model.max_seq_len", "32"]
+
+# the same tiny model as ModelConfig fields, on the byte vocabulary
+TINY_MODEL = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+# a tiny run's sections as dotted fields: 8 steps, evaluation and a checkpoint every 4
+FAST_RUN = {"train.steps": 8, "train.batch_size": 4, "optim.warmup_steps": 2, "optim.lr": 3e-3, "eval.every": 4,
+            "eval.batches": 2, "checkpoint.every": 4, "log.every": 1, "log.tensorboard": False,
+            "log.sample_tokens": 0, "train.device": "cpu"}
+
+
+def fast_args(sample_tokens: int = 0, quiet: bool = True) -> list[str]:
+    """Command-line settings for a fast CPU run: small batches, a log record every step, no TensorBoard."""
+    args = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
+            "--log.tensorboard", "false", "--log.sample_tokens", str(sample_tokens), "--train.device", "cpu"]
+    return args + (["--quiet"] if quiet else [])
+
+
+def corpus(path: Path, n_words: int = 6000) -> Path:
+    """A reproducible text file of ``n_words`` words drawn from WORDS (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
+    path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
+    return path
