@@ -167,14 +167,14 @@ print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - start, "cpu
 
 PREPARE = r"""
 import json, sys, time
-from lmlab.run.data.prepare import DataConfig, prepare
+from lmlab.run import DataConfig, prepare
 cfg = DataConfig(source=sys.argv[1], tokenizer=sys.argv[2], vocab_size=int(sys.argv[4]))
 start, cpu = time.perf_counter(), time.process_time()
 meta = prepare(cfg, sys.argv[3], overwrite=True)
-print(json.dumps({"tokens": meta["train_tokens"] + meta["val_tokens"], "seconds": time.perf_counter() - start,
+print(json.dumps({"tokens": meta.total_tokens, "seconds": time.perf_counter() - start,
                   "cpu": time.process_time() - cpu,
-                  "split": meta["split"]["by"], "documents": meta["documents"], "duplicates": meta["duplicates_dropped"],
-                  "sample": meta.get("tokenizer_trained_on")}))
+                  "split": meta.split.by, "documents": meta.documents, "duplicates": meta.duplicates_dropped,
+                  "sample": meta.tokenizer_trained_on}))
 """
 
 

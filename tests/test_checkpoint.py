@@ -140,7 +140,7 @@ def test_prune_keeps_the_newest_and_the_best(tmp_path):
     m = model()
     for step in (10, 20, 30, 40, 50):
         ckpt.save_checkpoint(tmp_path, step, m, state(step))
-    ckpt.write_best(tmp_path, 20, 1.5)
+    ckpt.Best(20, 1.5).write(tmp_path)
     assert ckpt.prune(tmp_path, keep_last=2) == [10, 30]
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [20, 40, 50]
     assert ckpt.resolve(tmp_path, "best").name == "step_0000020"
@@ -161,3 +161,147 @@ def test_existing_step_is_not_rewritten(tmp_path):
     loaded = model(init_seed=3)
     ckpt.load_weights(loaded, tmp_path / "step_0000005" / ckpt.WEIGHTS)
     assert same_weights(loaded, a)
+
+
+# ============================================================== the Checkpointer
+def trained(seed: int, *, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
+    """A tiny model and its AdamW (lmlab's two parameter groups), after two steps: moments are non-zero."""
+    from lmlab.run.optim import param_groups
+
+    torch.manual_seed(seed)
+    m = model(init_seed=seed)
+    opt = torch.optim.AdamW(param_groups(m, weight_decay), lr=1e-3, betas=betas, eps=eps)
+    x = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        m(x, x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return m, opt
+
+
+def checkpointer(root, layout: str, m, opt, keep_last: int = 2, notes: list | None = None):
+    from lmlab.run.checkpoint.checkpointer import build_checkpointer
+    from lmlab.run.parallel.group import Dist
+    from lmlab.run.parallel.plan import Parallel
+
+    say = (notes.append if notes is not None else lambda message: None)
+    return build_checkpointer(layout, root, m, opt, Parallel(), Dist(), keep_last=keep_last,
+                              model_config=m.config.to_dict(), say=say)
+
+
+def same_moments(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    return sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@pytest.mark.parametrize("layout", ["local", "sharded"])
+def test_checkpointer_round_trip_restores_weights_moments_and_counters(tmp_path, layout):
+    from lmlab.run.checkpoint.checkpointer import LocalCheckpointer, ShardedCheckpointer, TrainState
+
+    m, opt = trained(1)
+    saver = checkpointer(tmp_path, layout, m, opt)
+    assert type(saver) is {"local": LocalCheckpointer, "sharded": ShardedCheckpointer}[layout]
+    state = TrainState(step=7, skipped_steps=1, tokens=7 * 512, best_val=2.5, best_step=7)
+    path = saver.save(state, best=True)
+    assert path == tmp_path / "step_0000007" and saver.latest == path
+    assert (path / "dcp").is_dir() == (layout == "sharded") and (path / ckpt.WEIGHTS).is_file() == (layout == "local")
+    assert saver.best == ckpt.Best(step=7, val_loss=2.5)
+
+    for reader in ("local", "sharded"):  # either reads either layout
+        m2, opt2 = trained(2)
+        assert not same_weights(m, m2) and not same_moments(opt, opt2)
+        loaded = checkpointer(tmp_path, reader, m2, opt2).load_latest()
+        assert loaded == state and same_weights(m, m2) and same_moments(opt, opt2), reader
+
+
+def test_checkpointer_without_a_checkpoint_starts_at_step_0(tmp_path):
+    from lmlab.run.checkpoint.checkpointer import TrainState
+
+    m, opt = trained(1)
+    notes: list[str] = []
+    assert checkpointer(tmp_path / "none", "local", m, opt, notes=notes).load_latest() == TrainState()
+    assert notes == [f"no checkpoint in {tmp_path / 'none'} yet; starting from step 0"]
+
+
+def test_checkpointer_prunes_to_the_last_n_and_the_best(tmp_path):
+    from lmlab.run.checkpoint.checkpointer import TrainState
+
+    m, opt = trained(1)
+    saver = checkpointer(tmp_path, "local", m, opt, keep_last=2)
+    losses = {1: 3.0, 2: 2.0, 3: 2.5, 4: 2.6, 5: 2.7}
+    for step, loss in losses.items():
+        best = loss == min(v for s, v in losses.items() if s <= step)
+        saver.save(TrainState(step=step, best_val=min(losses[s] for s in losses if s <= step)), best=best)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 4, 5]  # the last two, and the best
+    assert saver.best == ckpt.Best(step=2, val_loss=2.0)
+    saver.keep_last = 1
+    assert saver.prune() == [4] and [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 5]
+
+
+def test_checkpointer_points_best_json_at_the_best_again_after_a_crash(tmp_path):
+    """A crash between writing checkpoint 4 (the new best) and best.json leaves best.json at step 2."""
+    from lmlab.run.checkpoint.checkpointer import TrainState
+
+    m, opt = trained(1)
+    saver = checkpointer(tmp_path, "local", m, opt, keep_last=5)
+    saver.save(TrainState(step=2, best_val=2.0, best_step=2), best=True)
+    saver.save(TrainState(step=4, best_val=1.5, best_step=4), best=False)  # best.json not updated: the crash
+    assert saver.best == ckpt.Best(2, 2.0)
+    state = checkpointer(tmp_path, "local", *trained(2)).load_latest()
+    assert state.best_step == 4 and ckpt.Best.read(tmp_path) == ckpt.Best(4, 1.5)
+    (tmp_path / ckpt.BEST).write_text('{"step": "four"}')
+    with pytest.raises(CorruptFile, match="is not an lmlab best.json"):  # refused at resume, not at the first save
+        checkpointer(tmp_path, "local", *trained(2)).load_latest()
+
+
+def test_best_record_round_trips_and_stores_no_nan(tmp_path):
+    assert ckpt.Best.read(tmp_path) is None
+    ckpt.Best(3, 1.25).write(tmp_path)
+    assert ckpt.Best.read(tmp_path) == ckpt.Best(step=3, val_loss=1.25)
+    ckpt.Best(4, float("nan")).write(tmp_path)
+    assert json.loads((tmp_path / ckpt.BEST).read_text()) == {"step": 4, "val_loss": None}
+    assert ckpt.Best.read(tmp_path) == ckpt.Best(4, None)
+    for bad in (b'{"step": true}', b'{"step": 3, "val_loss": "low"}', b"[3]", b"\xff"):
+        (tmp_path / ckpt.BEST).write_bytes(bad)
+        with pytest.raises(CorruptFile, match="is not an lmlab best.json"):
+            ckpt.Best.read(tmp_path)
+
+
+def test_train_state_is_validated_with_a_message_naming_the_field(tmp_path):
+    from lmlab.run.checkpoint.checkpointer import TrainState
+
+    where = tmp_path / "state.pt"
+    full = TrainState(step=3, skipped_steps=1, tokens=96, best_val=2.0, best_step=2)
+    assert TrainState.from_dict(full.to_dict(), where) == full
+    old = {k: v for k, v in full.to_dict().items() if k != "best_step"}  # written before best_step existed
+    assert TrainState.from_dict(old, where) == TrainState(step=3, skipped_steps=1, tokens=96, best_val=2.0)
+    with pytest.raises(CorruptFile, match=r"state.pt' lacks \['step', 'optimizer', 'tokens'\]: it is not lmlab's"):
+        TrainState.from_dict({"skipped_steps": 0, "best_val": None}, where, also=("optimizer",))
+    for key, value in (("step", "3"), ("tokens", 1.5), ("skipped_steps", True), ("best_val", "x"), ("best_step", 2.0)):
+        with pytest.raises(CorruptFile, match=f"has {key}={value!r}, which is not a"):
+            TrainState.from_dict({**full.to_dict(), key: value}, where)
+
+
+def test_a_resumed_optimizer_keeps_its_moments_but_takes_the_configs_hyperparameters(tmp_path):
+    """The saved betas, eps and weight decay differ from the run's config: the config's apply, to each
+    group as build_optimizer sets them (no decay on norms and embeddings), and each change is noted.
+    Saved with weight_decay=0, the old resume left the decay group at 0 whatever the config said."""
+    from lmlab.run.checkpoint.checkpointer import TrainState
+
+    m, opt = trained(1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
+    checkpointer(tmp_path, "local", m, opt).save(TrainState(step=2))
+    m2, opt2 = trained(2, weight_decay=0.05, betas=(0.8, 0.99), eps=1e-6)
+    notes: list[str] = []
+    checkpointer(tmp_path, "local", m2, opt2, notes=notes).load_latest()
+    assert same_moments(opt, opt2)  # the state itself is the checkpoint's
+    decay, no_decay = opt2.param_groups
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 for g in opt2.param_groups)
+    assert notes[:3] == ["note: optimizer betas is (0.9, 0.95) in the checkpoint; using the config's (0.8, 0.99)",
+                         "note: optimizer eps is 1e-08 in the checkpoint; using the config's 1e-06",
+                         "note: optimizer weight_decay is 0.0 in the checkpoint; using the config's 0.05"]
+    assert notes[3].startswith("resumed from") and len(notes) == 4
+    notes.clear()
+    m3, opt3 = trained(3, weight_decay=0.0)  # the same config as saved: nothing to note
+    checkpointer(tmp_path, "local", m3, opt3, notes=notes).load_latest()
+    assert len(notes) == 1 and notes[0].startswith("resumed from")

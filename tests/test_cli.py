@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -127,12 +130,103 @@ def test_help_shows_defaults_for_every_command(capsys):
         assert code == 0 and f"usage: lmlab {command}" in out and default in out
         assert "exit status" in out
     code, out, _ = run(capsys, "train", "--help")
-    assert "model: vocab_size=256 d_model=128" in out and "train: steps=1500" in out  # the config's defaults
+    sections = help_sections(out)  # the config's defaults, under their sections
+    assert "vocab_size=256 d_model=128" in sections["model"] and "steps=1500" in sections["train"]
     code, out, _ = run(capsys, "--help")
     assert code == 0 and all(c in out for c in ("prepare", "train", "eval", "generate", "sweep", "experiment"))
     for command, default in [("sweep", "(default: None)"), ("experiment", "{moe,norm,positions}")]:
         code, out, _ = run(capsys, command, "--help")
         assert code == 0 and default in " ".join(out.split())
+
+
+def help_sections(text: str) -> dict[str, str]:
+    """``lmlab train --help``'s config defaults: section name -> its text (header and field lines)."""
+    lines = text.split("config fields and their defaults", 1)[1].split("\nexit status:")[0].splitlines()
+    sections: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("  ") and not line.startswith("   "):  # a section header: "  model: ..."
+            name = line.split(":")[0].strip()
+            sections[name] = line
+        elif sections and line.strip():
+            sections[name] += "\n" + line
+    return sections
+
+
+def test_train_help_names_presets_and_every_default_by_section(capsys):
+    from lmlab.config import PRESETS, MoEConfig
+    from lmlab.run.config import RunConfig, flatten
+
+    code, out, _ = run(capsys, "train", "--help")
+    sections = help_sections(out)
+    cfg = RunConfig()
+    assert code == 0 and list(sections) == [f.name for f in dataclasses.fields(cfg)]  # task, model, data, train, ...
+    header = " ".join(sections["model"].split("=")[0].split()[:-1])  # the lines before the first field
+    assert "--model.preset NAME" in header and set(PRESETS) <= set(re.findall(r"[\w-]+", header))
+    # MoE is off by default (model.moe=None); its fields are shown with the defaults they take when one is set
+    assert cfg.model.moe is None and "model.moe.* is off" not in out and "moe.* is off" in sections["model"]
+    defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict()}}
+    for name, values in defaults.items():
+        shown = " " + " ".join(sections[name].split()) + " "
+        expected = [f"{k}={cli.show(v)}" for k, v in flatten(values).items()] if isinstance(values, dict) else [values]
+        missing = [item for item in expected if f" {item} " not in shown]
+        assert not missing, (name, missing)  # every field, with its default, in its own section
+    assert "moe.n_experts=8" in sections["model"].split() and "steps=1500" in sections["train"].split()
+
+
+def test_help_loads_without_torch():
+    """--help is answered before torch (or anything that imports it) is loaded: it answers at once."""
+    script = ("import sys; from lmlab import cli\n"
+              "codes = [cli.main([*c, '--help']) for c in ([], ['train'], ['eval'], ['generate'], ['prepare'])]\n"
+              "print(codes, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0] []"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lmlab.cli", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert proc.returncode == 0 and "usage: lmlab" in proc.stdout and "lmlab.run.errors" in imported
+    assert not [m for m in imported if m.split(".")[0] == "torch"]
+
+
+def other_thread_count() -> int:
+    """A torch thread count different from the current one, so that setting it is observable."""
+    return 2 if torch.get_num_threads() == 1 else 1
+
+
+def test_train_prints_next_steps_that_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # export writes exported/<run name> here
+    source, threads, before = corpus(tmp_path / "corpus.txt"), other_thread_count(), torch.get_num_threads()
+    try:
+        code, out, err = run(capsys, "train", "--run-dir", "runs/my run", "--data.source", source, *TINY,
+                             *[a for a in FAST if a != "--quiet"], "--train.steps", "2", "--threads", str(threads))
+        assert code == 0, err
+        assert torch.get_num_threads() == threads  # --threads reached torch
+    finally:
+        torch.set_num_threads(before)
+    steps = out.split("\nnext:\n", 1)[1].splitlines()
+    commands = [shlex.split(line, comments=True) for line in steps]
+    assert [c[:3] for c in commands] == [["lmlab", "generate", "runs/my run"], ["lmlab", "eval", "runs/my run"],
+                                         ["lmlab", "export", "runs/my run"]]
+    for command in commands:  # each runs as printed
+        assert cli.main(command[1:]) == 0, (command, capsys.readouterr().err)
+    assert (tmp_path / "exported" / "my run" / "config.json").is_file()
+    code, out, _ = run(capsys, "train", "--run-dir", "runs/quiet", "--data.source", source, *TINY, *FAST,
+                       "--train.steps", "1")
+    assert code == 0 and "done: step 1" in out and "next:" not in out  # --quiet: no messages
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_threads_sets_torch_threads_and_refuses_zero(trained, capsys, command):
+    before, threads = torch.get_num_threads(), other_thread_count()
+    extra = ["--max-batches", "1"] if command == "eval" else ["--max-new-tokens", "2"]
+    try:
+        code, _, err = run(capsys, command, trained / "run", *extra, "--threads", str(threads))
+        assert code == 0 and torch.get_num_threads() == threads, err
+    finally:
+        torch.set_num_threads(before)
+    err = bad_input(capsys, command, trained / "run", *extra, "--threads", "0")
+    assert f"lmlab {command}: error: --threads 0 is not valid; give 1 or more" in err
+    assert torch.get_num_threads() == before
 
 
 def test_sweep_and_experiment_bad_input_is_one_line_exit_2(capsys, tmp_path):
@@ -209,6 +303,45 @@ def test_checkpoint_not_matching_the_config(trained, capsys):
     err = bad_input(capsys, "train", "--run-dir", trained / "run", "--resume", "--model.n_layers", "3")
     assert "tensor 'blocks.2.attn.qkv.weight' is missing from the checkpoint" in err and "model.n_layers is 2" in err
     assert snapshot(trained / "run") == before
+
+
+def test_data_that_does_not_fit_the_model_is_refused_by_eval_and_by_train_init_from_alike(trained, capsys, tmp_path):
+    """One check (DataMeta.check_tokenizer) behind both: another tokenizer, or ids beyond the vocabulary."""
+    wide = tmp_path / "wide.txt"  # 300 distinct characters: a char vocabulary past the model's 256 ids
+    wide.write_text("".join(" ".join(chr(0x4E00 + (i * 7 + j) % 300) * 3 for j in range(60)) + "\n" for i in range(40)))
+    assert run(capsys, "prepare", wide, "--tokenizer", "char", "--out", tmp_path / "wide")[0] == 0
+    top = json.loads((tmp_path / "wide" / "meta.json").read_text())["max_token_id"]
+    model, data = str(trained / "run"), str(trained / "data")
+    err = bad_input(capsys, "eval", model, "--data", data, "--tokenizer", tmp_path / "wide")
+    assert err.endswith(f"the data in {data!r} was tokenized with another tokenizer than the model {model!r} "
+                        f"(byte, vocab 256); prepare it with --tokenizer {tmp_path / 'wide'}"), err
+    err = bad_input(capsys, "eval", model, "--data", tmp_path / "wide")
+    assert err.endswith(f"the data in {str(tmp_path / 'wide')!r} holds token id {top}, beyond the vocabulary of the "
+                        f"model {model!r} (model.vocab_size=256); prepare it with that model's tokenizer"), err
+
+    train = ["train", "--run-dir", tmp_path / "run", "--data", tmp_path / "wide", *FAST, "--train.steps", "1"]
+    err = bad_input(capsys, *train, "--train.init_from", model)  # the run's tokenizer: its data's
+    assert err.endswith(f"the data in {str(tmp_path / 'wide')!r} was tokenized with another tokenizer than "
+                        f"train.init_from {model!r} (char, vocab {top + 1}); prepare it with --tokenizer {data}"), err
+    lone = tmp_path / "step_0000012"  # a checkpoint outside its run: no tokenizer to compare, the vocabulary still
+    lone.mkdir()
+    (lone / ckpt.WEIGHTS).write_bytes((trained / "run" / "checkpoints" / "step_0000012" / ckpt.WEIGHTS).read_bytes())
+    err = bad_input(capsys, *train, "--train.init_from", lone)
+    assert err.endswith(f"the data in {str(tmp_path / 'wide')!r} holds token id {top}, beyond the vocabulary of "
+                        f"train.init_from {str(lone)!r} (model.vocab_size=256); prepare it with that model's tokenizer")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_meta_json_field_is_one_line_naming_the_file_and_field(trained, capsys, tmp_path):
+    (tmp_path / "data").mkdir()
+    for p in (trained / "data").iterdir():
+        (tmp_path / "data" / p.name).write_bytes(p.read_bytes())
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({**meta, "train_tokens": "many"}))
+    for args in (["eval", trained / "run"], ["train", "--run-dir", tmp_path / "run", *FAST]):
+        code, _, err = run(capsys, *args, "--data", tmp_path / "data")
+        assert code == 3 and "Traceback" not in err and err.count("\n") == 1, err
+        assert f"{tmp_path / 'data' / 'meta.json'}: field 'train_tokens' is 'many' (str), not int; prepare again" in err
 
 
 def test_run_dir_holding_another_run(trained, capsys):

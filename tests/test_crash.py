@@ -170,7 +170,8 @@ def test_a_second_process_is_refused_while_the_first_trains_and_takes_over_after
 
 @pytest.mark.slow
 def test_prepare_waits_for_another_process_preparing_the_same_directory(tmp_path):
-    from lmlab.run.data.prepare import DataConfig, prepare
+    from lmlab.run.data.config import DataConfig
+    from lmlab.run.data.prepare import prepare
 
     data = tmp_path / "data"
     data.mkdir()
@@ -186,7 +187,7 @@ def test_prepare_waits_for_another_process_preparing_the_same_directory(tmp_path
     start = time.perf_counter()
     meta = prepare(DataConfig(source=str(corpus(tmp_path / "c.txt"))), data)
     assert time.perf_counter() - start > 0.5 and holder.wait() == 0  # it waited for the holder to finish
-    assert meta["train_tokens"] > 0 and sorted(p.name for p in data.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert meta.train_tokens > 0 and sorted(p.name for p in data.iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 
 @pytest.mark.slow

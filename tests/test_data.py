@@ -13,9 +13,13 @@ import pytest
 import torch
 
 from lmlab.run.data import prepare as data_mod
+from lmlab.run.data.meta import DataMeta
 from lmlab.run.data import shards as shards_mod
 from lmlab.run.checkpoint.atomic import write_atomic
-from lmlab.run.data.prepare import DataConfig, RowData, TokenData, prepare, read_meta, token_dtype
+from lmlab.run.data.batches import RowData, TokenData
+from lmlab.run.data.config import DataConfig
+from lmlab.run.data.meta import token_dtype
+from lmlab.run.data.prepare import prepare
 from lmlab.run.errors import CorruptFile
 from lmlab.run.data.sources import open_source, read_text_file
 from lmlab.run.data.tokenizer import (
@@ -129,9 +133,9 @@ def test_tokenizer_saved_by_prepare_loads_identically(tmp_path, kind):
     src = jsonl(tmp_path / "c.jsonl", many_docs(60))
     meta = prepare(DataConfig(source=str(src), tokenizer=kind, vocab_size=300), tmp_path / "d")
     tok = load_tokenizer(tmp_path / "d")
-    assert tok.kind == kind and tok.vocab_size == meta["vocab_size"] and tok.eod_id == meta["eod_id"]
-    assert tok.fingerprint() == meta["tokenizer_hash"]
-    assert sorted(meta["tokenizer_files"]) == sorted(p.name for p in (tmp_path / "d").iterdir()
+    assert tok.kind == kind and tok.vocab_size == meta.vocab_size and tok.eod_id == meta.eod_id
+    assert tok.fingerprint() == meta.tokenizer_hash
+    assert sorted(meta.tokenizer_files) == sorted(p.name for p in (tmp_path / "d").iterdir()
                                                      if p.name not in ("meta.json", "train.bin", "val.bin"))
     kept = documents_of(tmp_path / "d", "train") + documents_of(tmp_path / "d", "val")
     assert sorted(kept) == sorted(many_docs(60))
@@ -177,10 +181,10 @@ def test_pretrained_wordlevel_tokenizer_counts_unknowns_in_prepare(tmp_path):
     meta = prepare(DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), tokenizer=str(tmp_path / "tokenizer.json")),
                    tmp_path / "d")
     # the digits of "document 12" are not in the vocabulary: one <unk> per number, counted
-    assert meta["unknown_tokens"] == len(docs) and meta["unk_id"] == 0
-    assert meta["tokenizer"] == "pretrained" and meta["tokenizer_source"] == str(tmp_path / "tokenizer.json")
+    assert meta.unknown_tokens == len(docs) and meta.unk_id == 0
+    assert meta.tokenizer == "pretrained" and meta.tokenizer_source == str(tmp_path / "tokenizer.json")
     assert (tmp_path / "d" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
-    assert "unknown tokens" in data_mod.describe(meta)
+    assert "unknown tokens" in meta.describe()
 
 
 def test_a_file_that_is_not_a_tokenizer(tmp_path):
@@ -250,10 +254,10 @@ def test_text_file_source_is_one_document_followed_by_the_end_token(tmp_path):
     assert texts(str(src)) == [(str(src), TEXT)]
     stream = split_ids(tmp_path / "d", "train") + split_ids(tmp_path / "d", "val")
     assert stream == list(TEXT.encode()) + [0xFF]
-    assert meta["train_tokens"] + meta["val_tokens"] == len(TEXT.encode()) + 1
-    assert meta["dtype"] == "uint16" and meta["tokenizer"] == "byte" and meta["vocab_size"] == 256
-    assert meta["source"] == str(src) and meta["documents"] == 1 and meta["input_hash"].startswith("sha256:")
-    assert meta["split"]["by"] == "token stream" and "too few documents" in meta["split"]["reason"]
+    assert meta.train_tokens + meta.val_tokens == len(TEXT.encode()) + 1
+    assert meta.dtype == "uint16" and meta.tokenizer == "byte" and meta.vocab_size == 256
+    assert meta.source == str(src) and meta.documents == 1 and meta.input_hash.startswith("sha256:")
+    assert meta.split.by == "token stream" and "too few documents" in meta.split.reason
 
 
 def test_directory_source_is_recursive_sorted_and_skips_other_files(tmp_path):
@@ -324,7 +328,7 @@ def test_hf_source_from_save_to_disk_and_from_data_files(tmp_path):
     assert [t for _, t in texts(f"hf:{tmp_path / 'dict'}", text_field="content")] == DOCS
     write(tmp_path / "files" / "part.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     meta = prepare(DataConfig(source=f"hf:{tmp_path / 'files'}"), tmp_path / "d")
-    assert meta["documents"] == 3
+    assert meta.documents == 3
     assert [t for _, t in texts(f"hf:{tmp_path / 'files' / 'part.jsonl'}")] == DOCS  # one data file
     with pytest.raises(ValueError, match=r"hf:.*notes\.xyz is a file of unknown kind; use \.parquet, \.csv, \.json\(l\) or \.txt"):
         texts(f"hf:{write(tmp_path / 'notes.xyz', 'x')}")
@@ -346,7 +350,7 @@ def test_documents_go_whole_to_one_side_by_a_hash_of_their_own_text(tmp_path):
     docs = many_docs(200)
     meta = prepare(DataConfig(source=str(jsonl(tmp_path / "a.jsonl", docs)), val_fraction=0.1), tmp_path / "a")
     train, val = documents_of(tmp_path / "a", "train"), documents_of(tmp_path / "a", "val")
-    assert meta["split"]["by"] == "document" and meta["split"]["documents"] == {"train": len(train), "val": len(val)}
+    assert meta.split.by == "document" and meta.split.documents == {"train": len(train), "val": len(val)}
     assert sorted(train + val) == sorted(docs) and not set(train) & set(val)
     assert 8 <= len(val) <= 35  # ~10% of 200
     assert train == [d for d in docs if d in set(train)]  # corpus order kept within a split
@@ -359,10 +363,10 @@ def test_duplicate_documents_are_dropped_so_none_is_on_both_sides(tmp_path):
     docs = many_docs(100)
     copies = [docs[5], "  " + docs[7].replace(" ", "\n  ") + "\n", docs[5]]  # equal once whitespace is collapsed
     meta = prepare(DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs + copies))), tmp_path / "d")
-    assert meta["documents"] == 103 and meta["duplicates_dropped"] == 3
+    assert meta.documents == 103 and meta.duplicates_dropped == 3
     kept = documents_of(tmp_path / "d", "train") + documents_of(tmp_path / "d", "val")
     assert sorted(kept) == sorted(docs)  # the first occurrence of each is kept
-    assert "(3 duplicates dropped)" in data_mod.describe(meta)
+    assert "(3 duplicates dropped)" in meta.describe()
 
 
 def test_too_few_or_lopsided_documents_fall_back_to_the_token_stream(tmp_path):
@@ -370,12 +374,12 @@ def test_too_few_or_lopsided_documents_fall_back_to_the_token_stream(tmp_path):
     for i, d in enumerate(DOCS):
         write(root / f"{i}.txt", d)
     meta = prepare(DataConfig(source=str(root), val_fraction=0.2), tmp_path / "d")
-    assert meta["split"]["by"] == "token stream" and meta["split"]["documents"] is None
-    n = meta["train_tokens"] + meta["val_tokens"]
-    assert n == sum(len(d.encode()) + 1 for d in DOCS) and meta["val_tokens"] == round(n * 0.2)
+    assert meta.split.by == "token stream" and meta.split.documents is None
+    n = meta.train_tokens + meta.val_tokens
+    assert n == sum(len(d.encode()) + 1 for d in DOCS) and meta.val_tokens == round(n * 0.2)
     stream = b"".join(d.encode() + b"\xff" for d in DOCS)
     assert bytes(split_ids(tmp_path / "d", "val")) == stream[n - round(n * 0.2):]  # the last 20% of the stream
-    assert "split by token stream (too few documents" in data_mod.describe(meta)
+    assert "split by token stream (too few documents" in meta.describe()
     # 100 small documents and one huge one (in training): by document, validation would get 0.6% of the text
     docs = many_docs(100) + ["huge " * 40000]
     s = shards_mod.survey(open_source(str(jsonl(tmp_path / "l.jsonl", docs))))
@@ -390,14 +394,14 @@ def test_meta_records_identity_largest_id_and_unigram_baseline(tmp_path):
     src = jsonl(tmp_path / "c.jsonl", many_docs(80))
     meta = prepare(DataConfig(source=str(src), tokenizer="char"), tmp_path / "d")
     train, val = np.array(split_ids(tmp_path / "d", "train")), np.array(split_ids(tmp_path / "d", "val"))
-    assert meta["max_token_id"] == max(train.max(), val.max()) == meta["eod_id"]
-    counts = np.bincount(train, minlength=meta["vocab_size"]) + 1.0
-    assert meta["unigram_loss"] == pytest.approx(-np.log(counts / counts.sum())[val].mean())
-    assert meta["data_hash"].startswith("sha256:") and meta["tokenizer_hash"].startswith("sha256:")
+    assert meta.max_token_id == max(train.max(), val.max()) == meta.eod_id
+    counts = np.bincount(train, minlength=meta.vocab_size) + 1.0
+    assert meta.unigram_loss == pytest.approx(-np.log(counts / counts.sum())[val].mean())
+    assert meta.data_hash.startswith("sha256:") and meta.tokenizer_hash.startswith("sha256:")
     again = prepare(DataConfig(source=str(src), tokenizer="char"), tmp_path / "e")
-    assert again["data_hash"] == meta["data_hash"]  # a pure function of the text and the settings
+    assert again.data_hash == meta.data_hash  # a pure function of the text and the settings
     other = prepare(DataConfig(source=str(src), tokenizer="byte"), tmp_path / "f")
-    assert other["data_hash"] != meta["data_hash"]
+    assert other.data_hash != meta.data_hash
 
 
 def test_token_dtype_widens_past_65536_ids():
@@ -415,7 +419,7 @@ def test_progress_bars_show_megabytes_per_second_on_a_terminal(tmp_path, monkeyp
     meta = prepare(DataConfig(source=str(src), tokenizer=kind, vocab_size=300), tmp_path / "d", progress=True)
     err = capsys.readouterr().err
     assert all(f"{stage}:" in err for stage in ("reading", f"training {kind}", "encoding")) and "B/s" in err
-    assert meta["data_hash"] == quiet["data_hash"]
+    assert meta.data_hash == quiet.data_hash
 
 
 def test_same_inputs_are_reused_without_reencoding(tmp_path, monkeypatch):
@@ -436,15 +440,15 @@ def test_classification_rows_are_stored_with_their_labels(tmp_path):
     labels = ["spam" if "alpha" in d[:40] else "ham" for d in docs]
     src = jsonl(tmp_path / "rows.jsonl", docs, label=labels)
     meta = prepare(DataConfig(source=str(src)), tmp_path / "d", task="classify")
-    assert meta["task"] == "classify" and meta["classes"] == ["ham", "spam"] and meta["pad_id"] == 0xFF
-    assert meta["train_rows"] + meta["val_rows"] == 120 and meta["val_rows"] > 0
+    assert meta.task == "classify" and meta.classes == ["ham", "spam"] and meta.pad_id == 0xFF
+    assert meta.train_rows + meta.val_rows == 120 and meta.val_rows > 0
     rows = {}
     for split in ("train", "val"):
         data = RowData(tmp_path / "d", split)
         x, y = data.rows(np.arange(len(data)), seq_len=10_000)
         for xi, yi in zip(x, y):
             text = bytes(t for t in xi.tolist() if t != 0xFF).decode()
-            rows[text] = meta["classes"][int(yi)]
+            rows[text] = meta.classes[int(yi)]
     assert rows == dict(zip(docs, labels))
     train = RowData(tmp_path / "d", "train")
     x, y = train.batch(4, 16, torch.Generator().manual_seed(0))
@@ -603,7 +607,7 @@ def test_corpus_shorter_than_one_context(existing, tmp_path):
     )):
         prepare(DataConfig(source=str(src)), d, seq_len=8, overwrite=True)
     assert snapshot(d) == before  # the encoded shards were thrown away, the old ones kept
-    assert prepare(DataConfig(source=str(src)), tmp_path / "ok", seq_len=4)["val_tokens"] == 5
+    assert prepare(DataConfig(source=str(src)), tmp_path / "ok", seq_len=4).val_tokens == 5
     with pytest.raises(ValueError, match=r"too short for seq_len=8"):  # also checked when reusing
         prepare(DataConfig(source=str(src)), tmp_path / "ok", seq_len=8)
     with pytest.raises(ValueError, match=r"too short"):
@@ -625,7 +629,7 @@ def test_different_data_in_the_dir_is_refused_unless_overwrite(existing, tmp_pat
         prepare(DataConfig(source=str(tmp_path / "good.txt"), val_fraction=0.3), d)
     assert snapshot(d) == before
     meta = prepare(DataConfig(source=str(other), tokenizer="char"), d, overwrite=True)
-    assert meta["source"] == str(other) and meta["tokenizer"] == "char"
+    assert meta.source == str(other) and meta.tokenizer == "char"
     assert load_tokenizer(d).decode(split_ids(d, "train") + split_ids(d, "val")) == "something else entirely. " * 40
 
 
@@ -663,18 +667,18 @@ def test_shard_errors_say_what_to_do(tmp_path, prepared):
         TokenData(d, "train")
     (d / "meta.json").write_text(json.dumps({"format_version": 1, "tokenizer": "byte"}))
     with pytest.raises(ValueError, match=r"written by another lmlab version \(data format 1, this one reads 2\); prepare again"):
-        read_meta(d)
+        DataMeta.read(d)
 
 
 def test_open_prepared_names_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match=r"prepared data '.*nope' does not exist; create it with `lmlab prepare SOURCE --out"):
-        data_mod.open_prepared(tmp_path / "nope")
+        DataMeta.open(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"prepared data '.*empty' is empty; run `lmlab prepare SOURCE --out .*empty` first"):
-        data_mod.open_prepared(tmp_path / "empty")
+        DataMeta.open(tmp_path / "empty")
     write(tmp_path / "half" / "train.bin", b"\0\0")
     with pytest.raises(ValueError, match=r"'.*half' holds no meta\.json \(an unfinished or foreign preparation\)"):
-        data_mod.open_prepared(tmp_path / "half")
+        DataMeta.open(tmp_path / "half")
 
 
 def test_load_tokenizer_without_meta(tmp_path):
@@ -716,7 +720,7 @@ def test_prepare_crash_midway_never_pairs_new_shards_with_old_meta(tmp_path, mon
     assert not [p for p in (tmp_path / "d").iterdir() if p.name.endswith(".tmp")]  # temporaries removed
     monkeypatch.setattr(shards_mod.os, "replace", real)
     meta = prepare(DataConfig(source=str(src), tokenizer="char"), tmp_path / "d")  # recovers without overwrite
-    assert meta["tokenizer"] == "char" and len(TokenData(tmp_path / "d", "train")) == meta["train_tokens"]
+    assert meta.tokenizer == "char" and len(TokenData(tmp_path / "d", "train")) == meta.train_tokens
 
 
 def test_encoding_reads_batches_ahead_in_a_thread_and_reraises_its_errors():

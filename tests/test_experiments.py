@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lmlab.experiments import EXPERIMENTS, claims, load_experiment_spec, moe, norm, positions, readme_table, run_experiment, sweep
+from lmlab.experiments import EXPERIMENTS, claims, load_experiment_spec, moe, norm, positions, readme_table, run_experiment
+from lmlab.experiments.spec import model_accounting
+from lmlab.experiments.sweep.tables import COLUMNS
+
 PNG = b"\x89PNG\r\n\x1a\n"
 SEEDS = (0, 1, 2)
 SHARED = (0.0, 0.02, -0.02)  # per-seed noise every arm shares (same seed, same data order): std 0.02
@@ -252,7 +255,7 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
     assert list(dict.fromkeys(r["variant"] for r in rows)) == want["rows"]
     assert {r["seed"] for r in rows} == {"0", "1"}  # seed s = init seed s and data order s
     assert all(r["init_seed"] == r["data_seed"] == r["seed"] for r in rows)
-    assert set(sweep.COLUMNS + want["columns"]) <= set(rows[0])
+    assert set(COLUMNS + want["columns"]) <= set(rows[0])
     assert all(int(r["steps"]) > 0 and float(r["final_val_loss"]) > 0 for r in rows)
     for plot in want["plots"]:
         assert (out / plot).read_bytes()[:8] == PNG, plot
@@ -302,7 +305,7 @@ def test_gpu_profile_sizes_models_of_10_to_100_million_parameters():
     """The mechanism is tested here at full size without training (the profile has not run on a GPU)."""
     for name in EXPERIMENTS:
         spec = load_experiment_spec(name, profile="gpu")
-        sizes = [sweep.model_accounting(cfg.model, cfg.seq_len) for cfg in spec.configs.values()]  # cached by the spec check
+        sizes = [model_accounting(cfg.model, cfg.seq_len) for cfg in spec.configs.values()]  # cached by the spec check
         assert 10e6 <= min(n["active_params"] for n in sizes), name
         assert max(n["total_params"] for n in sizes) <= 100e6, (name, sorted(n["total_params"] for n in sizes))
         assert spec.seeds == [0] and all(c.train.device == "auto" for c in spec.configs.values())

@@ -359,7 +359,8 @@ def test_output_directory_rules(tmp_path):
     out.mkdir()
     to_hf(model, out)  # an empty directory is fine
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert files == [".lmlab-export", "config.json", "generation_config.json", "model.safetensors"]  # the marker:
+    # overwrite replaces only a directory that holds it (one an export wrote)
     (out / "mine.txt").write_text("keep me")
     with pytest.raises(ValueError, match="exists and is not empty; pass --overwrite"):
         to_hf(model, out)
@@ -402,7 +403,7 @@ def test_sharded_export_loads_in_transformers_and_lmlab(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert not (done.path / "model.safetensors").exists()
-    assert sorted(done.files) == sorted(p.name for p in done.path.iterdir())
+    assert sorted([".lmlab-export", *done.files]) == sorted(p.name for p in done.path.iterdir())
     sizes = [sum(t.numel() * 4 for t in load_file(done.path / s).values()) for s in shards]
     assert sum(sizes) == index["metadata"]["total_size"] and max(sizes[:-1]) <= 40_000
     idx = tokens(20)

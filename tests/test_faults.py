@@ -17,6 +17,7 @@ test_crash.py; the pieces (lock, metrics, YAML, memory estimate, ...) are tested
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -26,6 +27,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -235,6 +237,30 @@ class Case:
     says: tuple[str, ...]  # substrings of the one line (may use {tmp})
     after: Callable[[Env, dict, dict], None] | None = None  # custom check instead of "nothing changed"
     mark: object = None
+    seconds: int | None = None  # a fault that used to hang: the command must finish within this
+
+
+class Hung(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: int | None):
+    """Raise Hung inside the block after ``seconds`` (a hang becomes a failure, not a stuck test run)."""
+    if seconds is None:
+        yield
+        return
+
+    def hung(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def resumable(env: Env, before: dict, after: dict) -> None:
@@ -301,6 +327,79 @@ def setup_bpe_tokenizer(env: Env) -> list:
     assert cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "bpe", "--vocab-size", "280"]) == 0
     garbage(data / "tokenizer.json")
     return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
+
+
+def config_file(env: Env, text: str) -> list:
+    """``lmlab train --config c.yaml`` of a YAML text."""
+    env.tmp.joinpath("c.yaml").write_text(text)
+    return ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"]
+
+
+def alias_bomb() -> str:
+    """Nine anchors, each a list of nine aliases of the one before: 9**9 values once written out."""
+    levels = ['&a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"&{name} [{', '.join([f'*{prev}'] * 9)}]")
+    return f"train: {{lr: [{', '.join(levels)}]}}\n"
+
+
+def setup_deep_jsonl(env: Env) -> list:
+    source = env.tmp / "deep.jsonl"
+    source.write_text('{"text": "a line"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def setup_provenance_not_a_list(env: Env) -> list:
+    config = env.run() / "config.yaml"
+    config.write_text(config.read_text().split("provenance:")[0] + "provenance: 5\n")
+    return resume(env)
+
+
+def torch_writer_fails(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """torch.save of a file called ``name`` fails as torch's stream writer does: no OS error, no file name."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if Path(f).name == name or Path(f).name.startswith(f".{name}."):  # or atomic_write's temporary file
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def setup_best_json_denied_relative(env: Env) -> list:
+    """A resume given a relative run directory, where creating best.json's temporary file is refused."""
+    env.run()
+    env.monkeypatch.chdir(env.tmp)
+    real = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if os.path.basename(path).startswith(".best.json."):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real(path, flags, *args, **kwargs)
+
+    env.monkeypatch.setattr(os, "open", fake_open)
+    return ["train", "--run-dir", "run", "--resume", "--train.steps", "8", "--quiet"]
+
+
+def setup_export_onto_foreign(env: Env) -> list:
+    (env.tmp / "mine").mkdir()
+    (env.tmp / "mine" / "notes.txt").write_text("not an export")
+    return ["export", env.run(), "--out", env.tmp / "mine", "--overwrite"]
+
+
+def setup_export_through_link(env: Env) -> list:
+    (env.tmp / "link").symlink_to(env.run())
+    return ["export", env.run(), "--out", env.tmp / "link", "--overwrite"]
+
+
+def no_cuda(env: Env, device: str, gpus: int = 0) -> list:
+    """A new run on ``device`` where this machine has ``gpus`` GPUs (CUDA unavailable with none)."""
+    env.monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    env.monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    env.monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    return new_run(env, "--train.device", device)
 
 
 def setup_huge_hf(env: Env) -> list:
@@ -382,6 +481,60 @@ CASES = [
          ("training this model needs", "more than the limit of 1.0 MiB")),
     Case("eval --model.d_model 1073741824", lambda env: ["eval", env.run(), "--model.d_model", "1073741824"], 2,
          ("the model of", "needs at least")),
+    # ---- issue 20 item 1: sizes are checked by arithmetic, never by enumeration (these hung)
+    Case("--model.d_model 10**12+1 --model.n_heads 2",
+         lambda env: new_run(env, "--model.d_model", "1000000000001", "--model.n_heads", "2"), 2,
+         ("n_heads=2 does not divide d_model=1000000000001; choose n_heads in [1]",), seconds=20),
+    Case("--model.n_heads 10**12+1 --model.n_kv_heads 2",
+         lambda env: new_run(env, "--model.head_dim", "8", "--model.n_heads", "1000000000001",
+                             "--model.n_kv_heads", "2"), 2,
+         ("n_kv_heads=2 does not divide n_heads=1000000000001; choose n_kv_heads in [1, 73, 137, 10001,",), seconds=20),
+    Case("--model.moe.n_experts 10**12+1 --model.moe.n_groups 2",
+         lambda env: new_run(env, "--model.moe.n_experts", "1000000000001", "--model.moe.n_groups", "2"), 2,
+         ("moe.n_groups=2 does not divide the 1000000000001 routed experts", "choose n_groups in [1, 73,"), seconds=20),
+    Case("--model.d_model 10**400", lambda env: new_run(env, "--model.d_model", "1" + "0" * 400), 2,
+         ("it must be at most 2**40 (1,099,511,627,776)",), seconds=20),
+    Case("YAML alias bomb (9 levels of 9 aliases)", lambda env: config_file(env, alias_bomb()), 2,
+         ("c.yaml' expands to more than 10,000 values", "through its aliases"), seconds=20),
+    Case("YAML alias to the list that holds it", lambda env: config_file(env, "train: {lr: &a [1, *a]}\n"), 2,
+         ("c.yaml' contains itself through an alias",), seconds=20),
+    Case("YAML flow list nested 20,000 deep",
+         lambda env: config_file(env, "train: {lr: " + "[" * 20_000 + "]" * 20_000 + "}\n"), 2,
+         ("c.yaml' nests deeper than 64 levels at line 1",), seconds=20),
+    Case("JSONL line nested 100,000 deep", setup_deep_jsonl, 2, ("deep.jsonl:2: nests JSON values too deeply",),
+         seconds=20),
+    Case("a number where a list belongs (train.betas: 5)", lambda env: config_file(env, "train: {betas: 5}\n"), 2,
+         ("betas=5 is not a list",)),
+    Case("a number as a section (data: 5)", lambda env: config_file(env, "data: 5\n"), 2,
+         ("data must be a mapping of DataConfig fields, got 5",)),
+    Case("a !!set as a section", lambda env: config_file(env, "model: !!set {a, b}\n"), 2,
+         ("model must be a mapping of ModelConfig fields",)),
+    Case("a run's provenance: 5", setup_provenance_not_a_list, 2, ("config.yaml': provenance must be the list",)),
+    Case("sweep spec variants: 5",
+         lambda env: (env.spec().write_text("name: t\nvariants: 5\n"),
+                      ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
+         2, ("spec.yaml: variants must be a list",)),
+    # ---- issue 20 item 2: export never replaces what it did not write; errors name the real file
+    Case("export --out RUN --overwrite", lambda env: ["export", env.run(), "--out", env.run(), "--overwrite"], 2,
+         ("--out '", "run' is the run directory '", "being exported")),
+    Case("export --out RUN/checkpoints --overwrite",
+         lambda env: ["export", env.run(), "--out", env.run() / "checkpoints", "--overwrite"], 2,
+         ("run/checkpoints' is inside the run directory",)),
+    Case("export --out the directory holding RUN --overwrite",
+         lambda env: ["export", env.run() / "checkpoints" / "step_0000004", "--out", env.tmp, "--overwrite"], 2,
+         ("holds the run directory",)),
+    Case("export --out a link to RUN --overwrite", setup_export_through_link, 2, ("link' is the run directory",)),
+    Case("export --overwrite onto a directory lmlab did not write", setup_export_onto_foreign, 2,
+         ("mine' holds files lmlab did not export (no .lmlab-export)",)),
+    Case("torch's writer fails on state.pt",
+         lambda env: (torch_writer_fails(env.monkeypatch, "state.pt"), resume(env))[1], 3,
+         ("writing '", "run/checkpoints/step_0000006/state.pt' failed"), after=resumable),
+    Case("best.json's temporary file refused, relative --run-dir", setup_best_json_denied_relative, 3,
+         ("permission denied for 'run/checkpoints/best.json'",), after=resumable),
+    Case("--train.device cuda without a GPU", lambda env: no_cuda(env, "cuda"), 3, ("CUDA is not available here",)),
+    Case("--train.device cuda:99 with one GPU", lambda env: no_cuda(env, "cuda:99", gpus=1), 3,
+         ("device 'cuda:99' does not exist: this machine has 1 GPU(s)",)),
+    Case("--train.device mps without MPS", lambda env: no_cuda(env, "mps"), 3, ("MPS is not available here",)),
     # ---- item 5: a failing resume overwrites nothing (the state.pt rows above check config.yaml too)
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
@@ -442,7 +595,8 @@ def test_fault_is_one_line_and_changes_nothing(case, fault_env, capsys):
     capsys.readouterr()
     before = digest(env.tmp)
     usage_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    code = cli.main(args)
+    with deadline(case.seconds):
+        code = cli.main(args)
     _, err = capsys.readouterr()
     after = digest(env.tmp)
     assert code == case.code, err
@@ -491,7 +645,7 @@ def test_checkpoint_files_have_the_usual_permissions(tmp_path):
     try:
         model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
         path = ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, model.config.to_dict())
-        ckpt.write_best(tmp_path, 1, 2.5)
+        ckpt.Best(1, 2.5).write(tmp_path)
         modes = {p.name: p.stat().st_mode & 0o777 for p in [*path.iterdir(), tmp_path / "best.json"]}
         assert modes == {"model.safetensors": 0o644, "state.pt": 0o644, "best.json": 0o644}
         os.umask(0o027)
@@ -585,7 +739,7 @@ def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys)
     """lr jumps to 1e10 after step 3: step 4's update is huge but finite, and the old guard
     checkpointed it (and the skipped steps after it) and named it as the last good one."""
     from lmlab.run.config import RunConfig, TrainConfig
-    from lmlab.run.data.prepare import DataConfig
+    from lmlab.run.data.config import DataConfig
     from lmlab.run.trainer import Trainer, TrainingDiverged
 
     cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
@@ -700,3 +854,69 @@ def test_lock_refuses_a_second_holder_and_is_gone_when_released(tmp_path):
         (tmp_path / "work" / "result.json").write_text("{}")
         1 / 0
     assert [p.name for p in (tmp_path / "work").iterdir()] == ["result.json"]  # work done is never deleted
+
+
+def test_divisors_are_found_by_arithmetic_and_listed_near_the_value():
+    from lmlab.schema import MAX_SIZE, divisor_choices, divisors
+
+    assert divisors(30) == [1, 2, 3, 5, 6, 10, 15, 30] and divisors(1) == [1] and divisors(97) == [1, 97]
+    assert divisors(MAX_SIZE) == [2**i for i in range(41)]  # sqrt(2**40) trials, not 2**40
+    assert divisors(10**12 + 1) == [1, 73, 137, 10001, 99990001, 7299270073, 13698630137, 10**12 + 1]
+    assert divisor_choices(96, 7) == "[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]"  # all, when they are few
+    # 720720 has 240 divisors: the 12 nearest the value asked for, with the ends elided
+    nearest = "[..., 858, 880, 910, 924, 936, 990, 1001, 1008, 1040, 1092, 1144, 1155, ...]"
+    assert divisor_choices(720720, 1000) == nearest
+    assert divisor_choices(720720, 7000, keep=lambda d: d <= 64).startswith("[..., 36, 39,")
+
+
+def test_export_files_have_the_usual_permissions(tmp_path):
+    """safetensors creates its files 0600; an export's files are 0666 & ~umask, like a checkpoint's."""
+    model = lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32))
+    old = os.umask(0o022)
+    try:
+        lmlab.to_hf(model, tmp_path / "one")
+        lmlab.to_hf(model, tmp_path / "shards", max_shard_size="10KB")
+        os.umask(0o027)
+        lmlab.to_hf(model, tmp_path / "private")
+    finally:
+        os.umask(old)
+    for name, mode in (("one", 0o644), ("shards", 0o644), ("private", 0o640)):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / name).iterdir()}
+        assert len(modes) >= 4 and set(modes.values()) == {mode}, (name, modes)
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", [False, True])
+def test_ctrl_c_with_stdout_to_a_closed_pipe_saves_a_checkpoint_and_exits_130(tmp_path, quiet):
+    """``lmlab train ... | tee log``, then Ctrl-C: the terminal's SIGINT stops tee as well, so stdout's
+    reader is gone. The handler printed before it set its flag: BrokenPipeError, exit 3, no checkpoint."""
+    import subprocess
+    import sys
+    import time
+
+    from lmlab.run.checkpoint.local import list_checkpoints
+
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--data.source", str(corpus(tmp_path / "c.txt")), *TINY,
+            *[a for a in FAST if a != "--quiet"], *(["--quiet"] if quiet else []), "--train.steps", "100000",
+            "--train.eval_every", "100000", "--train.save_every", "100000"]
+    with open(tmp_path / "stderr", "wb") as err:  # a file: a progress bar never fills a pipe nobody reads
+        proc = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):  # a step done
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        proc.stdout.close()  # the reader is gone (tee stopped by the same Ctrl-C)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    err = (tmp_path / "stderr").read_text()
+    assert code == 130, err  # the documented status of a run stopped by Ctrl-C (lmlab --help)
+    assert "Traceback" not in err and "Broken pipe" not in err and "BrokenPipeError" not in err, err
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [last]  # saved at the step it stopped after

@@ -230,7 +230,7 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
     assert report["accuracy"] == pytest.approx(accuracy[60])  # the trainer evaluated every val row the same way
     # recompute from the saved model: row by row, the last real token's prediction
     loaded = load_run(tmp_path / "run", checkpoint="latest")
-    from lmlab.run.data.prepare import RowData
+    from lmlab.run.data.batches import RowData
 
     val = RowData(tmp_path / "data", "val")
     x, y = val.rows(np.arange(len(val)), 32)
@@ -330,4 +330,5 @@ def test_generate_and_eval_with_a_tokenizer_given_separately(capsys, tmp_path, h
                          "--max-batches", "1", "--seq-len", "16")
     assert code == 0 and json.loads(out)["data"] == str(tmp_path / "data"), err
     err = bad_input(capsys, "eval", hf_llama, "--data", tmp_path / "bytes", "--tokenizer", tmp_path / "tok")
-    assert "was not tokenized with" in err
+    assert f"was tokenized with another tokenizer than the model {str(hf_llama)!r}" in err
+    assert f"--tokenizer {tmp_path / 'tok'}" in err

@@ -15,7 +15,7 @@ import yaml
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import RunConfig, TrainConfig, build_config, load_config
-from lmlab.run.data.prepare import DataConfig
+from lmlab.run.data.config import DataConfig
 from lmlab.run.trainer import Trainer
 
 TINY = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)

@@ -4,6 +4,7 @@ reuse only of identical configs, honest labels, parallel workers, tuning, tables
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import re
@@ -13,10 +14,19 @@ import numpy as np
 import pytest
 import yaml
 
+import lmlab
 from lmlab import cli
-from lmlab.experiments import report, sweep
-from lmlab.experiments.spec import parse_spec
+from lmlab.experiments import report
+from lmlab.experiments.spec import Tune, check_active_params, parse_spec
 from lmlab.experiments.sweep import Hooks, SweepInterrupted, load_spec, run_sweep
+from lmlab.experiments.sweep.layout import read_curve
+from lmlab.experiments.sweep.measure import SpreadSlice, run_status, spread_starts, unigram_loss
+from lmlab.experiments.sweep.tables import COLUMNS
+from lmlab.experiments.sweep.tuning import choose, grid_edge_text, grid_edges
+from lmlab.experiments.sweep.workers import claim
+from lmlab.run.config import load_config
+from lmlab.run.data.config import DataConfig
+from lmlab.run.data.prepare import prepare
 from lmlab.run.trainer import Trainer
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(400))
@@ -104,12 +114,47 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     ({"tune": {"field": "train.lr"}}, "tune needs field"),
     ({"tune": {"field": "train.lr", "values": [1e-3], "by": ["depth"]}}, "tune names axis 'depth'"),
     ({"profiles": {"gpu": {"overides": {}}}}, "profile 'gpu': unknown key 'overides'"),
+    ({"base": {**TINY, "train.steps": 3}}, "base gives 'train.steps' twice (nested and dotted)"),
+    ({"variants": [{"name": "a"}, {"name": "b", "init_from": "a", "overrides": {"train.init_from": "runs/x"}}]},
+     "variant 'b': init_from='a' and train.init_from='runs/x' both choose its starting weights"),
+    ({"base": {**TINY, "data": "prepared/dir"}, "corpus": {"name": "stdlib"}}, "corpus: and data.prepared both choose"),
 ])
 def test_spec_structure_errors(tmp_path, corpus, change, message):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({"name": "tiny", "base": TINY, "variants": [{"name": "one"}], **change}))
     with pytest.raises(ValueError, match=re.escape(message)):
         load_spec(path)
+
+
+def test_a_sweep_reads_its_base_and_variants_as_train_config_reads_a_config(tmp_path, corpus):
+    """One loader: a preset, ``data: DIR`` (prepared data) and dotted keys mean in a sweep's base: and
+    variants what they mean in ``lmlab train --config``, so both give the same RunConfig."""
+    prepared = tmp_path / "prepared"
+    prepare(DataConfig(source=str(corpus), val_fraction=0.1), prepared)
+    model = {"preset": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 1, "max_seq_len": 16}
+    base = {"model": model,
+            "data": str(prepared), "train": {k: v for k, v in TINY["train"].items() if k != "lr"}, "train.lr": 1e-3}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(base))
+    mixtral = {"model": {"preset": "mixtral", "moe": {"top_k": 1}}}  # nested in a variant, merged into the preset's moe
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "same", "base": base, "variants": [
+        {"name": "as-base"}, {"name": "gpt2", "overrides": {"model.preset": "gpt2", "model.n_layers": 2}},
+        {"name": "mixtral", "overrides": mixtral}]}))
+    spec = load_spec(path)
+    assert spec.configs["as-base"] == load_config(config)
+    assert spec.configs["gpt2"] == load_config(config, {"model.preset": "gpt2", "model.n_layers": 2})
+    assert spec.configs["mixtral"] == load_config(config, {"model.preset": "mixtral", "model.moe.top_k": 1})
+    assert spec.configs["as-base"].model.norm == "rmsnorm" and spec.configs["gpt2"].model.positions == "learned"
+    assert spec.configs["mixtral"].model.moe.n_experts == lmlab.ModelConfig.from_preset("mixtral").moe.n_experts
+    assert spec.configs["as-base"].data.prepared == str(prepared) and spec.configs["as-base"].train.lr == 1e-3
+
+    # and the sweep trains on the prepared data where it is: nothing prepared under out/
+    out = tmp_path / "out"
+    rows = run_sweep(dataclasses.replace(spec, variants=spec.variants[:1], configs={}), out, log=quiet)
+    assert [(r["variant"], r["steps"]) for r in rows] == [("as-base", 4)] and not (out / "data").exists()
+    saved = yaml.safe_load((out / "runs/as-base/seed0/config.yaml").read_text())
+    assert saved["data"]["prepared"] == str(prepared.resolve()) and saved["model"]["norm"] == "rmsnorm"
 
 
 def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, corpus):
@@ -154,7 +199,7 @@ def test_active_parameter_matching_names_the_variant_that_is_off(tmp_path, corpu
         {"name": "top1", "overrides": {"model.moe": {"n_experts": 4, "top_k": 1}}},
         {"name": "top2-half", "overrides": {"model.moe": {"n_experts": 8, "top_k": 2, "d_expert": 64}}},
     ]}).resolve()
-    counts = sweep.check_active_params(ok)
+    counts = check_active_params(ok)
     assert counts["top1"]["total_params"] > 2 * counts["dense"]["total_params"]
     assert abs(counts["top2-half"]["active_params"] / counts["dense"]["active_params"] - 1) < 0.05
     bad = parse_spec({"base": base, "match_active_params": {"reference": "dense"}, "variants": [
@@ -188,7 +233,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_variants(tmp_path,
     assert CountingTrainer.made == [(str(out / "runs/two/seed0"), 2, True)]
     assert first.read_text() == before
     assert [(r["variant"], r["steps"], r["tokens"]) for r in rows] == [("one", 4, 4 * 2 * 16), ("two", 4, 4 * 2 * 16)]
-    curve = sweep.read_curve(out / "runs/two/seed0")
+    curve = read_curve(out / "runs/two/seed0")
     assert [r["step"] for r in curve if "loss" in r] == [1, 2, 3, 4]  # no step logged twice across the resume
 
     CountingTrainer.made = []
@@ -228,7 +273,7 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["variant"], r["seed"]) for r in rows] == [("base", "0"), ("base", "1"), ("ft", "0"), ("ft", "1")]
-    assert set(sweep.COLUMNS) <= set(rows[0])
+    assert set(COLUMNS) <= set(rows[0])
     base0 = rows[0]
     assert int(base0["tokens"]) == 4 * 2 * 16 and int(rows[2]["tokens"]) == 2 * 2 * 16
     assert int(base0["total_params"]) == int(base0["active_params"]) > 0 and float(base0["flops_per_token"]) > 0
@@ -255,6 +300,8 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
     def weights(run):
         return load_file(str(ckpt.resolve(out / "runs" / run / "checkpoints", "latest") / ckpt.WEIGHTS))["embed.weight"]
 
+    ft_cfg = yaml.safe_load((out / "runs/ft/seed0/config.yaml").read_text())
+    assert ft_cfg["train"]["init_from"] == str(ckpt.resolve((out / "runs/base/seed0/checkpoints").resolve(), "latest"))
     base_w, ft_w = weights("base/seed0"), weights("ft/seed0")
     init_w = Transformer(load_spec(path).configs["base"].model).embed.weight.detach()
     assert (ft_w - base_w).norm() < 0.2 * (base_w - init_w).norm()
@@ -262,13 +309,13 @@ def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
 
 def test_run_status_separates_divergence_from_learning_nothing():
     limits = {"unigram": 3.0, "init": 5.5}
-    assert sweep.run_status(2.5, "", limits, "init") == ("ok", "")
-    status, why = sweep.run_status(3.1, "", limits, "init")
+    assert run_status(2.5, "", limits, "init") == ("ok", "")
+    status, why = run_status(3.1, "", limits, "init")
     assert status == "no better than unigram" and "3.100 >= the unigram loss 3.000" in why
-    assert sweep.run_status(5.6, "", limits, "init")[0] == "diverged"
-    assert sweep.run_status(float("nan"), "", limits, "init") == ("diverged", "non-finite validation loss")
-    assert sweep.run_status(2.0, "non-finite loss/gradient: x", limits, "init") == ("diverged", "non-finite loss/gradient: x")
-    assert sweep.run_status(2.0, "", limits, 1.5)[0] == "diverged"
+    assert run_status(5.6, "", limits, "init")[0] == "diverged"
+    assert run_status(float("nan"), "", limits, "init") == ("diverged", "non-finite validation loss")
+    assert run_status(2.0, "non-finite loss/gradient: x", limits, "init") == ("diverged", "non-finite loss/gradient: x")
+    assert run_status(2.0, "", limits, 1.5)[0] == "diverged"
 
 
 def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
@@ -278,16 +325,16 @@ def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
                      tmp_path / "out2", log=quiet)
     assert rows[0]["status"] == "no better than unigram" and not rows[0]["diverged"]  # 4 steps at lr 1e-6 learn nothing
     data = tmp_path / "out" / "data"
-    from lmlab.run.data.prepare import TokenData
+    from lmlab.run.data.batches import TokenData
 
     train, val = np.asarray(TokenData(data, "train").tokens), np.asarray(TokenData(data, "val").tokens)
     counts = np.bincount(train, minlength=256) + 1.0
     expected = -np.log(counts / counts.sum())[val].mean()
-    assert sweep.unigram_loss(data) == pytest.approx(expected, rel=1e-9)
-    starts = sweep.spread_starts(len(val), 16, 3)
+    assert unigram_loss(data) == pytest.approx(expected, rel=1e-9)
+    starts = spread_starts(len(val), 16, 3)
     assert starts.tolist() == [0, (len(val) - 17) // 2, len(val) - 17] or starts[0] == 0 and starts[-1] == len(val) - 17
     on_slice = -np.log(counts / counts.sum())[val[starts[:, None] + 1 + np.arange(16)]].mean()
-    assert sweep.unigram_loss(data, 16, 3) == pytest.approx(on_slice, rel=1e-9)
+    assert unigram_loss(data, 16, 3) == pytest.approx(on_slice, rel=1e-9)
 
 
 def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus):
@@ -297,7 +344,7 @@ def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus
     assert rows[0]["eval_tokens"] == 96  # 6 windows of 16
     from lmlab.model import Transformer
     from lmlab.run.checkpoint import local as ckpt
-    from lmlab.run.data.prepare import TokenData
+    from lmlab.run.data.batches import TokenData
     from lmlab.run.evaluate import evaluate
 
     cfg = yaml.safe_load((out / "runs/one/seed0/config.yaml").read_text())
@@ -306,7 +353,7 @@ def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus
     model = Transformer(RunConfig.from_dict({k: v for k, v in cfg.items() if k != "provenance"}).model)
     ckpt.load_weights(model, ckpt.resolve(out / "runs/one/seed0/checkpoints", "latest") / ckpt.WEIGHTS)
     val = TokenData(out / "data", "val")
-    expected = evaluate(model, sweep.SpreadSlice(val, 6), batch_size=8, seq_len=16).loss
+    expected = evaluate(model, SpreadSlice(val, 6), batch_size=8, seq_len=16).loss
     assert rows[0]["final_val_loss"] == pytest.approx(expected, rel=1e-6)
     assert "over 96 validation tokens" in (out / "summary.md").read_text()
 
@@ -314,11 +361,11 @@ def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus
 # ============================================================== parallel workers
 def test_claims_are_exclusive_and_released(tmp_path):
     lock = tmp_path / "locks" / "a.lock"
-    with sweep.claim(lock) as first:
+    with claim(lock) as first:
         assert first
-        with sweep.claim(lock) as second:  # another open file description: refused while held
+        with claim(lock) as second:  # another open file description: refused while held
             assert not second
-    with sweep.claim(lock) as again:
+    with claim(lock) as again:
         assert again
 
 
@@ -340,7 +387,7 @@ def test_two_workers_give_the_rows_one_process_gives(tmp_path, corpus):
 
 # ============================================================== tuning
 def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
-    tune = sweep.Tune("train.lr", [1e-3, 3e-3, 1e-2], ["arch"], {}, [7, 8], {})
+    tune = Tune("train.lr", [1e-3, 3e-3, 1e-2], ["arch"], {}, [7, 8], {})
 
     def row(group, value, loss, status="ok"):
         return {"tune_group": group, "tune_value": str(value), "final_val_loss": loss, "status": status}
@@ -349,7 +396,7 @@ def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
             row("post", 1e-2, 1.0, "diverged"), row("post", 1e-2, 2.0),
             row("pre", 1e-3, 3.0), row("pre", 1e-3, 3.0), row("pre", 3e-3, 2.5), row("pre", 3e-3, 2.6),
             row("pre", 1e-2, 2.4), row("pre", 1e-2, 2.45)]
-    choices, table = sweep.choose(tune, rows)
+    choices, table = choose(tune, rows)
     assert choices == {"post": 3e-3, "pre": 1e-2}  # post's 1e-2 has a diverged seed: +inf
     assert next(t for t in table if t["group"] == "post" and t["value"] == 1e-2)["mean_final_val_loss"] is None
     assert math.isclose(next(t for t in table if t["group"] == "pre" and t["value"] == 3e-3)["mean_final_val_loss"], 2.55)
@@ -357,12 +404,12 @@ def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
 
 def test_a_choice_at_either_edge_of_the_grid_is_flagged_and_an_interior_one_is_not():
     tune = {"values": [1.5e-3, 3e-3, 6e-3], "chosen": {"dense": 6e-3, "moe": 3e-3, "tiny": 1.5e-3}}
-    assert sweep.grid_edges(tune) == {"dense": 6e-3, "tiny": 1.5e-3}
-    assert sweep.grid_edge_text(tune) == "Chosen at an edge of the grid, so the best value may lie beyond it: dense 0.006, tiny 0.0015. "
-    assert sweep.grid_edges({"values": [1e-3, 2e-3, 3e-3, 1.2e-2], "chosen": {"dense": 3e-3}}) == {}
-    assert sweep.grid_edge_text({"values": [1e-3, 3e-3], "chosen": {"a": 2e-3}}) == ""
-    assert sweep.grid_edges({"values": ["glu", "mlp"], "chosen": {"a": "glu"}}) == {}  # not an ordered grid
-    assert sweep.grid_edges(None) == {} and sweep.grid_edges({"values": [3e-3], "chosen": {"a": 3e-3}}) == {}
+    assert grid_edges(tune) == {"dense": 6e-3, "tiny": 1.5e-3}
+    assert grid_edge_text(tune) == "Chosen at an edge of the grid, so the best value may lie beyond it: dense 0.006, tiny 0.0015. "
+    assert grid_edges({"values": [1e-3, 2e-3, 3e-3, 1.2e-2], "chosen": {"dense": 3e-3}}) == {}
+    assert grid_edge_text({"values": [1e-3, 3e-3], "chosen": {"a": 2e-3}}) == ""
+    assert grid_edges({"values": ["glu", "mlp"], "chosen": {"a": "glu"}}) == {}  # not an ordered grid
+    assert grid_edges(None) == {} and grid_edges({"values": [3e-3], "chosen": {"a": 3e-3}}) == {}
 
 
 def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus):

@@ -18,7 +18,7 @@ import yaml
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import RunConfig, TrainConfig, load_config
-from lmlab.run.data.prepare import DataConfig
+from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
 
@@ -205,6 +205,20 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), t2.model.parameters()))
     prov = yaml.safe_load((tmp_path / "part" / "config.yaml").read_text())["provenance"]
     assert [p["step"] for p in prov] == [0, 4]
+
+
+def test_resume_takes_the_optimizer_hyperparameters_from_the_config(tmp_path):
+    """The moments come from the checkpoint, betas, eps and weight decay from the resumed run's config.
+    A run saved with weight_decay=0 used to stay undecayed whatever the new config said."""
+    cfg = run_config(tmp_path, steps=2, eval_every=2, save_every=2, weight_decay=0.0)
+    _, _, first = train(cfg, tmp_path / "run")
+    saved = {i: {k: v.clone() for k, v in s.items()} for i, s in first.optimizer.state_dict()["state"].items()}
+    changed = cfg.override({"train.weight_decay": 0.05, "train.betas": [0.8, 0.99], "train.eps": 1e-6})
+    with Trainer(changed, tmp_path / "run", quiet=True, resume=True) as t:  # resumed at its last step: no update
+        state = t.optimizer.state_dict()["state"]
+        assert all(torch.equal(state[i][k], v) for i, s in saved.items() for k, v in s.items())
+        assert [g["weight_decay"] for g in t.optimizer.param_groups] == [0.05, 0.0]  # matrices decay; norms do not
+        assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 for g in t.optimizer.param_groups)
 
 
 def test_non_finite_steps_are_skipped_and_counted(tmp_path):

@@ -7,10 +7,15 @@
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
     lmlab export runs/default --out exported/      # a Hugging Face transformers checkpoint
-    lmlab generate runs/default --prompts-file prompts.txt --stop "\n\n" --temperature 0
+    lmlab generate runs/default --prompts-file prompts.txt --stop $'\\n\\n' --temperature 0   # bash: a blank line
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
+
+Each subcommand is one :class:`Command` record in ``COMMANDS`` (at the end of this file): its name, its
+line in ``lmlab --help``, the function that adds its arguments, its handler, and the config sections
+its ``--SECTION.FIELD`` overrides may name. Only the command being run has its arguments built, and
+torch is imported only when a command runs: ``lmlab --help`` and ``lmlab train --help`` answer at once.
 
 Bad input (a missing file, an unknown config key, a checkpoint that does not match its config,
 ...) is one line on stderr and exit status 2, before anything is written. A failure of the
@@ -23,13 +28,16 @@ into those messages here and nowhere else. Anything else is a bug, and keeps its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import shlex
 import sys
 import textwrap
 import time
+import typing
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .run.errors import EXIT_DIVERGED, EXIT_ENVIRONMENT, EXIT_USAGE, EnvironmentFailure, describe_os_error, one_line
 from .schema import suggest
@@ -73,14 +81,82 @@ def paragraphs(*paragraphs: str) -> str:
     return "\n\n".join(textwrap.fill(p, 92) for p in paragraphs)
 
 
-def _config_defaults() -> str:
-    """The default run config, one wrapped line per section: what --SECTION.FIELD VALUE changes."""
-    from .run.config import RunConfig, flatten
+# ============================================================== the run config in --help
+def run_sections() -> tuple[str, ...]:
+    """The sections of the run config (model, data, train, ...): the names ``--SECTION.FIELD`` may start with.
+    Read from RunConfig's fields, so a new section is accepted (and shown in --help) where it is declared."""
+    from .run.config import RunConfig
 
-    lines = ["config fields and their defaults (lmlab train --print-config shows the resolved config):"]
-    for section, values in RunConfig().to_dict().items():
-        items = " ".join(f"{k}={v}" for k, v in flatten(values).items()) if isinstance(values, dict) else str(values)
-        lines.append(textwrap.fill(items, 92, initial_indent=f"  {section}: ", subsequent_indent=" " * (len(section) + 4)))
+    return tuple(f.name for f in dataclasses.fields(RunConfig) if sub_config(RunConfig, f.name) is not None)
+
+
+def sub_config(owner: type, name: str) -> type | None:
+    """The Config class of field ``name`` of ``owner`` (``X`` or ``X | None``), or None for a plain field."""
+    from .schema import Config
+
+    hint = typing.get_type_hints(owner)[name]
+    for tp in (hint, *typing.get_args(hint)):
+        if isinstance(tp, type) and issubclass(tp, Config):
+            return tp
+    return None
+
+
+def show(value: Any) -> str:
+    """A default as it is written on the command line: ``betas=0.9,0.95``, ``sample_prompt='The '``."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(show(v) for v in value)
+    if isinstance(value, str) and (not value or value != value.strip() or " " in value):
+        return repr(value)
+    return str(value)
+
+
+def config_lines(cfg: Any, prefix: str = "") -> list[str]:
+    """One wrapped paragraph of ``field=default`` for ``cfg``'s plain fields, then one per nested config
+    (``rope.base=...``). An optional sub-config that is off by default (``moe=None``) is shown with the
+    defaults it takes when any of its fields is set."""
+    plain, nested = [], []
+    for f in dataclasses.fields(cfg):
+        value, sub = getattr(cfg, f.name), sub_config(type(cfg), f.name)
+        if sub is None:
+            plain.append(f"{prefix}{f.name}={show(value)}")
+        elif value is not None:
+            nested += config_lines(value, f"{prefix}{f.name}.")
+        else:
+            off = f"    {prefix}{f.name}.* is off ({f.name}=None); setting any of its fields turns it on with these defaults:"
+            nested += [off, *config_lines(sub(), f"{prefix}{f.name}.")]
+    return wrap_items(plain) + nested
+
+
+def wrap_items(items: list[str], width: int = 100, indent: str = "    ") -> list[str]:
+    """Lines of space-separated ``items``, none broken (``sample_prompt='The '`` stays whole)."""
+    lines: list[str] = []
+    for item in items:
+        if lines and len(lines[-1]) + 1 + len(item) <= width:
+            lines[-1] += " " + item
+        else:
+            lines.append(indent + item)
+    return lines
+
+
+def config_help() -> str:
+    """The run config's defaults for ``lmlab train --help``, grouped by section: every field of RunConfig,
+    so the sections shown are the ones declared there."""
+    from .config import PRESETS
+    from .run.config import RunConfig
+
+    cfg = RunConfig()
+    notes = {"model": f"the demo model, or a preset with --model.preset NAME ({', '.join(PRESETS)})"}
+    lines = ["config fields and their defaults, by section; set any with --SECTION.FIELD VALUE",
+             "(lmlab train --print-config shows the resolved config):"]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if sub_config(RunConfig, f.name) is None:
+            lines.append(f"  {f.name}: {show(value)}")
+            continue
+        lines.append(textwrap.fill(f"{f.name}:" + (f" {notes[f.name]}" if f.name in notes else ""), 100,
+                                   initial_indent="  ", subsequent_indent=" " * (len(f.name) + 4),
+                                   break_on_hyphens=False))
+        lines += config_lines(value)
     return "\n".join(lines)
 
 
@@ -114,30 +190,52 @@ def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[
     return rest, overrides
 
 
-def build_parser() -> argparse.ArgumentParser:
+# ============================================================== the subcommand record and the parser
+def no_sections() -> tuple[str, ...]:
+    return ()
+
+
+def model_section() -> tuple[str, ...]:
+    return ("model",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand, everything about it in one place; ``COMMANDS`` lists them."""
+
+    name: str
+    help: str  # its line in `lmlab --help`
+    build: Callable[[argparse.ArgumentParser], None]  # adds its description and arguments, only when it is run
+    run: Callable[[argparse.Namespace, dict, list[str]], int]  # (args, --SECTION.FIELD overrides, argv) -> exit status
+    sections: Callable[[], tuple[str, ...]] = no_sections  # the config sections its --SECTION.FIELD may name
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``lmlab`` parser. Every subcommand is listed; only those in ``commands`` (all when None) get
+    their arguments, so that ``lmlab --help`` imports nothing a command needs."""
     from . import __version__
 
     parser = Parser(prog="lmlab", description="Build, train and compare Transformer language models.",
                     epilog=EXIT_CODES, formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"lmlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (add_prepare_parser, add_train_parser, add_eval_parser, add_generate_parser, add_export_parser,
-                add_sweep_parsers, add_consolidate_parser):
-        add(sub)
+    for command in COMMANDS.values():
+        p = sub.add_parser(command.name, help=command.help, formatter_class=Formatter, epilog=EXIT_CODES)
+        if commands is None or command.name in commands:
+            command.build(p)
     return parser
 
 
-def add_prepare_parser(sub) -> None:
-    from .run.data.prepare import DataConfig
+def build_prepare(p: argparse.ArgumentParser) -> None:
+    from .run.data.config import DataConfig
 
     d = DataConfig()
-    p = sub.add_parser("prepare", help="tokenize text into train/val token shards", formatter_class=Formatter,
-                       description=paragraphs("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
+    p.description = paragraphs("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
                        "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards, streaming "
                        "(memory does not grow with the corpus). Documents end with an end-of-document token; duplicate "
                        "documents are dropped; each document goes to train or val by a hash of its text (a source with "
                        "too few documents is split by token stream instead). Train on the result with "
-                       "`lmlab train --data OUT`."), epilog=EXIT_CODES)
+                       "`lmlab train --data OUT`.")
     p.add_argument("source", nargs="?", default=d.source, help="text file, directory, JSONL file, hf:PATH or 'builtin'")
     p.add_argument("--out", default="data", help="output directory")
     p.add_argument("--tokenizer", default=d.tokenizer, help="byte, char, bpe, or a path: a Hugging Face tokenizer.json, a "
@@ -155,14 +253,13 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def add_train_parser(sub) -> None:
-    t = sub.add_parser("train", help="train a model (no arguments: the built-in demo)", formatter_class=Formatter,
-                       description=paragraphs("Train the model of a run config. With no arguments, trains a small llama-style "
+def build_train(t: argparse.ArgumentParser) -> None:
+    t.description = paragraphs("Train the model of a run config. With no arguments, trains a small llama-style "
                        "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains on every "
                        "process with train.parallel (ddp: DistributedDataParallel, the default; fsdp: FSDP2 sharding), "
                        "train.expert_parallel and train.activation_checkpointing; the global batch stays batch_size x "
-                       "grad_accum whatever the number of processes.", OVERRIDES),
-                       epilog=_config_defaults() + "\n\n" + EXIT_CODES)
+                       "grad_accum whatever the number of processes.", OVERRIDES)
+    t.epilog = config_help() + "\n\n" + EXIT_CODES
     t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:); omitted fields keep their defaults")
     t.add_argument("--data", default=None, metavar="DIR", help="prepared data (`lmlab prepare ... --out DIR`) to train on; "
                    "without it, data.source (the built-in corpus unless named) is prepared into the run directory")
@@ -173,13 +270,13 @@ def add_train_parser(sub) -> None:
     mode.add_argument("--overwrite", action="store_true", help="replace the run in --run-dir")
     t.add_argument("--quiet", action="store_true", help="no progress bar or messages")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_threads_arg(t)
 
 
-def add_eval_parser(sub) -> None:
-    e = sub.add_parser("eval", help="validation loss, perplexity and loss by position", formatter_class=Formatter,
-                       description=paragraphs("Evaluate a run's checkpoint. --seq-len may exceed the training length; with "
+def build_eval(e: argparse.ArgumentParser) -> None:
+    e.description = paragraphs("Evaluate a run's checkpoint. --seq-len may exceed the training length; with "
                        "--model.rope.* overrides (e.g. --model.rope.scaling yarn --model.rope.factor 4) this "
-                       "measures length extrapolation through the loss by position.", OVERRIDES), epilog=EXIT_CODES)
+                       "measures length extrapolation through the loss by position.", OVERRIDES)
     add_run_args(e)
     e.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the training length)")
     e.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
@@ -192,10 +289,9 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--json", action="store_true", help="print JSON, including the loss at every position")
 
 
-def add_generate_parser(sub) -> None:
-    g = sub.add_parser("generate", help="sample text from a run or a Hugging Face checkpoint", formatter_class=Formatter,
-                       description=paragraphs("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
-                       "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES), epilog=EXIT_CODES)
+def build_generate(g: argparse.ArgumentParser) -> None:
+    g.description = paragraphs("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
+                       "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES)
     add_run_args(g)
     g.add_argument("--prompt", action="append", default=None,
                    help="text to continue; repeat for several prompts, generated together (default: 'The ')")
@@ -213,17 +309,16 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, text, finish")
 
 
-def add_export_parser(sub) -> None:
+def build_export(x: argparse.ArgumentParser) -> None:
     from .hf.export import DEFAULT_SHARD_SIZE
 
-    x = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face transformers checkpoint",
-                       formatter_class=Formatter, epilog=EXIT_CODES, description=paragraphs(
+    x.description = paragraphs(
                            "Write config.json, safetensors weights (sharded past --max-shard-size), "
                            "generation_config.json and the tokenizer (tokenizer.json) into --out, so that "
                            "transformers' AutoModelForCausalLM / AutoTokenizer load the model with the same logits. "
                            "The architecture (llama, mistral, qwen2, gpt2, mixtral, qwen2_moe, glm4_moe) is the first "
                            "that computes the model exactly; a model none computes exactly is refused, naming the "
-                           "config field. The directory appears whole or not at all."))
+                           "config field. The directory appears whole or not at all.")
     x.add_argument("run", metavar="RUN_OR_CHECKPOINT",
                    help="run directory, one of its checkpoints/step_N directories, or a Hugging Face checkpoint directory")
     x.add_argument("--out", required=True, help="output directory; must not exist or be empty, unless --overwrite")
@@ -231,29 +326,32 @@ def add_export_parser(sub) -> None:
     x.add_argument("--architecture", default=None, help="the transformers model_type to write; default: the first that fits")
     x.add_argument("--dtype", default=None, help="stored dtype (float32, bfloat16, float16); default: as trained")
     x.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest weights file, e.g. 500MB or 5GB")
-    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that an earlier export wrote")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN", help="run directory (or, for generate, a Hugging Face checkpoint directory)")
     p.add_argument("--checkpoint", default="best", help="best, latest or a step number")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    add_threads_arg(p)
 
 
-SECTIONS = {"train": ("model", "data", "train"), "eval": ("model",), "generate": ("model",), "prepare": (),
-            "export": (), "sweep": (), "experiment": (), "consolidate": ()}
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (torch.set_num_threads); torch's choice when not given")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    prog = f"lmlab {command}" if command in SECTIONS else "lmlab"
+    known = COMMANDS.get(command or "")
+    prog = f"lmlab {command}" if known else "lmlab"
     try:
-        rest, overrides = split_overrides(argv, SECTIONS.get(command, ()))
+        rest, overrides = split_overrides(argv, known.sections() if known else ())
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    parser = build_parser()
+    parser = build_parser([command] if known else [])
     try:
         args = parser.parse_args(rest)
     except SystemExit as e:  # --help, --version, or a usage error already printed
@@ -262,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return COMMANDS[args.command](args, overrides, argv)
+        return COMMANDS[args.command].run(args, overrides, argv)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -303,14 +401,15 @@ def exit_status(e: Exception) -> tuple[int, str] | None:
 
 # ============================================================== commands
 def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data.prepare import DataConfig, describe, prepare
+    from .run.data.config import DataConfig
+    from .run.data.prepare import prepare
 
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      bpe_sample_mb=args.bpe_sample_mb, val_fraction=args.val_fraction, text_field=args.text_field,
                      label_field=args.label_field, errors=args.errors)
     meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite, task=args.task,
                    progress=not args.quiet)
-    print(f"prepared {args.out}: {describe(meta)}")
+    print(f"prepared {args.out}: {meta.describe()}")
     return 0
 
 
@@ -319,6 +418,7 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     from .run.checkpoint.directory import CONFIG_FILE
     from .run.trainer import Trainer
 
+    set_threads(args.threads)
     run_dir = Path(args.run_dir)
     if args.data is not None:
         overrides = {**overrides, "data.prepared": args.data}
@@ -349,22 +449,37 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
           f"(perplexity {math.exp(min(result.val_loss, 700.0)):.2f}), best {best}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
-    unigram = trainer.meta.get("unigram_loss")
+    unigram = trainer.meta.unigram_loss
     if unigram is not None and result.val_loss >= unigram:
         print(f"note: val loss {result.val_loss:.4f} is no better than the unigram baseline {unigram:.4f} (token "
               "frequencies alone); train longer or check the learning rate")
     if result.sample is not None:
         print("sample:\n" + result.sample)
+    if not args.quiet:
+        print(next_steps(run_dir, cfg.task))
     return 0
 
 
+def next_steps(run_dir: Path, task: str) -> str:
+    """What to do with a finished run, as commands to copy: generate, eval and export (a classifier: eval)."""
+    run = shlex.quote(str(run_dir))
+    steps = [(f"lmlab eval {run}", "validation loss, perplexity and loss by position")]
+    if task == "lm":
+        steps = [(f"lmlab generate {run}", "sample text"), *steps,
+                 (f"lmlab export {run} --out {shlex.quote(str(Path('exported') / run_dir.name))}",
+                  "a Hugging Face transformers checkpoint")]
+    width = max(len(command) for command, _ in steps)
+    return "next:\n" + "\n".join(f"  {command:<{width}}  # {what}" for command, what in steps)
+
+
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.data.prepare import open_prepared
+    from .run.data.meta import DataMeta
     from .run.parallel.group import resolve_device
     from .run.load import is_hf_dir, load_run
     from .run.tasks import TASKS
     from .run.data.tokenizer import tokenizer_from_path
 
+    set_threads(args.threads)
     if args.split not in ("train", "val"):
         raise UsageError(f"--split {args.split!r} is not valid; choose train or val")
     if args.buckets < 1:
@@ -381,14 +496,10 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     if seq_len <= 0 or args.batch_size <= 0:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
     data_dir = Path(args.data) if args.data else run.data_dir
-    meta = open_prepared(data_dir)
-    if args.tokenizer is not None and tokenizer_from_path(args.tokenizer).fingerprint() != meta["tokenizer_hash"]:
-        raise ValueError(f"the data in {str(data_dir)!r} was not tokenized with {args.tokenizer!r}; prepare it with "
-                         f"--tokenizer {args.tokenizer}")
-    vocab = task.body(run.model).config.vocab_size
-    if meta["max_token_id"] >= vocab:
-        raise ValueError(f"the data in {str(data_dir)!r} holds token id {meta['max_token_id']}, beyond the model's "
-                         f"vocabulary of {vocab}; evaluate on data prepared with the model's tokenizer")
+    given = tokenizer_from_path(args.tokenizer).fingerprint() if args.tokenizer is not None else None
+    DataMeta.open(data_dir).check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
+                                            tokenizer_path=args.tokenizer,
+                                            model_vocab=task.body(run.model).config.vocab_size)
     data = task.open(data_dir, args.split)
     start = time.perf_counter()
     result = task.evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len,
@@ -457,6 +568,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
     from .run.parallel.group import resolve_device
     from .run.load import load_run
 
+    set_threads(args.threads)
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is not valid; give a number >= 0")
     if any(not s for s in args.stop):
@@ -501,6 +613,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
 
 def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .hf import to_hf
+    from .hf.export import check_apart
     from .run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE
     from .run.load import load_run
 
@@ -510,6 +623,7 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
         if not (source / CONFIG_FILE).is_file():
             raise ValueError(f"checkpoint {args.run!r} is not inside a run directory (no {source / CONFIG_FILE}); "
                              "export the run directory that holds its config")
+    check_apart(args.out, source, "run directory" if (source / CONFIG_FILE).is_file() else "checkpoint directory")
     run = load_run(source, checkpoint=checkpoint)
     done = to_hf(run.model, args.out, run.tokenizer, architecture=args.architecture, dtype=args.dtype,
                  max_shard_size=args.max_shard_size, overwrite=args.overwrite)
@@ -575,14 +689,11 @@ def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -
     return 0
 
 
-def add_sweep_parsers(sub) -> None:
-    """``sweep`` and ``experiment``: many runs on an equal budget."""
-    from .experiments import EXPERIMENTS
+def build_sweep(s: argparse.ArgumentParser) -> None:
+    """``sweep``: many runs on an equal budget."""
     from .experiments import sweep
 
-    s = sub.add_parser(
-        "sweep", help="train variants of a run config on an equal budget and tabulate them", formatter_class=Formatter,
-        description=sweep.__doc__.split("Out directory")[0].split("\n\n", 1)[1], epilog=EXIT_CODES)
+    s.description = sweep.__doc__.split("Out directory")[0].split("\n\n", 1)[1]
     s.add_argument("spec", help="sweep spec YAML: base config, variants (name + dotted overrides), seeds")
     s.add_argument("--out", default=None, help="output directory; sweeps/<spec name> when not given")
     s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
@@ -592,10 +703,12 @@ def add_sweep_parsers(sub) -> None:
     s.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
 
-    e = sub.add_parser(
-        "experiment", help="reproduce one of the design's claims: norm, positions or moe", formatter_class=Formatter,
-        description="Run a shipped experiment and write results.csv, PNG plots and report.md with a verdict on the "
-        "claim. Interrupted runs resume when the same command is run again.", epilog=EXIT_CODES)
+
+def build_experiment(e: argparse.ArgumentParser) -> None:
+    from .experiments import EXPERIMENTS
+
+    e.description = ("Run a shipped experiment and write results.csv, PNG plots and report.md with a verdict on the "
+                     "claim. Interrupted runs resume when the same command is run again.")
     e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
@@ -607,14 +720,12 @@ def add_sweep_parsers(sub) -> None:
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
 
 
-def add_consolidate_parser(sub) -> None:
-    c = sub.add_parser(
-        "consolidate", help="turn a sharded (FSDP / expert-parallel) run's checkpoints into safetensors files",
-        formatter_class=Formatter, epilog=EXIT_CODES, description=paragraphs(
+def build_consolidate(c: argparse.ArgumentParser) -> None:
+    c.description = paragraphs(
             "A run trained with train.parallel=fsdp or train.expert_parallel > 1 writes distributed checkpoints "
             "(torch.distributed.checkpoint: each process its shards). This gathers one into the checkpoint's "
             "model.safetensors, which eval, generate and export read. One process; it needs memory for the whole "
-            "model, and no GPU."))
+            "model, and no GPU.")
     c.add_argument("run", metavar="RUN", help="run directory")
     c.add_argument("--checkpoint", default="best", help="best, latest, a step number, or all")
 
@@ -627,8 +738,20 @@ def cmd_consolidate(args: argparse.Namespace, overrides: dict, argv: list[str]) 
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-            "export": cmd_export, "sweep": cmd_sweep, "experiment": cmd_experiment, "consolidate": cmd_consolidate}
+# ============================================================== the registry: one record per subcommand
+COMMANDS = {c.name: c for c in (
+    Command("prepare", "tokenize text into train/val token shards", build_prepare, cmd_prepare),
+    Command("train", "train a model (no arguments: the built-in demo)", build_train, cmd_train, run_sections),
+    Command("eval", "validation loss, perplexity and loss by position", build_eval, cmd_eval, model_section),
+    Command("generate", "sample text from a run or a Hugging Face checkpoint", build_generate, cmd_generate,
+            model_section),
+    Command("export", "write a run's checkpoint as a Hugging Face transformers checkpoint", build_export, cmd_export),
+    Command("sweep", "train variants of a run config on an equal budget and tabulate them", build_sweep, cmd_sweep),
+    Command("experiment", "reproduce one of the design's claims: norm, positions or moe", build_experiment,
+            cmd_experiment),
+    Command("consolidate", "turn a sharded (FSDP / expert-parallel) run's checkpoints into safetensors files",
+            build_consolidate, cmd_consolidate),
+)}
 
 
 def _duration(seconds: float) -> str:

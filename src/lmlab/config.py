@@ -14,7 +14,14 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from .schema import Config, check_positive, check_range, divisors, suggest
+from .schema import (
+    Config,
+    check_positive,
+    check_range,
+    check_size,
+    divisor_choices,
+    suggest,
+)
 
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
@@ -151,16 +158,17 @@ class MoEConfig(Config):
     # ---- validation
     def validate(self) -> None:
         for name in ("n_experts", "top_k", "granularity", "every", "n_groups"):
-            check_positive(f"moe.{name}", getattr(self, name))
+            check_size(f"moe.{name}", getattr(self, name))
         for name in ("n_shared", "first_dense"):
-            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
+            check_size(f"moe.{name}", getattr(self, name), allow_zero=True)
+        check_size("moe.n_experts*granularity", self.routed_experts)
         for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate"):
             check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_positive("moe.routed_scale", self.routed_scale)
         if self.d_expert is not None:
-            check_positive("moe.d_expert", self.d_expert)
+            check_size("moe.d_expert", self.d_expert)
         if self.shared_d_ff is not None:
-            check_positive("moe.shared_d_ff", self.shared_d_ff)
+            check_size("moe.shared_d_ff", self.shared_d_ff)
             if self.n_shared == 0:
                 raise ValueError(f"moe.shared_d_ff={self.shared_d_ff} sets the width of shared experts; set moe.n_shared >= 1")
         if self.capacity_factor is not None:
@@ -173,10 +181,10 @@ class MoEConfig(Config):
         if E % G:
             raise ValueError(
                 f"moe.n_groups={G} does not divide the {E} routed experts (n_experts*granularity); "
-                f"choose n_groups in {divisors(E)}"
+                f"choose n_groups in {divisor_choices(E, G)}"
             )
         if self.topk_groups is not None:
-            check_positive("moe.topk_groups", self.topk_groups)
+            check_size("moe.topk_groups", self.topk_groups)
             if self.topk_groups > G:
                 raise ValueError(
                     f"moe.topk_groups={self.topk_groups} exceeds moe.n_groups={G}; choose topk_groups in [1, {G}]"
@@ -200,7 +208,7 @@ class MoEConfig(Config):
         if self.device_balance_coef > 0 and G == 1:
             raise ValueError(
                 f"moe.device_balance_coef={self.device_balance_coef} needs n_groups > 1 (the devices); "
-                f"choose n_groups in {divisors(E)[1:]}"
+                f"choose n_groups in {divisor_choices(E, 2, keep=lambda d: d > 1)}"
             )
         if self.shared_gate != "none" and self.n_shared == 0:
             raise ValueError(f"moe.shared_gate={self.shared_gate!r} needs shared experts; set moe.n_shared >= 1")
@@ -217,7 +225,7 @@ class MoEConfig(Config):
             name = "moe.d_expert" if self.d_expert else "d_ff (the expert width while moe.d_expert is unset)"
             raise ValueError(
                 f"{name}={width} is not divisible by moe.granularity={self.granularity}; "
-                f"choose granularity in {divisors(width)} or set moe.d_expert"
+                f"choose granularity in {divisor_choices(width, self.granularity)} or set moe.d_expert"
             )
 
     def applies_to(self, layer: int) -> bool:
@@ -292,15 +300,15 @@ class ModelConfig(Config):
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "relative_clip"):
-            check_positive(name, getattr(self, name))
+            check_size(name, getattr(self, name))
         for name in ("n_kv_heads", "head_dim", "d_ff"):
             if getattr(self, name) is not None:
-                check_positive(name, getattr(self, name))
+                check_size(name, getattr(self, name))
         check_positive("norm_eps", self.norm_eps)
         check_positive("init_std", self.init_std)
         check_range("dropout", self.dropout, 0.0, 0.999)
         if self.head_dim is None and self.d_model % self.n_heads:
-            ok = [d for d in divisors(self.d_model) if d <= 64]
+            ok = divisor_choices(self.d_model, self.n_heads, keep=lambda d: d <= 64)
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
                 f"choose n_heads in {ok} or set head_dim explicitly"
@@ -308,7 +316,8 @@ class ModelConfig(Config):
         kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
         if self.n_heads % kv:
             raise ValueError(
-                f"n_kv_heads={kv} does not divide n_heads={self.n_heads}; choose n_kv_heads in {divisors(self.n_heads)}"
+                f"n_kv_heads={kv} does not divide n_heads={self.n_heads}; "
+                f"choose n_kv_heads in {divisor_choices(self.n_heads, kv)}"
             )
         if self.residual_scaling == "deepnorm" and self.norm_position != "post":
             raise ValueError(

@@ -6,8 +6,11 @@ would be valid), round-trips through dicts, JSON and YAML, and rejects unknown k
 "did you mean" suggestion. Nested configs are plain dataclass fields.
 
 Every ``float`` field must be finite: ``inf`` is refused like ``nan`` (no field of lmlab means
-"unbounded" by infinity). YAML is read by :func:`read_yaml` / :func:`parse_yaml`, which refuse a
-key given twice in one mapping (plain YAML keeps the last silently), naming the key and lines.
+"unbounded" by infinity). Sizes are bounded (:func:`check_size`, at most 2**40) and divisors are
+found by arithmetic, so no check scans up to a number the user typed. YAML is read by
+:func:`read_yaml` / :func:`parse_yaml`, which refuse a key given twice in one mapping (plain YAML
+keeps the last silently), naming the key and lines, and a document nested or, through its aliases,
+expanded past a bound that no config comes near (a "billion laughs" file hung the loader).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 C = TypeVar("C", bound="Config")
 
@@ -44,8 +47,38 @@ def check_range(name: str, value: float, lo: float, hi: float) -> None:
         raise ValueError(f"{name}={value!r} is out of range; it must be in [{lo}, {hi}]")
 
 
+MAX_SIZE = 2**40  # no size of a model a computer holds comes near this; beyond it is a typo
+
+
+def check_size(name: str, value: int, *, allow_zero: bool = False) -> None:
+    """A count or width: positive (or zero) and at most :data:`MAX_SIZE`, so that every later check
+    (divisors, memory estimates, float arithmetic on it) is quick."""
+    check_positive(name, value, allow_zero=allow_zero)
+    if value > MAX_SIZE:
+        raise ValueError(f"{name}={value!r} is not valid; it must be at most 2**40 ({MAX_SIZE:,}); check the number")
+
+
+DIVISOR_TRIALS = 2**20  # trial divisions at most: all divisors of any n up to MAX_SIZE = (2**20)**2
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, increasing, by trial division up to sqrt(n) (arithmetic, never a scan
+    to ``n``). Past MAX_SIZE the trials stop at DIVISOR_TRIALS: the divisors up to it and their
+    cofactors."""
+    small = [d for d in range(1, min(math.isqrt(n), DIVISOR_TRIALS) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def divisor_choices(n: int, near: int, *, count: int = 12, keep: Callable[[int], bool] = lambda d: True) -> str:
+    """The divisors of ``n`` that ``keep`` accepts, as "[1, 2, 4, 8]" for a message; past ``count`` of
+    them, the ``count`` nearest ``near`` with "..." where some are left out."""
+    found = [d for d in divisors(n) if keep(d)]
+    if len(found) <= count:
+        return f"[{', '.join(map(str, found))}]"
+    nearest = sorted(sorted(found, key=lambda d: (abs(d - near), d))[:count])
+    first, last = found.index(nearest[0]), found.index(nearest[-1])
+    items = ["..."] * (first > 0) + [str(d) for d in nearest] + ["..."] * (last < len(found) - 1)
+    return f"[{', '.join(items)}]"
 
 
 def suggest(word: str, options: Iterable[str]) -> str:
@@ -139,6 +172,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     if origin in (tuple, list):
         if isinstance(value, str):
             value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):  # a number, a mapping, a !!set (unordered) where a list belongs
+            raise ValueError(f"{name}={value!r} is not a list; give one, e.g. [0.9, 0.95]")
         (elem,) = typing.get_args(inner)[:1] or (Any,)
         items = [_coerce(f"{name}[{i}]", elem, v) if elem is not Any else v for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -250,11 +285,29 @@ class Config:
 # ---------------------------------------------------------------- YAML, strictly
 def parse_yaml(text: str, what: str) -> Any:
     """YAML ``text`` as Python data (safe: no arbitrary objects), refusing a mapping that gives a key
-    twice. ``what`` names the source in messages, e.g. "config file 'run.yaml'"."""
+    twice, and a document deeper than MAX_YAML_DEPTH or larger than MAX_YAML_VALUES with its aliases
+    written out (anchors and ``<<: *base`` merges stay usable). ``what`` names the source in
+    messages, e.g. "config file 'run.yaml'"."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
-        pass
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:  # bounded nesting, not Python's recursion limit
+            self.depth += 1
+            try:
+                if self.depth > MAX_YAML_DEPTH:
+                    line = self.peek_event().start_mark.line + 1
+                    raise ValueError(f"{what} nests deeper than {MAX_YAML_DEPTH} levels at line {line}; "
+                                     "a config needs a few")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+        def get_single_node(self) -> Any:
+            node = super().get_single_node()
+            check_expanded(node, what)
+            return node
 
     def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[Any, int] = {}
@@ -279,6 +332,49 @@ def parse_yaml(text: str, what: str) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ValueError(f"{what} is not valid YAML{where}") from None
+
+
+MAX_YAML_DEPTH = 64  # nesting levels of a YAML document (a run config has three)
+MAX_YAML_VALUES = 10_000  # values of a YAML document with every alias written out (a sweep spec has hundreds)
+
+
+def yaml_children(node: Any) -> list[Any]:
+    """The nodes directly inside a composed YAML node (keys and values of a mapping)."""
+    import yaml
+
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def check_expanded(root: Any, what: str) -> None:
+    """Refuse a composed YAML document that aliases (``*name``) blow up past MAX_YAML_VALUES values or
+    MAX_YAML_DEPTH levels once written out (a "billion laughs" file), or that contains itself. Each
+    node is measured once (shared nodes are memoized), without recursion."""
+    size: dict[int, tuple[int, int]] = {}  # id(node) -> (values, depth) written out
+    open_: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in size:
+            continue
+        children = yaml_children(node)
+        if not children_done:
+            if id(node) in open_:
+                raise ValueError(f"{what} contains itself through an alias (*name at line {node.start_mark.line + 1})")
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in size)
+            continue
+        open_.discard(id(node))
+        values = 1 + sum(size[id(c)][0] for c in children)
+        depth = 1 + max((size[id(c)][1] for c in children), default=0)
+        if values > MAX_YAML_VALUES or depth > MAX_YAML_DEPTH:
+            raise ValueError(f"{what} expands to more than {MAX_YAML_VALUES:,} values or {MAX_YAML_DEPTH} levels "
+                             "through its aliases (*name); write the values out, a config needs a few hundred")
+        size[id(node)] = (values, depth)
 
 
 def read_yaml(path: str | Path, what: str) -> Any:

@@ -1,7 +1,8 @@
 """Many runs compared: the sweep engine, statistics, the corpus, and the design's three claims.
 
     spec.py        a sweep spec: variants, grid, seeds, profiles (quick, gpu), tuning
-    sweep.py       ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
+    sweep/         ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
+                   (engine, workers, tuning, tables, measure, layout: see its docstring)
     stats.py       Student's t, paired intervals over seeds, tie margins, verdicts
     claims.py      claims with their intervals -> verdict.json and the README's results table
     corpus.py      the experiment corpus: the stdlib's source, deduplicated; split overlap
@@ -26,8 +27,11 @@ import time
 from pathlib import Path
 
 from ..run.checkpoint.atomic import atomic_write_text
+from ..run.data.meta import DataMeta
 from . import corpus, moe, norm, positions
-from .sweep import Outcome, SweepSpec, data_identity, load_spec, sweep_outcome
+from .spec import SweepSpec
+from .sweep import Outcome, load_spec, sweep_outcome
+from .sweep.engine import data_identity
 
 EXPERIMENTS = {"norm": norm, "positions": positions, "moe": moe}
 
@@ -45,15 +49,15 @@ def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = 
 def data_report(out: Path, outcome: Outcome) -> dict:
     """The corpus identity, tokenizer, split sizes and verbatim 64-byte overlap of the prepared data
     (the overlap is cached in out/overlap.json, keyed by the data's identity)."""
-    meta = json.loads((outcome.data_dir / "meta.json").read_text())
+    meta = DataMeta.open(outcome.data_dir)
     ident = data_identity(outcome.data_dir)
     cache = out / "overlap.json"
     cached = json.loads(cache.read_text()) if cache.is_file() else {}
     if cached.get("data_identity") != ident:
         cached = {"data_identity": ident, **corpus.split_overlap(outcome.data_dir)}
         atomic_write_text(cache, json.dumps(cached, indent=1) + "\n")
-    return {"corpus": outcome.corpus, "overlap": cached, "tokenizer": meta.get("tokenizer"), "vocab_size": meta.get("vocab_size"),
-            "data_identity": ident, "val_fraction": meta.get("val_fraction")}
+    return {"corpus": outcome.corpus, "overlap": cached, "tokenizer": meta.tokenizer, "vocab_size": meta.vocab_size,
+            "data_identity": ident, "val_fraction": meta.split.val_fraction}
 
 
 def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None, profile: str | None = None,

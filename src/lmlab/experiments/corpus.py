@@ -294,7 +294,7 @@ def window_overlap(val: bytes, train: bytes, width: int = WINDOW) -> float:
 def split_overlap(data_dir: str | Path, width: int = WINDOW) -> dict:
     """The prepared data's splits decoded back to bytes: token and byte counts of each, and the
     verbatim ``width``-byte overlap of validation with training (target: under 1%)."""
-    from ..run.data.prepare import TokenData
+    from ..run.data.batches import TokenData
     from ..run.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_dir)

@@ -25,7 +25,8 @@ from .claims import Claim, capped, criteria_text, write_verdicts
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import paired_interval, tie_margin
 from .sweep import Hooks as SweepHooks
-from .sweep import eval_slice_text, grid_edge_text, seed_curves
+from .sweep.tables import eval_slice_text, seed_curves
+from .sweep.tuning import grid_edge_text
 
 LOAD_BATCHES = 8  # validation batches for the load heatmap
 BALANCE = {"fg-m4-shared-nobalance": "no balancing", "fg-m4-shared": "auxiliary loss (alpha 0.01)",

@@ -30,7 +30,8 @@ from .claims import Claim, capped, criteria_text, neither_learned, write_verdict
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import mean_interval, paired_interval, tie_margin
 from .sweep import Hooks as SweepHooks
-from .sweep import eval_slice_text, grid_edge_text, seed_curves
+from .sweep.tables import eval_slice_text, seed_curves
+from .sweep.tuning import grid_edge_text
 
 UPDATE_STEPS = 50  # steps over which the relative parameter change is recorded
 GRAD_BATCHES = 4  # batches averaged for the gradient at initialization

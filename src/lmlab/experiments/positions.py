@@ -34,7 +34,8 @@ from .claims import Claim, criteria_text, write_verdicts
 from .report import band_plot, figure, markdown_table, report_header, save
 from .stats import mean_interval, paired_interval, tie_margin
 from .sweep import Hooks as SweepHooks
-from .sweep import eval_slice_text, spread_eval, spread_starts
+from .sweep.measure import spread_eval, spread_starts
+from .sweep.tables import eval_slice_text
 
 MULTIPLES = (1, 2, 4, 8, 16)
 LONG = (8, 16)  # lengths whose per-position curves and copy probes are kept

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from ..model import Transformer
-from ..run.config import RunConfig
+from ..run.config import RunConfig, build_config, config_changes
 from ..run.errors import one_line
 from ..schema import suggest
 
@@ -74,7 +74,7 @@ class Tune:
 @dataclasses.dataclass
 class SweepSpec:
     name: str
-    base: dict[str, Any]  # flattened dotted base config
+    base: dict[str, Any]  # the base config's dotted changes (config_changes: model.preset, data.prepared included)
     variants: list[Variant]
     seeds: list[int]
     quick: dict[str, Any]  # base overrides of the quick profile (kept for older specs; == profiles["quick"]["overrides"])
@@ -117,15 +117,22 @@ class SweepSpec:
             final_eval={**(self.final_eval or {}), **p.get("final_eval", {})} if self.final_eval else None,
             tune=None if "tune" in p and p["tune"] is None else _tune_for(self.tune, p.get("tune")),
         )
+        base = {**self.base, **p.get("overrides", {})}
         try:
-            base = RunConfig().override({**self.base, **p.get("overrides", {})})
+            build_config(base)  # alone first, so that a bad base field is named as the base's
         except ValueError as e:
             raise ValueError(f"{self.source}: base config: {one_line(e)}") from None
         for v in spec.variants:
             try:
-                spec.configs[v.name] = base.override({**v.overrides, **v.profile_overrides(profile), **spec.tuned.get(v.name, {})})
+                changes = {**base, **v.overrides, **v.profile_overrides(profile), **spec.tuned.get(v.name, {})}
+                if v.init_from is not None and changes.get("train.init_from") is not None:
+                    raise ValueError(f"init_from={v.init_from!r} and train.init_from={changes['train.init_from']!r} "
+                                     "both choose its starting weights; give one")
+                spec.configs[v.name] = build_config(changes)  # as `lmlab train --config` builds it
             except ValueError as e:
                 raise ValueError(f"{self.source}: variant {v.name!r}: {one_line(e)}") from None
+        if spec.corpus and any(c.data.prepared is not None for c in spec.configs.values()):
+            raise ValueError(f"{self.source}: corpus: and data.prepared both choose the training data; give one")
         if spec.match_active_params:
             check_active_params(spec)
         return spec
@@ -168,19 +175,14 @@ def _tune_for(tune: Tune | None, change: Mapping[str, Any] | None) -> Tune | Non
 
 
 # ============================================================== parsing
-def flat_overrides(data: Any, where: str) -> dict[str, Any]:
-    """Nested mappings as dotted keys, except ``moe`` (a whole MoEConfig value)."""
+def _changes(data: Any, where: str) -> dict[str, Any]:
+    """Dotted RunConfig changes from a spec's mapping (``base:``, a variant's ``overrides:``, a profile's),
+    read as ``lmlab train --config`` reads a config file (``run.config.config_changes``)."""
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must be a mapping of dotted fields to values, e.g. {{model.n_layers: 6}}")
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping) and value and not str(key).endswith("moe"):
-            out.update({f"{key}.{k}": v for k, v in flat_overrides(value, where).items()})
-        else:
-            out[str(key)] = value
-    return out
+    return config_changes(data, where)
 
 
 def _check_keys(raw: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -202,9 +204,9 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
     max_seeds = raw.get("seeds")
     if max_seeds is not None and (not isinstance(max_seeds, int) or isinstance(max_seeds, bool) or max_seeds < 1):
         raise ValueError(f"{where} ({name!r}): seeds={max_seeds!r} is not valid; give how many of the sweep's seeds it trains, e.g. 3")
-    return Variant(name, flat_overrides(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
-                   flat_overrides(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
-                   {str(k): flat_overrides(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds)
+    return Variant(name, _changes(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
+                   _changes(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
+                   {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds)
 
 
 def _grid(grid: Any, source: str) -> list[Variant]:
@@ -246,17 +248,17 @@ def _profiles(data: Mapping, source: str) -> dict[str, dict[str, Any]]:
         if not isinstance(p, Mapping):
             raise ValueError(f"{source}: profile {name!r} must be a mapping with some of {', '.join(PROFILE_KEYS)}")
         _check_keys(p, PROFILE_KEYS, f"{source}: profile {name!r}")
-        prof = {**p, "overrides": flat_overrides(p.get("overrides"), f"profile {name!r} overrides")}
+        prof = {**p, "overrides": _changes(p.get("overrides"), f"profile {name!r} overrides")}
         if "seeds" in p:
             prof["seeds"] = _seeds(p["seeds"], f"{source}: profile {name!r}")
         if p.get("tune") is not None:  # tune: null turns tuning off under this profile
             if not isinstance(p["tune"], Mapping):
                 raise ValueError(f"{source}: profile {name!r} tune must be a mapping of tune fields to change, or null")
             _check_keys(p["tune"], TUNE_KEYS, f"{source}: profile {name!r} tune")
-            prof["tune"] = {k: (flat_overrides(v, "tune overrides") if k == "overrides" else v) for k, v in p["tune"].items()}
+            prof["tune"] = {k: (_changes(v, "tune overrides") if k == "overrides" else v) for k, v in p["tune"].items()}
         out[str(name)] = prof
     if "quick" in data or "quick" in out:
-        out["quick"] = {**out.get("quick", {}), "overrides": {**flat_overrides(data.get("quick"), "quick"),
+        out["quick"] = {**out.get("quick", {}), "overrides": {**_changes(data.get("quick"), "quick"),
                                                               **out.get("quick", {}).get("overrides", {})}}
     return out
 
@@ -273,7 +275,7 @@ def _tune(raw: Any, source: str) -> Tune | None:
     if not isinstance(at, Mapping):
         raise ValueError(f"{source}: tune.at must map grid axes to levels, e.g. {{depth: L12}}")
     return Tune(str(raw["field"]), list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
-                _seeds(raw.get("seeds", [1000]), f"{source}: tune"), flat_overrides(raw.get("overrides"), "tune overrides"))
+                _seeds(raw.get("seeds", [1000]), f"{source}: tune"), _changes(raw.get("overrides"), "tune overrides"))
 
 
 def _options(data: Mapping, source: str, names: list[str]) -> dict[str, Any]:
@@ -311,7 +313,10 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
     base = data.get("base") or {}
     if not isinstance(base, Mapping):
         raise ValueError(f"{source}: base must be a run config mapping with model:, data:, train: sections")
-    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(data.get("variants") or [])]
+    listed = data.get("variants") or []
+    if not isinstance(listed, list):
+        raise ValueError(f"{source}: variants must be a list of {{name:, overrides:}} mappings, got {listed!r}")
+    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(listed)]
     variants += _grid(data["grid"], source) if data.get("grid") else []
     if not variants:
         raise ValueError(f"{source}: no variants; list some under variants: or grid:")
@@ -330,7 +335,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         if missing:
             raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
     return SweepSpec(
-        name=str(data.get("name") or Path(source).stem), base=flat_overrides(base, "base"), variants=variants,
+        name=str(data.get("name") or Path(source).stem), base=_changes(base, f"{source}: base"), variants=variants,
         seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
         **_options(data, source, names),

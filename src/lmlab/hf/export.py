@@ -29,9 +29,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import ModelConfig
+from ..files import default_file_mode, fsync_dir
 from . import dense, moe  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, Tensors
 
+EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
 DEFAULT_SHARD_SIZE = "5GB"  # transformers 4.x's default; every version reads the index beside the shards
 
 # (field, value that no exported architecture computes, why): checked before any architecture
@@ -153,7 +155,8 @@ def to_hf(
     a model_type to write (default: the first that computes the model exactly). ``dtype``: the
     stored dtype (default: the weights' own). ``max_shard_size``: bytes, or "500MB" / "5GB";
     larger checkpoints are split into shards listed in model.safetensors.index.json. ``out`` must
-    not exist or be empty, unless ``overwrite``. Every refusal is a ValueError raised before
+    not exist or be empty, unless ``overwrite``, which replaces only a directory an earlier export
+    wrote (it holds the marker file ``.lmlab-export``). Every refusal is a ValueError raised before
     anything is written."""
     cfg = model_config(model)
     out = Path(out)
@@ -267,6 +270,8 @@ def _write(
 ) -> None:
     from safetensors.torch import save_file
 
+    marker = "written by lmlab export; overwrite replaces this directory\n"
+    _write_file(tmp / EXPORT_MARKER, lambda f: f.write_text(marker))
     for name, text in texts.items():
         _write_file(tmp / name, lambda f, text=text: f.write_text(text))
     weight_map, total = {}, 0
@@ -284,6 +289,7 @@ def _write(
 
 def _write_file(path: Path, write: Callable[[Path], None]) -> None:
     write(path)
+    os.chmod(path, default_file_mode())  # safetensors creates its files 0600; a checkpoint's are 0644
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -298,6 +304,20 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {str(out)!r} is a file; give a directory to write the checkpoint into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it, or choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ValueError(f"output directory {str(out)!r} holds files lmlab did not export (no {EXPORT_MARKER}); "
+                         "--overwrite replaces only an earlier export: choose another --out, or empty it yourself")
+
+
+def check_apart(out: str | Path, source: str | Path, what: str) -> None:
+    """Refuse an output directory that is ``source`` (what is exported), lies inside it or holds it,
+    symbolic links resolved: writing there would replace or mix with it, whatever overwrite says."""
+    out_real, source_real = Path(out).resolve(), Path(source).resolve()
+    relation = ("is" if out_real == source_real else "is inside" if source_real in out_real.parents
+                else "holds" if out_real in source_real.parents else None)
+    if relation is not None:
+        raise ValueError(f"--out {str(out)!r} {relation} the {what} {str(source)!r} being exported; "
+                         "exporting there would replace or mix with it: choose an --out outside it")
 
 
 def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
@@ -311,7 +331,7 @@ def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
     old = None
     try:
         write(tmp)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.is_dir() and any(out.iterdir()):
             _check_out(out, overwrite)  # the directory may have filled since the first check
             old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
@@ -325,17 +345,4 @@ def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(parent)

@@ -2,6 +2,7 @@
 
     cfg = load_config("run.yaml", {"train.lr": 3e-4})      # defaults < YAML < dotted overrides
     cfg.seq_len                                             # train.seq_len or model.max_seq_len
+    build_config(config_changes(mapping, "spec.yaml: base"))  # the same reading, for a sweep's base: and variants
 
 The model section starts from the demo model, or from ``model.preset`` (``model: {preset: llama,
 d_model: 256}``, ``--model.preset mixtral``), or from the weights of ``train.init_from``; the
@@ -14,11 +15,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
-import torch
-
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
-from .data.prepare import DataConfig
+from .data.config import DataConfig
 
 Parallel = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
@@ -54,7 +53,7 @@ class TrainConfig(Config):
     sample_prompt: str = "The "
     tensorboard: bool = True  # write TensorBoard events to <run>/tb when tensorboard is installed
     init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
-    # ---- several processes under torchrun (README, "Distributed training"); applied by parallel.py
+    # ---- several processes under torchrun (docs/distributed.md); applied by run/parallel/plan.py
     parallel: Parallel = "ddp"  # ddp: each process holds the whole model; fsdp: params, grads, optimizer sharded (FSDP2)
     expert_parallel: int = 1  # N > 1: each group of N processes splits every MoE layer's routed experts N ways
     activation_checkpointing: ActivationCheckpointing = "none"  # blocks: recompute block activations in backward
@@ -88,6 +87,8 @@ class TrainConfig(Config):
             raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
         try:
             if self.device != "auto":
+                import torch  # here, not at the top: the config (and `lmlab train --help`) loads without torch
+
                 torch.device(self.device)
         except RuntimeError:
             raise ValueError(
@@ -171,16 +172,30 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ValueError(f"config file {str(p)!r} is empty; give at least one of model:, data:, train:")
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must be a mapping with model:, data:, train: sections")
-        resolved = data.pop("provenance", None) is not None
-        if isinstance(data.get("data"), str):  # data: DIR
-            data["data"] = {"prepared": data["data"]}
-        leaves = list(_leaves(data))
-        twice = next((k for i, k in enumerate(leaves) if k in leaves[:i]), None)
-        if twice is not None:
-            raise ValueError(f"config file {str(p)!r} gives {twice!r} twice (nested and dotted); keep one")
-        changes.update(flatten(data))
+        resolved = data.get("provenance") is not None
+        changes.update(config_changes(data, f"config file {str(p)!r}"))
     changes.update(overrides or {})
     return build_config(changes, resolved=resolved)
+
+
+def config_changes(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The dotted changes a run config mapping asks for, for :func:`build_config`: nested sections
+    flattened (``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}``; ``model.preset`` stays a
+    change), ``data: DIR`` read as ``data.prepared``, and a run's ``provenance`` record dropped. The
+    one reading of a config: ``train --config`` and a sweep's ``base:`` and variants all use it.
+    A field given twice (nested and dotted) is refused, naming ``source``."""
+    provenance = data.get("provenance")
+    if provenance is not None and not isinstance(provenance, list):
+        raise ValueError(f"{source}: provenance must be the list of sessions lmlab writes, "
+                         f"got {type(provenance).__name__}; restore it or delete the section")
+    data = {k: v for k, v in data.items() if k != "provenance"}
+    if isinstance(data.get("data"), str):  # data: DIR
+        data["data"] = {"prepared": data["data"]}
+    leaves = list(_leaves(data))
+    twice = next((k for i, k in enumerate(leaves) if k in leaves[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{source} gives {twice!r} twice (nested and dotted); keep one")
+    return flatten(data)
 
 
 def build_config(changes: Mapping[str, Any], *, resolved: bool = False) -> RunConfig:

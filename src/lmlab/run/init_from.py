@@ -22,7 +22,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..hf import config_from_hf, read_config, read_safetensors, state_dict_from_hf
 from .checkpoint import local as ckpt
-from .data.prepare import DataConfig, run_data_dir
+from .data.config import DataConfig, run_data_dir
 from .data.tokenizer import HF_FILE, Tokenizer, load_tokenizer, tokenizer_from_path
 
 RUN_CONFIG = "config.yaml"  # a run directory's config (directory.CONFIG_FILE, which imports the run config)

@@ -17,7 +17,8 @@ from ..memory import check_fits, loading_memory
 from ..model import Transformer
 from .checkpoint import local as ckpt
 from .config import RunConfig, load_config
-from .data.prepare import read_meta, run_data_dir
+from .data.config import run_data_dir
+from .data.meta import DataMeta
 from .checkpoint.directory import CHECKPOINTS, CONFIG_FILE
 from .tasks import TASKS
 from .data.tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
@@ -64,10 +65,10 @@ def load_run(
     check_fits(lambda n: loading_memory(cfg.model, parameters=n), cfg.model, torch.device(device),
                what=f"the model of {str(path)!r}", fix="check its config (and any --model.* overrides)")
     data_dir = run_data_dir(path, cfg.data)
-    meta = read_meta(data_dir) if cfg.task != "lm" else None
+    meta = DataMeta.read(data_dir) if cfg.task != "lm" else None
     if cfg.task != "lm" and meta is None:
         raise ValueError(f"the classifier's data {str(data_dir)!r} is missing; its meta.json names the classes")
-    model = TASKS[cfg.task]().build_model(cfg.model, meta or {})
+    model = TASKS[cfg.task]().build_model(cfg.model, meta)
     ckpt.load_weights(model, where / ckpt.WEIGHTS)
     tok = tokenizer_from_path(tokenizer) if tokenizer is not None else load_tokenizer(data_dir)
     _check_vocab(tok, model, tokenizer)

@@ -1,9 +1,15 @@
-"""The optimizer and the schedule: AdamW with decay on matrices only, warmup then cosine decay."""
+"""The optimizer and the schedule: AdamW with decay on matrices only, warmup then cosine decay.
+
+On resume the optimizer's state (moments, step counts) comes from the checkpoint, through its own
+``load_state_dict``; its hyper-parameters come from the run's config. The config may have changed
+since the checkpoint (a lower weight decay for the rest of a run, say): the config wins, explicitly
+(:func:`apply_hyperparameters`), and each value that differed is named in a note. Refusing the
+mismatch instead would make a deliberate change impossible without editing checkpoints."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +43,32 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         split_by_layout(param_groups(model, cfg.weight_decay)), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
         fused=True if device.type in ("cpu", "cuda") else None,
     )
+
+
+HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # the config's; lr is set from the schedule at every step
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's config-given hyper-parameters, as :func:`build_optimizer` set them."""
+    return [{k: group[k] for k in HYPERPARAMETERS if k in group} for group in optimizer.param_groups]
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, values: Sequence[dict[str, Any]]) -> list[str]:
+    """Set each group's hyper-parameters to ``values`` (:func:`hyperparameters` of the optimizer as
+    built from the config, taken before a saved state was loaded into it: loading replaces them with
+    the saved ones). Returns one line per field whose saved value differed, naming both values."""
+    def plain(v: Any) -> Any:  # a state dict may hold betas as a list
+        return tuple(v) if isinstance(v, (list, tuple)) else v
+
+    notes = []
+    for group, config in zip(optimizer.param_groups, values, strict=True):
+        for key, value in config.items():
+            saved = group.get(key)
+            if plain(saved) != plain(value):
+                line = f"optimizer {key} is {plain(saved)!r} in the checkpoint; using the config's {plain(value)!r}"
+                notes += [line] if line not in notes else []
+            group[key] = value
+    return notes
 
 
 def split_by_layout(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,7 +30,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model import SequenceClassifier, Transformer
-from .data.prepare import RowData, TokenData
+from .data.batches import RowData, TokenData
+from .data.meta import DataMeta
 from .evaluate import evaluate
 
 Loss = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # (loss to minimize, cross-entropy, aux losses)
@@ -55,7 +56,8 @@ class Task:
     writes_text = False  # whether samples of generated text mean anything
     data_class: type = TokenData
 
-    def build_model(self, cfg: ModelConfig, meta: dict) -> nn.Module:
+    def build_model(self, cfg: ModelConfig, meta: DataMeta | None) -> nn.Module:
+        """The model for data described by ``meta`` (None: language modeling needs nothing from it)."""
         raise NotImplementedError
 
     def body(self, model: nn.Module) -> Transformer:
@@ -76,7 +78,7 @@ class Task:
 class LanguageModeling(Task):
     name, noun, writes_text, data_class = "lm", "a language model", True, TokenData
 
-    def build_model(self, cfg: ModelConfig, meta: dict) -> nn.Module:
+    def build_model(self, cfg: ModelConfig, meta: DataMeta | None) -> nn.Module:
         return Transformer(cfg)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Loss:
@@ -95,8 +97,11 @@ class Classification(Task):
     def __init__(self) -> None:
         self.moe_layers: list[nn.Module] = []
 
-    def build_model(self, cfg: ModelConfig, meta: dict) -> nn.Module:
-        model = SequenceClassifier(cfg, n_classes=len(meta["classes"]), pad_token_id=meta["pad_id"])
+    def build_model(self, cfg: ModelConfig, meta: DataMeta | None) -> nn.Module:
+        if meta is None or meta.task != "classify":
+            raise ValueError("a classifier is built for classification data, whose meta.json names the classes; "
+                             "prepare it with `lmlab prepare ROWS.jsonl --task classify`")
+        model = SequenceClassifier(cfg, n_classes=len(meta.classes or []), pad_token_id=meta.pad_id or 0)
         self.moe_layers = model.body.moe_layers
         return model
 

@@ -18,7 +18,7 @@ uninterrupted run exactly, and the same config on 1 or W processes sees the same
 
 The trainer is a few small pieces: setup (data, model, optimizer), the step, evaluation,
 checkpointing, logging and stopping on a signal. The run directory's layout and checks are in
-directory.py, the records in metrics.py, the files in checkpoint.py.
+checkpoint/directory.py, the records in metrics.py, saving and resuming in checkpoint/checkpointer.py.
 
 Nothing lost, nothing half-done:
 
@@ -50,17 +50,16 @@ import torch
 from torch import nn
 
 from ..memory import check_fits, max_memory_bytes, training_memory
-from .checkpoint import local as ckpt
-from .checkpoint import sharded as dcp
+from .checkpoint.checkpointer import Checkpointer, TrainState, build_checkpointer, layout_of
 from .parallel.compile import compile_blocks, eager
 from .config import RunConfig
 from .checkpoint.directory import RunDir
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
-from .errors import CorruptFile
 from .checkpoint.lock import DirLock
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate
-from .parallel.plan import global_moe_stats, parallelize
+from .parallel.plan import Parallel, global_moe_stats, parallelize
+from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
 from .data.binding import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
                       saved_provenance)
@@ -120,6 +119,49 @@ def mixed_seed(*parts: int) -> int:
 DATA_STREAM, DROPOUT_STREAM = 0, 1  # the seed streams of a step's random draws
 
 
+# ============================================================== setup checks, samples
+def check_processes(cfg: RunConfig, world: int) -> None:
+    """Refuse a gradient accumulation that ``world`` processes cannot share equally."""
+    if cfg.train.grad_accum % world:
+        raise ValueError(
+            f"train.grad_accum={cfg.train.grad_accum} is not a multiple of the {world} processes; the "
+            f"global batch is batch_size * grad_accum, so set train.grad_accum to a multiple of {world}"
+        )
+
+
+def check_training_memory(cfg: RunConfig, device: torch.device) -> None:
+    """Refuse, before allocating, a run estimated to need more than the device has (or train.max_memory_gib)."""
+    t = cfg.train
+    bf16 = device.type == "cuda"
+    fix = "make the model, train.batch_size or the sequence length smaller"
+    if t.max_memory_gib is None:
+        fix += " (or set train.max_memory_gib if the estimate is wrong for this machine)"
+    check_fits(
+        lambda n: training_memory(cfg.model, batch_size=t.batch_size, seq_len=cfg.seq_len, parameters=n,
+                                  bytes_per_activation=2 if bf16 else 4),
+        cfg.model, device, what="training this model", limit_bytes=max_memory_bytes(t.max_memory_gib), fix=fix,
+    )
+
+
+def sample_from(model: nn.Module, tokenizer: Any, parallel: Parallel, prompt: str, n: int, seed: int) -> str:
+    """``prompt`` and up to ``n`` tokens a training model writes after it (temperature 0.8), its mode kept."""
+    from ..generate import context_limit, sample_text
+
+    limit = context_limit(model)  # only a learned position table has an end
+    if limit is not None:
+        n = max(0, min(n, limit - len(tokenizer.encode(prompt))))
+    was_training = model.training
+    model.eval()
+    try:
+        # compiled blocks (train.compile) run eagerly while the KV cache grows
+        with parallel.whole_root(), eager():
+            pieces = sample_text(model, tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
+                                 seed=seed, eos_id=tokenizer.eos_id)
+            return prompt + "".join(pieces)  # pieces is a generator: consume it gathered
+    finally:
+        model.train(was_training)
+
+
 # ============================================================== stopping on a signal
 class StopRequest:
     """Ctrl-C or SIGTERM asks the run to finish its step, save a checkpoint and return. Under DDP
@@ -129,6 +171,7 @@ class StopRequest:
         self.world = world
         self.signal: int | None = None  # the signal that asked this process to stop
         self.agreed = False  # some rank asked, as of the last all-reduce
+        self.notice: str | None = None  # what to tell the user, printed by the loop (a handler does no I/O)
 
     @property
     def stopping(self) -> bool:
@@ -140,8 +183,10 @@ class StopRequest:
             self.signal = self.signal or signal.SIGTERM  # another rank got the signal
 
     @contextlib.contextmanager
-    def handlers(self, say: Callable[[str], None]) -> Iterator[None]:
-        """SIGINT/SIGTERM handlers for the duration (main thread only); a second Ctrl-C stops at once."""
+    def handlers(self) -> Iterator[None]:
+        """SIGINT/SIGTERM handlers for the duration (main thread only); a second Ctrl-C stops at once.
+        The handler only sets the flag and leaves a notice for :meth:`take_notice`: a print there could
+        raise (a closed pipe under ``| tee``) before the flag was set, and no checkpoint would be saved."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -149,8 +194,8 @@ class StopRequest:
         def handler(signum, frame):
             if self.signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            say(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint")
             self.signal = signum
+            self.notice = f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -158,6 +203,11 @@ class StopRequest:
         finally:
             for sig, h in previous.items():
                 signal.signal(sig, h)
+
+    def take_notice(self) -> str | None:
+        """The stop notice a handler left, once."""
+        notice, self.notice = self.notice, None
+        return notice
 
 
 # ============================================================== the trainer
@@ -178,9 +228,10 @@ class Trainer:
         self.callbacks, self.quiet = list(callbacks), quiet
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = Dist.from_env(self.device, cfg.train.collective_timeout, cfg.train.setup_timeout)
+        self.progress = Progress(show=self.dist.main and not quiet)
         self.log: MetricsLog | None = None
         self.data: RunData | None = None
-        self.saver: dcp.ShardedSaver | None = None
+        self.checkpointer: Checkpointer | None = None
         self.lock: DirLock | None = None  # rank 0's hold on the run directory
         try:
             with self.dist.collectives():
@@ -191,34 +242,28 @@ class Trainer:
 
     # ---- setup
     def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None) -> None:
-        if cfg.train.grad_accum % self.dist.world:
-            raise ValueError(
-                f"train.grad_accum={cfg.train.grad_accum} is not a multiple of the {self.dist.world} processes; the "
-                f"global batch is batch_size * grad_accum, so set train.grad_accum to a multiple of {self.dist.world}"
-            )
+        check_processes(cfg, self.dist.world)
         cfg = resolve_data_config(cfg)  # absolute paths; with --data DIR, how DIR was prepared
         self.dist.on_main(lambda: self._claim(cfg, resume, overwrite))  # before any rank reads it
-        self._check_memory(cfg)  # before the data is prepared: a refused size leaves nothing behind
+        check_training_memory(cfg, self.device)  # before the data is prepared: a refused size leaves nothing behind
         self.task = TASKS[cfg.task]()
         self.cfg = self._setup_data(cfg, resume, overwrite)
         if self.cfg.model.vocab_size != cfg.model.vocab_size:
-            self._check_memory(self.cfg)
+            check_training_memory(self.cfg, self.device)
         self._setup_model()
-        self.step, self.bad_steps, self.skipped_steps, self.tokens = 0, 0, 0, 0
-        self.best_val: float | None = None
-        self.best_step: int | None = None
-        self.last_checkpoint: Path | None = None
-        self.stop = StopRequest(self.dist.world)
         if resume:
             check_same_data(self.data, saved_provenance(self.run.config))
-            self._load_latest()
+        state = self.checkpointer.load_latest() if resume else TrainState()
+        self.step, self.skipped_steps, self.tokens = state.step, state.skipped_steps, state.tokens
+        self.best_val, self.best_step = state.best_val, state.best_step
+        self.bad_steps, self.stop = 0, StopRequest(self.dist.world)
         if self.step == 0 and self.cfg.train.init_from is not None:
             from .init_from import init_source
 
             init_source(self.cfg.train.init_from).load_into(self.model)
         if self.cfg.train.warmup_steps >= self.cfg.train.steps:
-            self._print(f"warning: train.warmup_steps={self.cfg.train.warmup_steps} >= train.steps="
-                        f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
+            self.progress.print(f"warning: train.warmup_steps={self.cfg.train.warmup_steps} >= train.steps="
+                                f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
         if self.dist.main:
             self._start_records(overwrite, command)
         self.dist.barrier()
@@ -228,19 +273,6 @@ class Trainer:
         self.lock = self.run.lock()
         self.run.check(cfg, resume=resume, overwrite=overwrite)
 
-    def _check_memory(self, cfg: RunConfig) -> None:
-        """Refuse, before allocating, a run estimated to need more than the device has (or train.max_memory_gib)."""
-        t = cfg.train
-        bf16 = self.device.type == "cuda"
-        fix = "make the model, train.batch_size or the sequence length smaller"
-        if t.max_memory_gib is None:
-            fix += " (or set train.max_memory_gib if the estimate is wrong for this machine)"
-        check_fits(
-            lambda n: training_memory(cfg.model, batch_size=t.batch_size, seq_len=cfg.seq_len, parameters=n,
-                                      bytes_per_activation=2 if bf16 else 4),
-            cfg.model, self.device, what="training this model", limit_bytes=max_memory_bytes(t.max_memory_gib), fix=fix,
-        )
-
     def _start_records(self, overwrite: bool, command: Sequence[str] | None) -> None:
         """Rank 0's first writes, after every check has passed: replace an earlier run (``overwrite``),
         drop records after the resumed step, append this session's provenance, open the log."""
@@ -249,29 +281,19 @@ class Trainer:
         self.run.sweep_temporaries()
         dropped = self.run.trim_metrics(self.step)
         if dropped:
-            self._print(f"note: dropped {dropped} unreadable line(s) of {self.run.metrics}")
-        if self.best_step is not None:  # a crash between a checkpoint and best.json: point it at the best again
-            best = ckpt.read_best(self.run.checkpoints)
-            if (best or {}).get("step") != self.best_step and ckpt.step_dir(self.run.checkpoints, self.best_step).is_dir():
-                ckpt.write_best(self.run.checkpoints, self.best_step, self.best_val)
+            self.progress.print(f"note: dropped {dropped} unreadable line(s) of {self.run.metrics}")
         self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
                                                    world_size=self.dist.world, data=identity(self.data)))
         # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
         self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard,
-                              purge_step=self.step + 1 if self.step else None, say=self._print)
+                              purge_step=self.step + 1 if self.step else None, say=self.progress.print)
 
     def _abandon(self, peers_lost: bool = False) -> None:
         """A start that failed leaves nothing behind: close what was opened; remove the run directory
         if this run created it (rank 0, which holds the lock), or else data this run prepared."""
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-        if self.lock is not None:
-            if self.data is not None and self.data.prepared_now and not self.lock.created:
-                shutil.rmtree(self.data.dir, ignore_errors=True)
-            self.lock.release(remove_created=True, with_contents=True)
-            self.lock = None
-        self.dist.close(peers_lost=peers_lost)
+        if self.lock is not None and self.data is not None and self.data.prepared_now and not self.lock.created:
+            shutil.rmtree(self.data.dir, ignore_errors=True)
+        self._release(peers_lost, remove_created=True)
 
     def _setup_data(self, cfg: RunConfig, resume: bool, overwrite: bool) -> RunConfig:
         """Prepare (or open) the run's data on rank 0, open its splits on every rank, and take the
@@ -287,7 +309,7 @@ class Trainer:
         self.train_data, self.val_data = self.task.open(self.data_dir, "train"), self.task.open(self.data_dir, "val")
         note = check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size)
         if note:
-            self._print(note)
+            self.progress.print(note)
         if cfg.train.init_from is None and cfg.model.vocab_size != self.tokenizer.vocab_size:
             cfg = cfg.override({"model.vocab_size": self.tokenizer.vocab_size})  # the data decides the vocabulary
         return cfg
@@ -305,8 +327,10 @@ class Trainer:
             compile_blocks(self.transformer)  # in place: parameter names and checkpoints are unchanged
         self.train_model: nn.Module = self.parallel.wrap(self.model)
         self.optimizer = build_optimizer(self.model, t, self.device)
-        if self.parallel.sharded:
-            self.saver = dcp.ShardedSaver(self.parallel, self.dist, t.save_mode)
+        self.checkpointer = build_checkpointer(
+            layout_of(self.parallel), self.run.checkpoints, self.model, self.optimizer, self.parallel, self.dist,
+            keep_last=t.keep_last, save_mode=t.save_mode, model_config=self.cfg.model.to_dict(),
+            say=self.progress.print)
         # under FSDP its MixedPrecisionPolicy computes in bf16 instead of autocast
         use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported() and not self.parallel.fsdp
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
@@ -323,16 +347,17 @@ class Trainer:
         local_accum = t.grad_accum // self.dist.world
         micro_ids = [self.dist.rank * local_accum + i for i in range(local_accum)]  # global micro-batch numbers
         tokens_per_step = t.batch_size * t.grad_accum * self.cfg.seq_len
-        self._print(self._banner(tokens_per_step))
+        self.progress.print(banner(self.cfg, noun=self.task.noun, run_dir=self.run_dir, device=self.device,
+                                   parameters=self.transformer.num_params()["total"], tokens_per_step=tokens_per_step,
+                                   world=self.dist.world, data=self.data.describe()))
         start = time.perf_counter()
-        self._window = (time.perf_counter(), 0)  # (start, tokens) of the throughput window
         loss = val_loss = None
-        with self._progress() as bar, self.stop.handlers(self._print):
+        with self.progress.running(t.steps, self.step), self.stop.handlers():
             while self.step < t.steps and not self.stop.stopping:
                 loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
                 self.step += 1
                 self.tokens += tokens_per_step
-                record = self._record(loss, grad_norm, aux, tokens_per_step, bar)
+                record = self._record(loss, grad_norm, aux, tokens_per_step)
                 now, improved = None, False
                 if self.bad_steps < t.max_bad_steps:
                     now, improved = self._evaluate_if_due(record)
@@ -340,19 +365,22 @@ class Trainer:
                 self._log(record)  # before the checkpoint: a crash in between loses no record
                 self._check_diverged()
                 self._save_if_due(improved, now)
-            if self.stop.stopping and self._takes_part:
-                self._save()
-        if self.saver is not None:
-            self.saver.finish()
+            if self.stop.stopping:
+                mute_stdout_if_closed()  # `| tee` died with the same Ctrl-C: nothing printed may stop the save
+                if (notice := self.stop.take_notice()) is not None:
+                    self.progress.print(notice)
+                if self._takes_part:
+                    self._save()
+        self.checkpointer.finish()
         sample = None
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
             sample = self.sample() if self._takes_part and t.sample_tokens and self.task.writes_text else None
         return TrainResult(
-            step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val,
-            skipped_steps=self.skipped_steps, tokens=self.tokens, elapsed_s=time.perf_counter() - start,
-            checkpoint=self.last_checkpoint, stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
+            step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val, skipped_steps=self.skipped_steps,
+            tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
+            stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
         )
 
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
@@ -384,14 +412,15 @@ class Trainer:
         else:
             self.bad_steps += 1
             self.skipped_steps += 1
-            self._print(f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; step skipped")
+            what = "loss" if not math.isfinite(loss) else "gradient"
+            self.progress.print(f"step {step + 1}: non-finite {what}; step skipped")
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, {k: float(v) for k, v in aux.items()}
 
     def _check_diverged(self) -> None:
         t = self.cfg.train
         if self.bad_steps >= t.max_bad_steps:
-            last = self.last_checkpoint or "none (no checkpoint was written)"
+            last = self.checkpointer.latest or "none (no checkpoint was written)"
             raise TrainingDiverged(
                 f"stopped at step {self.step}: {self.bad_steps} consecutive steps with a non-finite loss or "
                 f"gradient (train.max_bad_steps={t.max_bad_steps}); last good checkpoint: {last}"
@@ -408,7 +437,7 @@ class Trainer:
             record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
             record.update({f"val_{k}": v for k, v in self.last_eval.metrics.items()})
             extra = "".join(f", {k} {v:.4f}" for k, v in self.last_eval.metrics.items())
-            self._print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
+            self.progress.print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
         return val_loss, improved
 
     def _save_if_due(self, improved: bool, val_loss: float | None) -> None:
@@ -419,7 +448,7 @@ class Trainer:
         if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
             self._save(best=improved, val_loss=val_loss)
         if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
-            self._print(f"sample at step {self.step}: {self.sample()!r}")
+            self.progress.print(f"sample at step {self.step}: {self.sample()!r}")
 
     # ---- evaluation, checkpoints, samples
     @property
@@ -446,30 +475,17 @@ class Trainer:
         return loss, improved
 
     def _save(self, best: bool = False, val_loss: float | None = None) -> Path | None:
-        """Checkpoint the current step (rank 0; every rank when sharded, with DCP) if it is a good
-        one (see :meth:`_unsaveable`): a bad checkpoint never joins the good ones. ``best`` points
-        best.json at it. Prunes to keep_last plus the best. The records logged so far are made
-        durable first."""
+        """Checkpoint the current step through the checkpointer (rank 0; every rank when sharded) if
+        it is a good one (see :meth:`_unsaveable`): a bad checkpoint never joins the good ones.
+        ``best``: it is the best so far. The records logged so far are made durable first."""
         why_not = self._unsaveable(val_loss)
         if why_not:
-            self._print(f"step {self.step}: checkpoint not written: {why_not}")
+            self.progress.print(f"step {self.step}: checkpoint not written: {why_not}")
             return None
         if self.log is not None:
             self.log.sync()
-        counters = {"step": self.step, "skipped_steps": self.skipped_steps, "tokens": self.tokens,
-                    "best_val": self.best_val, "best_step": self.best_step}
-        root = self.run.checkpoints
-        if self.saver is not None:
-            self.last_checkpoint = self.saver.save(root, self.step, self.model, self.optimizer, counters,
-                                                   self.cfg.model.to_dict())
-        else:
-            state = {**counters, "optimizer": self.optimizer.state_dict()}
-            self.last_checkpoint = ckpt.save_checkpoint(root, self.step, self.model, state, self.cfg.model.to_dict())
-        if self.dist.main:
-            if best:
-                ckpt.write_best(root, self.step, self.best_val)
-            ckpt.prune(root, self.cfg.train.keep_last)
-        return self.last_checkpoint
+        return self.checkpointer.save(TrainState(step=self.step, skipped_steps=self.skipped_steps, tokens=self.tokens,
+                                                 best_val=self.best_val, best_step=self.best_step), best=best)
 
     def _unsaveable(self, val_loss: float | None) -> str | None:
         """Why this step must not be checkpointed, or None: its own loss or gradient was not finite,
@@ -488,63 +504,19 @@ class Trainer:
             return f"the weights give a validation loss of {val_loss}"
         return None
 
-    def _load_latest(self) -> None:
-        found = ckpt.list_checkpoints(self.run.checkpoints)
-        if not found:
-            self._print(f"no checkpoint in {self.run.checkpoints} yet; starting from step 0")
-            return
-        step, path = found[-1]
-        if self.parallel.sharded or dcp.is_distributed(path):  # any layout, any number of processes
-            state = dcp.load_into(path, self.model, self.optimizer, self.parallel)
-        else:
-            ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
-            state = ckpt.load_state(path)
-            missing = [k for k in ("step", "optimizer", "skipped_steps", "tokens", "best_val") if k not in state]
-            if missing:
-                raise CorruptFile(f"checkpoint state {str(path / ckpt.STATE)!r} lacks {missing}: it is not lmlab's "
-                                  f"training state; {ckpt.REMEDY}")
-            self.optimizer.load_state_dict(state["optimizer"])
-        ckpt.read_best(self.run.checkpoints)  # a damaged best.json is refused now, not at the first save
-        for group in self.optimizer.param_groups:  # hyperparameters come from the config, which may have changed
-            group.update(betas=tuple(self.cfg.train.betas), eps=self.cfg.train.eps)
-            group["weight_decay"] = self.cfg.train.weight_decay if group["weight_decay"] > 0 else 0.0
-        self.step, self.skipped_steps, self.tokens = state["step"], state["skipped_steps"], state["tokens"]
-        self.best_val, self.best_step = state["best_val"], state.get("best_step")
-        self.last_checkpoint = path
-        self._print(f"resumed from {path} (step {step})")
-
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
         """Text the model writes after ``prompt`` (default: the config's), seeded by train.seed."""
-        from ..generate import context_limit, sample_text
-
         t = self.cfg.train
         prompt = t.sample_prompt if prompt is None else prompt
-        n = max_new_tokens or t.sample_tokens
-        limit = context_limit(self.model)  # only a learned position table has an end
-        if limit is not None:
-            n = max(0, min(n, limit - len(self.tokenizer.encode(prompt))))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            # compiled blocks (train.compile) run eagerly while the KV cache grows
-            with self.parallel.whole_root(), eager():
-                pieces = sample_text(self.model, self.tokenizer, prompt, n, temperature=0.8, top_k=None, top_p=None,
-                                     seed=t.seed, eos_id=self.tokenizer.eos_id)
-                return prompt + "".join(pieces)  # pieces is a generator: consume it gathered
-        finally:
-            self.model.train(was_training)
+        return sample_from(self.model, self.tokenizer, self.parallel, prompt, max_new_tokens or t.sample_tokens, t.seed)
 
     # ---- logging
-    def _record(self, loss: float, grad_norm: float, aux: dict[str, float], tokens_per_step: int, bar) -> dict[str, Any]:
+    def _record(self, loss: float, grad_norm: float, aux: dict[str, float], tokens_per_step: int) -> dict[str, Any]:
         """This step's metrics: only {"step"} between log_every steps, else the full record."""
         t = self.cfg.train
-        window_start, window_tokens = self._window
-        window_tokens += tokens_per_step
         record: dict[str, Any] = {"step": self.step}
-        if self.step % t.log_every == 0 or self.step == t.steps:
-            now = time.perf_counter()
-            tps = window_tokens / max(now - window_start, 1e-9)
-            window_start, window_tokens = now, 0
+        tps = self.progress.throughput(tokens_per_step, logged=self.step % t.log_every == 0 or self.step == t.steps)
+        if tps is not None:
             record.update(loss=loss, lr=learning_rate(self.step - 1, t), grad_norm=grad_norm,
                           tokens=self.tokens, tokens_per_s=tps, skipped_steps=self.skipped_steps)
             if self.peak_flops:
@@ -556,11 +528,7 @@ class Trainer:
                 if self.dist.world > 1:  # every process's tokens (its last micro-batch), not rank 0's alone
                     stats = global_moe_stats(stats, self.dist.all_reduce_sum, self.device)
                 record["moe"] = jsonable(stats)
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.1e}", tok_s=f"{tps:,.0f}", refresh=False)
-        self._window = (window_start, window_tokens)
-        if bar is not None:
-            bar.update(1)
+        self.progress.advance(record)
         return record
 
     def _log(self, record: dict[str, Any]) -> None:
@@ -569,58 +537,25 @@ class Trainer:
         if self.log is not None and len(record) > 1:
             self.log.write(record)
 
-    @contextlib.contextmanager
-    def _progress(self) -> Iterator[Any]:
-        """A tqdm bar on rank 0 (None when quiet or on other ranks)."""
-        if not self.dist.main or self.quiet:
-            yield None
-            return
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=self.cfg.train.steps, initial=self.step, unit="step", dynamic_ncols=True, leave=True)
-        try:
-            yield bar
-        finally:
-            bar.close()
-
-    def _print(self, message: str) -> None:
-        if self.dist.main and not self.quiet:
-            from tqdm.auto import tqdm
-
-            tqdm.write(message)
-
-    def _banner(self, tokens_per_step: int) -> str:
-        m, t = self.cfg.model, self.cfg.train
-        n = self.transformer.num_params()
-        start = f", starting from {t.init_from}" if t.init_from else ""
-        return (
-            f"training {self.task.noun} in {self.run_dir}: {n['total']:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
-            f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "
-            f"({t.batch_size} x {self.cfg.seq_len} x {t.grad_accum} accum) on {self.device}"
-            + (f" x {self.dist.world} processes ({self._layout()})" if self.dist.world > 1 else "")
-            + f"\ndata: {self.data.describe()}"
-        )
-
     # ---- signals and teardown
     def request_stop(self, signum: int = signal.SIGINT) -> None:
         """Finish the current step, save a checkpoint and return from ``fit`` (what Ctrl-C does)."""
         self.stop.signal = signum
 
-    def _layout(self) -> str:
-        t = self.cfg.train
-        parts = [t.parallel] + ([f"expert parallel {t.expert_parallel}"] if t.expert_parallel > 1 else [])
-        return ", ".join(parts)
-
     def close(self, peers_lost: bool = False) -> None:
         """Close the metrics and leave the process group; ``peers_lost``: other processes are gone
         (see :meth:`Dist.close`)."""
-        if self.saver is not None and not peers_lost:
-            self.saver.finish()
+        if self.checkpointer is not None and not peers_lost:
+            self.checkpointer.finish()
+        self._release(peers_lost)
+
+    def _release(self, peers_lost: bool, remove_created: bool = False) -> None:
+        """Close the metrics, unlock the run directory (``remove_created``: delete it if this run made it), leave."""
         if self.log is not None:
             self.log.close()
             self.log = None
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(remove_created=remove_created, with_contents=remove_created)
             self.lock = None
         self.dist.close(peers_lost=peers_lost)
 

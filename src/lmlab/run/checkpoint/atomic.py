@@ -19,34 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ...files import default_file_mode, fsync_dir
 from ..errors import write_failure
 
-
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def default_file_mode() -> int:
-    """0666 less the process's umask: the mode ``open`` gives a new file (0644 under umask 022)."""
-    try:  # Linux reports the umask without changing it (os.umask would, for every thread, briefly)
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
+__all__ = ["atomic_write", "atomic_write_text", "default_file_mode", "fsync_dir", "is_temporary_of", "write_atomic"]
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -66,13 +42,23 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     except BaseException as e:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno is not None and str(e.filename or "").startswith(str(path.parent / f".{path.name}.")):
+        if isinstance(e, OSError) and e.errno is not None and is_temporary_of(e.filename, path):
             e.filename = str(path)  # our temporary file: name the file the user knows instead
         failure = write_failure(e, path)
         if failure is None or failure is e:
             raise
         raise failure from e
     fsync_dir(path.parent)
+
+
+def is_temporary_of(name: object, path: Path) -> bool:
+    """Whether ``name`` (an OSError's file name) is one of atomic_write's temporary files for ``path``.
+    By directory and name, not by string prefix: ``mkstemp`` reports an absolute name when ``path``
+    is relative (a relative --run-dir)."""
+    if not isinstance(name, (str, os.PathLike)):
+        return False
+    name = Path(os.fsdecode(name))
+    return name.name.startswith(f".{path.name}.") and os.path.abspath(name.parent) == os.path.abspath(path.parent)
 
 
 def write_atomic(path: str | Path, data: bytes | memoryview | str) -> None:

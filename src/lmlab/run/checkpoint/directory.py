@@ -2,7 +2,7 @@
 
     config.yaml      the resolved RunConfig, plus the provenance of every session that trained it
     metrics.jsonl    one JSON record per logged step (evaluation steps add val_loss)
-    checkpoints/     see checkpoint.py
+    checkpoints/     see checkpoint/checkpointer.py (and local.py, sharded.py for the two layouts)
     data/            the prepared tokens and tokenizer (data.dir, relative to the run; absolute to share)
     tb/              TensorBoard events
     .lock            held (flock) by the process training the run; removed when it ends

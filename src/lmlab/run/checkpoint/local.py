@@ -1,9 +1,10 @@
-"""Checkpoints on disk: weights as safetensors, training state as a weights-only torch file.
+"""The local checkpoint layout (one process writes): weights as safetensors, training state as a
+weights-only torch file. checkpointer.py's LocalCheckpointer writes it; every reader starts here.
 
     checkpoints/
       step_0000200/model.safetensors   weights; tied tensors stored once; the model config in the metadata
-      step_0000200/state.pt            step, optimizer state, counters (load with torch.load(weights_only=True))
-      best.json                        {"step": 200, "val_loss": 1.83}: the best checkpoint is never pruned
+      step_0000200/state.pt            TrainState's counters and the optimizer's state dict (weights_only=True)
+      best.json                        {"step": 200, "val_loss": 1.83} (:class:`Best`): never pruned
 
 A checkpoint appears all at once or not at all: its files are written and fsynced inside a hidden
 temporary directory, which is then renamed into place (``os.replace``, atomic on POSIX) and the
@@ -14,6 +15,7 @@ run's config.yaml) goes through :func:`atomic_write`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from .atomic import atomic_write, atomic_write_text, fsync_dir
-from ..errors import CorruptFile, one_line
+from ..errors import CorruptFile, EnvironmentFailure, one_line
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -151,6 +153,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):  # name the files users know
             e.filename = str(final) + str(e.filename)[len(str(tmp)):]
+        if isinstance(e, EnvironmentFailure) and str(tmp) in str(e):  # torch's writer: the name is in the message
+            raise type(e)(str(e).replace(str(tmp), str(final))) from e
         raise
     fsync_dir(root)
     return final
@@ -176,25 +180,36 @@ def load_state(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def read_best(root: str | Path) -> dict[str, Any] | None:
-    """best.json as {"step": int, "val_loss": float}, None if there is none; CorruptFile if it is not that."""
-    p = Path(root) / BEST
-    if not p.is_file():
-        return None
-    try:
-        best = json.loads(p.read_bytes())
-    except ValueError:  # not JSON, or not UTF-8
-        best = None
-    ok = isinstance(best, dict) and isinstance(best.get("step"), int) and not isinstance(best["step"], bool)
-    if not ok:
-        raise CorruptFile(f"{str(p)!r} is not an lmlab best.json ({{\"step\": N, \"val_loss\": x}}); delete it (it only "
-                          "marks the best checkpoint, which is then kept like any other)")
-    return best
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """best.json: the best checkpoint's step (never pruned) and its validation loss. One class reads,
+    validates and writes the file; nothing else indexes it by key."""
 
+    step: int
+    val_loss: float | None  # None where the loss was not finite: JSON has no NaN
 
-def write_best(root: str | Path, step: int, val_loss: float) -> None:
-    loss = val_loss if val_loss is not None and math.isfinite(val_loss) else None  # JSON has no NaN
-    atomic_write_text(Path(root) / BEST, json.dumps({"step": step, "val_loss": loss}) + "\n")
+    @classmethod
+    def read(cls, root: str | Path) -> "Best | None":
+        """``root``'s best.json, None if there is none; CorruptFile if it is not lmlab's."""
+        p = Path(root) / BEST
+        if not p.is_file():
+            return None
+        try:
+            raw = json.loads(p.read_bytes())
+        except ValueError:  # not JSON, or not UTF-8
+            raw = None
+        loss = raw.get("val_loss") if isinstance(raw, dict) else None
+        ok = (isinstance(raw, dict) and isinstance(raw.get("step"), int) and not isinstance(raw["step"], bool)
+              and (loss is None or (isinstance(loss, (int, float)) and not isinstance(loss, bool))))
+        if not ok:
+            raise CorruptFile(f"{str(p)!r} is not an lmlab best.json ({{\"step\": N, \"val_loss\": x}}); delete it (it "
+                              "only marks the best checkpoint, which is then kept like any other)")
+        return cls(step=raw["step"], val_loss=None if loss is None else float(loss))
+
+    def write(self, root: str | Path) -> None:
+        """Write (atomically) ``root``'s best.json."""
+        loss = self.val_loss if self.val_loss is not None and math.isfinite(self.val_loss) else None
+        atomic_write_text(Path(root) / BEST, json.dumps({"step": self.step, "val_loss": loss}) + "\n")
 
 
 def prune(root: str | Path, keep_last: int) -> list[int]:
@@ -203,8 +218,8 @@ def prune(root: str | Path, keep_last: int) -> list[int]:
     A checkpoint is first renamed out of the namespace, then deleted, so a crash mid-delete never
     leaves a half-deleted directory that looks complete."""
     root = Path(root)
-    best = read_best(root)
-    keep = {s for s, _ in list_checkpoints(root)[-keep_last:]} | ({best["step"]} if best else set())
+    best = Best.read(root)
+    keep = {s for s, _ in list_checkpoints(root)[-keep_last:]} | ({best.step} if best else set())
     deleted = []
     for s, p in list_checkpoints(root):
         if s not in keep:
@@ -237,9 +252,9 @@ def resolve(root: str | Path, which: str | int = "latest") -> Path:
     if not found:
         raise FileNotFoundError(f"no checkpoint in {str(root)!r}; train the run first")
     if which == "best":
-        best = read_best(root)
-        if best is not None and best["step"] in found:
-            return found[best["step"]]
+        best = Best.read(root)
+        if best is not None and best.step in found:
+            return found[best.step]
         which = "latest"
     if which == "latest":
         return found[max(found)]

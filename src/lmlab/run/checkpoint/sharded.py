@@ -12,8 +12,9 @@ hidden temporary directory, and rank 0 renames it into place once all of them ar
 run directory must be on a file system every process sees (one node, or a shared one).
 
 Reading never unpickles anything unsafely: DCP keeps its index (``.metadata``) as a pickle and its
-non-tensor entries as pickled bytes; :class:`SafeReader` and :class:`SafePlanner` read them with an
-unpickler that builds only DCP's own metadata classes, and ``torch.load(weights_only=True)``.
+non-tensor entries as pickled bytes; :class:`SafeReader` and :class:`SafePlanner` read them with
+lmlab's own pickle interpreter, which builds only an exact list of DCP's classes (dcp_index.py),
+and ``torch.load(weights_only=True)``.
 
 Loading goes through ``get_state_dict`` / ``set_state_dict``, which map between a model's layout
 (plain, FSDP's DTensors, expert shards) and the checkpoint's fully-qualified names. A checkpoint
@@ -25,7 +26,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -36,6 +36,7 @@ from torch import nn
 
 from . import local as ckpt
 from .atomic import atomic_write, fsync_dir
+from .dcp_index import read_index
 from ..config import flatten
 from ..parallel.group import Dist
 from ..errors import CorruptFile
@@ -50,43 +51,9 @@ def is_distributed(path: str | Path) -> bool:
 
 
 # ============================================================== reading DCP safely
-_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-}
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else: only its own dataclasses, torch sizes,
-    dtypes and layouts, and paths may be built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
-
-
 def read_metadata(path: str | Path) -> Any:
-    """The DCP index of checkpoint directory ``path`` (its ``dcp/.metadata``), read safely."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    file = Path(path) / DCP_DIR / ".metadata"
-    try:
-        with open(file, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise CorruptFile(f"distributed checkpoint {str(Path(path))!r} has no index ({file.name}); it is "
-                          "incomplete or damaged: delete it to resume from an earlier one") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise CorruptFile(f"distributed checkpoint index {str(file)!r} cannot be read ({e}); the checkpoint "
-                          "is damaged or not lmlab's: delete it to resume from an earlier one") from None
-    if not isinstance(metadata, Metadata):
-        raise CorruptFile(f"distributed checkpoint index {str(file)!r} is not a DCP index")
-    return metadata
+    """The DCP index of checkpoint directory ``path`` (its ``dcp/.metadata``), read safely: see dcp_index.py."""
+    return read_index(Path(path) / DCP_DIR)
 
 
 def safe_reader(path: str | Path) -> Any:

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from .prepare import DataConfig, describe, open_prepared, prepare, read_meta, resolve_path, run_data_dir
+from .config import DataConfig, resolve_path, run_data_dir
+from .meta import DataMeta
+from .prepare import prepare
 from .tokenizer import Tokenizer, load_tokenizer
 
 # data fields that say how data was prepared: with data.prepared they must agree with its meta.json
@@ -31,31 +33,31 @@ PREPARED_FIELDS = ("source", "text_field", "label_field", "tokenizer", "vocab_si
 @dataclasses.dataclass
 class RunData:
     dir: Path
-    meta: dict
+    meta: DataMeta
     tokenizer: Tokenizer
     prepared_now: bool = False  # written by this call: remove it if the run then fails to start
 
     @classmethod
     def open(cls, where: Path, prepared_now: bool = False) -> "RunData":
         """Prepared data that exists, with its tokenizer."""
-        return cls(where, open_prepared(where), load_tokenizer(where), prepared_now)
+        return cls(where, DataMeta.open(where), load_tokenizer(where), prepared_now)
 
     def describe(self) -> str:
-        return f"{self.dir} ({describe(self.meta)}; {self.meta['data_hash'][:19]})"
+        return f"{self.dir} ({self.meta.describe()}; {self.meta.data_hash[:19]})"
 
 
 def identity(data: RunData) -> dict[str, Any]:
     """What a run records about its data, in every session's provenance."""
     m = data.meta
-    return {"path": str(data.dir), "data_hash": m["data_hash"], "tokenizer_hash": m["tokenizer_hash"],
-            "train_tokens": m["train_tokens"], "val_tokens": m["val_tokens"]}
+    return {"path": str(data.dir), "data_hash": m.data_hash, "tokenizer_hash": m.tokenizer_hash,
+            "train_tokens": m.train_tokens, "val_tokens": m.val_tokens}
 
 
-def _recorded(meta: dict) -> dict[str, Any]:
-    recorded = dict(meta.get("config") or {})
-    recorded["source"] = meta["source"]
-    if meta.get("tokenizer_source"):
-        recorded["tokenizer"] = meta["tokenizer_source"]
+def _recorded(meta: DataMeta) -> dict[str, Any]:
+    recorded = dict(meta.config)
+    recorded["source"] = meta.source
+    if meta.tokenizer_source:
+        recorded["tokenizer"] = meta.tokenizer_source
     return recorded
 
 
@@ -66,7 +68,7 @@ def resolve_data_config(cfg: RunConfig) -> RunConfig:
     d, changes = cfg.data, {}
     if d.prepared is not None:
         where = Path(d.prepared).expanduser().resolve()
-        meta = open_prepared(where)
+        meta = DataMeta.open(where)
         default, recorded = DataConfig(), _recorded(meta)
         for name in PREPARED_FIELDS:
             given = getattr(d, name)
@@ -77,9 +79,9 @@ def resolve_data_config(cfg: RunConfig) -> RunConfig:
                     f"data.{name}={getattr(d, name)!r} disagrees with the prepared data in {str(where)!r}, which has "
                     f"{name} {recorded[name]!r}; drop data.{name}, or prepare the data again with it"
                 )
-        if meta.get("task", "lm") != cfg.task:
+        if meta.task != cfg.task:
             raise ValueError(
-                f"the prepared data in {str(where)!r} is for task {meta.get('task', 'lm')!r}, but this run's task is "
+                f"the prepared data in {str(where)!r} is for task {meta.task!r}, but this run's task is "
                 f"{cfg.task!r}; " + ("prepare labelled rows with `lmlab prepare ROWS.jsonl --task classify`"
                                      if cfg.task == "classify" else "drop --task classify or name language-model data")
             )
@@ -108,7 +110,7 @@ def open_run_data(cfg: RunConfig, run_dir: Path, *, resume: bool, overwrite: boo
         return RunData.open(Path(cfg.data.prepared))
     where = run_data_dir(run_dir, cfg.data)
     own = where.resolve().is_relative_to(Path(run_dir).resolve())
-    existing = read_meta(where)
+    existing = DataMeta.read(where)
     if resume and existing is not None:  # never re-read the source of a run that exists
         return RunData.open(where)
     before = existing is not None or where.exists()
@@ -143,34 +145,26 @@ def recorded_identity(provenance: list[dict]) -> dict | None:
 def check_same_data(data: RunData, provenance: list[dict]) -> None:
     """On resume: the data must be what the run trained on so far (same content hash)."""
     before = recorded_identity(provenance)
-    if before is not None and before.get("data_hash") != data.meta["data_hash"]:
+    if before is not None and before.get("data_hash") != data.meta.data_hash:
         raise ValueError(
             f"the data in {str(data.dir)!r} changed since this run trained on it ({before['data_hash'][:19]} then, "
-            f"{data.meta['data_hash'][:19]} now); resume on the original data, or start a new run"
+            f"{data.meta.data_hash[:19]} now); resume on the original data, or start a new run"
         )
 
 
 def check_tokenizer(data: RunData, init_from: str | None, model_vocab: int) -> str | None:
     """With ``train.init_from``, the data must be tokenized by the init model's tokenizer and fit its
-    vocabulary. Returns a note when the init model comes without a tokenizer to compare."""
+    vocabulary (:meth:`DataMeta.check_tokenizer`, the check ``lmlab eval`` makes too). Returns a note
+    when the init model comes without a tokenizer to compare."""
     if init_from is None:
         return None
     from ..init_from import init_source
 
     src = init_source(init_from)
     theirs = src.tokenizer()
+    data.meta.check_tokenizer(data.dir, f"train.init_from {init_from!r}", model_vocab=model_vocab,
+                              tokenizer_hash=theirs.fingerprint() if theirs else None, tokenizer_path=src.tokenizer_dir)
     if theirs is None:
-        note = f"note: train.init_from {init_from!r} has no tokenizer to compare; make sure the data was tokenized with its own"
-    elif theirs.fingerprint() != data.meta["tokenizer_hash"]:
-        raise ValueError(
-            f"the data in {str(data.dir)!r} was tokenized with another tokenizer than train.init_from {init_from!r} "
-            f"({data.meta['tokenizer']}, vocab {data.meta['vocab_size']}); prepare it with --tokenizer {src.tokenizer_dir}"
-        )
-    else:
-        note = None
-    if data.meta["max_token_id"] >= model_vocab:
-        raise ValueError(
-            f"the data in {str(data.dir)!r} holds token id {data.meta['max_token_id']}, beyond the vocabulary of "
-            f"train.init_from {init_from!r} (model.vocab_size={model_vocab}); prepare it with its tokenizer"
-        )
-    return note
+        return (f"note: train.init_from {init_from!r} has no tokenizer to compare; make sure the data was tokenized "
+                "with its own")
+    return None

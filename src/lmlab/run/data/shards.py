@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from ..errors import write_failure
+from .meta import BY_DOCUMENT, BY_TOKENS
 from .sources import Piece, Source
 from .tokenizer import Tokenizer
 
@@ -38,7 +39,6 @@ BATCH_CHARS = 1 << 20  # characters of text per encode_batch call: ~40 MB of Enc
 MIN_SPLIT_DOCS = 2  # a document split needs at least this many documents on each side
 SHARE_TOLERANCE = 3.0  # ... and validation's share of the text within this factor of val_fraction
 SEPARATOR = "\n\n"  # joins documents when a tokenizer has no end-of-document id
-BY_DOCUMENT, BY_TOKENS = "document", "token stream"
 
 
 # ============================================================== survey

@@ -272,6 +272,11 @@ def read_jsonl(path: Path, field: str, errors: str, label_field: str | None = No
                 raise ValueError(
                     f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object with a {field!r} field"
                 ) from None
+            except RecursionError:  # json's C scanner stops near Python's recursion limit (about 1,000 levels)
+                raise ValueError(
+                    f"{path}:{lineno}: nests JSON values too deeply to read; each line must be one JSON object "
+                    f"with a {field!r} field"
+                ) from None
             piece = _row(record, f"{path}:{lineno}", field, label_field, f"{path}:{lineno}")
             if piece is not None:
                 found = True

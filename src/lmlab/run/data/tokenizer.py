@@ -39,6 +39,7 @@ import numpy as np
 
 from ..checkpoint.atomic import write_atomic
 from ..errors import CorruptFile
+from .meta import META, DataMeta
 
 REPLACEMENT = "\ufffd".encode()  # bytes for ids a tokenizer cannot decode (unknown, out of range)
 BYTE_EOD = 0xFF  # never a byte of UTF-8 text (RFC 3629), so the byte tokenizer's end of document
@@ -492,7 +493,7 @@ def tokenizer_from_path(path: str | Path, *, checkpoint: bool = False) -> Tokeni
     ``checkpoint`` (the tokenizer that came with a checkpoint, not one the user named) a file that
     is not a tokenizer is a damaged checkpoint, CorruptFile."""
     p = Path(path).expanduser()
-    if p.is_dir() and (p / "meta.json").is_file():
+    if p.is_dir() and (p / META).is_file():
         return load_tokenizer(p)
     if p.is_dir():
         if not (p / HF_FILE).is_file():
@@ -540,17 +541,13 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> Tokeniz
 
 def load_tokenizer(data_dir: str | Path) -> Tokenizer:
     """The tokenizer ``lmlab prepare`` saved in ``data_dir`` (its kind is in meta.json)."""
-    meta_path = Path(data_dir) / "meta.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{meta_path} is missing; run `lmlab prepare` to prepare data in {str(data_dir)!r}")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        kind, eod = meta["tokenizer"], meta.get("eod_id")
-    except (ValueError, KeyError, TypeError):
-        raise CorruptFile(f"{meta_path} is damaged (not an lmlab meta.json); run `lmlab prepare --overwrite`") from None
+    meta, path = DataMeta.read(data_dir), Path(data_dir) / META
+    if meta is None:
+        raise ValueError(f"{path} is missing; run `lmlab prepare` to prepare data in {str(data_dir)!r}")
+    kind, eod = meta.tokenizer, meta.eod_id
     if kind == "pretrained":
         hf, raw = read_hf_tokenizer(Path(data_dir) / HF_FILE, owner="prepared")
         return wrap_hf(hf, raw, eod)
     if kind not in TOKENIZERS:
-        raise CorruptFile(f"{meta_path} names tokenizer {kind!r}, which this lmlab does not know; prepare again")
+        raise CorruptFile(f"{path} names tokenizer {kind!r}, which this lmlab does not know; prepare again")
     return TOKENIZERS[kind].load(data_dir)

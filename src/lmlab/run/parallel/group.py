@@ -186,8 +186,9 @@ def failure_kind(e: Exception) -> str:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The device ``name`` names (auto: cuda if available, else cpu), or a ValueError saying why it
-    cannot be used here. A bare "cuda" under torchrun is this process's GPU (``local_rank``)."""
+    """The device ``name`` names (auto: cuda if available, else cpu). A name that is no device is a
+    ValueError (bad input); a device this machine lacks is an EnvironmentFailure (exit status 3).
+    A bare "cuda" under torchrun is this process's GPU (``local_rank``)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -197,14 +198,15 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if device is None or device.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"device {name!r} is not valid; use {DEVICE_CHOICES}")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r}: MPS is not available here; use cpu")
+        raise EnvironmentFailure(f"device {name!r}: MPS is not available here; use cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
+            raise EnvironmentFailure(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+            gpus = torch.cuda.device_count()
+            raise EnvironmentFailure(f"device {str(device)!r} does not exist: this machine has {gpus} GPU(s)")
     return device
 
 

@@ -1,0 +1,154 @@
+"""Sweeps: train a list of variants of one run config on an equal budget and tabulate them.
+
+    spec = load_spec("ablation.yaml")             # the whole spec is validated before any training
+    rows = run_sweep(spec, "sweeps/ablation", jobs=2, threads=1)   # results.csv, summary.md, curves
+    lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3 --jobs 2 --threads 1
+
+A spec is a base run config plus variants, each a name and dotted overrides::
+
+    name: depth
+    base:                     # a run config (model:, data:, train:), read as `lmlab train --config` reads one
+      model: {preset: llama, d_model: 64, n_layers: 4}   # a preset, then fields on top; data: DIR is prepared data
+      train: {steps: 300}
+    seeds: [0, 1, 2]          # or a count: 3. A seed sets model.init_seed AND train.seed (weights and
+    seed_fields: [model.init_seed, train.seed]   #  data order); name one of them to vary only it
+    quick: {train.steps: 5}   # overrides for every variant under --quick (tests, smoke runs)
+    profiles:                 # other named sizes: --profile gpu
+      gpu: {overrides: {model.d_model: 512}, seeds: [0, 1, 2]}
+    variants:
+      - {name: shallow, overrides: {model.n_layers: 2}}
+      - {name: deep, overrides: {model.n_layers: 8}, profiles: {gpu: {model.n_layers: 24}}}
+      - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, train.lr: 3e-4}}   # deep's final weights
+    grid:                     # optional: the product of these axes is appended to the variants
+      - {axis: norm, levels: [{name: pre, overrides: {model.norm_position: pre}},
+                              {name: post, overrides: {model.norm_position: post}}]}
+      - {axis: depth, levels: [{name: L2, overrides: {model.n_layers: 2}}, {name: L8, overrides: {model.n_layers: 8}}]}
+    tune: {field: train.lr, values: [1e-3, 3e-3, 1e-2], by: [norm], at: {depth: L8}, seeds: [1000]}
+    match_active_params: {reference: shallow, tolerance: 0.05}   # optional equal-compute check
+    corpus: {name: stdlib}    # optional: train on the deduplicated stdlib corpus (experiments.corpus)
+    final_eval: {tokens: 65536}   # optional: the final loss over 65,536 tokens in windows spread over validation
+
+Equal budget: every variant trains on the same tokens (train.steps x batch x seq_len from the
+base) unless its overrides say otherwise, and the table reports total and active parameters and
+training FLOPs per token for each, so a comparison at unequal compute is visible.
+
+Out directory::
+
+    corpus/                   the experiment corpus, when the spec names one
+    data/                     prepared once, shared by every variant (none with data: DIR, read where it is)
+    runs/<variant>/seed<s>/   each a normal run directory (config.yaml, metrics.jsonl, checkpoints/)
+                   .../start.json    the config hash and git revision the run started from
+                   .../result.json   written atomically when the run is finished: its row
+                   .../curve.jsonl   the validation loss curve the plots draw
+    locks/                    one lock file per run: a run is trained by one process at a time
+    tune.csv, tune.json       the tuning runs and the value chosen for each group (with tune:)
+    results.csv               one row per variant x seed
+    summary.md                mean ± std over seeds per variant
+    loss_curves.png           validation loss against training tokens, mean and ±1 std band over seeds
+
+Resuming and reuse: run the same command again. A finished run is reused only if its resolved
+config (seed, data and the run it starts from included) hashes the same; a changed spec reruns
+the runs it changed and says which field changed. A half-finished run continues from its latest
+checkpoint. With ``jobs`` > 1, worker processes claim runs through lock files (``fcntl.flock``,
+released if a worker dies), so two workers, or two invocations, never train the same run; each
+run's numbers do not depend on which worker trained it.
+
+Labels: a run *diverged* if its loss or gradient went non-finite or its final loss is above
+``diverged_above`` (default: ln(vocab), the loss of the untrained uniform prediction); a run
+whose final loss is at or above the unigram loss (predicting token frequencies only) is labelled
+*no better than unigram*: it trained, but learned nothing about context.
+
+Modules, one concern each::
+
+    spec.py (..)   the spec: variants, grid, seeds, profiles, tuning; every config built as `train --config` builds it
+    engine.py      shared inputs (corpus, data, limits), each run's config and hash, training or reusing one run
+    workers.py     one process or ``jobs`` worker processes claiming runs through lock files
+    tuning.py      the tuning stage before the main runs; grid-edge notes
+    tables.py      results.csv, summary.md, loss curves
+    measure.py     the final loss over a spread slice, the unigram loss, a run's label
+    layout.py      where each run lives, and the files a sweep adds to it (start.json, result.json, curve.jsonl)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from ...run.trainer import Trainer
+from ...schema import read_yaml
+from ..spec import SweepSpec, parse_spec
+from .engine import Hooks, SweepInterrupted, setup
+from .tables import plot_loss_curves, write_tables
+from .tuning import tune_and_apply
+from .workers import SweepFailed, check_parallel, execute
+
+__all__ = ["Hooks", "Outcome", "SweepFailed", "SweepInterrupted", "check_parallel", "load_spec", "run_sweep",
+           "sweep_outcome"]
+
+
+def load_spec(
+    path: str | Path, *, quick: bool = False, seeds: int | None = None, profile: str | None = None,
+) -> SweepSpec:
+    """Read, parse and fully validate a spec file (every variant's config is built)."""
+    if quick and profile not in (None, "quick"):
+        raise ValueError(f"--quick and --profile {profile} exclude each other; --quick is --profile quick")
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"sweep spec {str(p)!r} does not exist")
+    data = read_yaml(p, f"sweep spec {str(p)!r}")  # duplicate keys refused, naming key and lines
+    spec = parse_spec(data, str(p))
+    if seeds is not None:
+        if seeds < 1:
+            raise ValueError(f"--seeds={seeds} is not valid; give at least 1")
+        spec.seeds = list(range(seeds))
+        for prof in spec.profiles.values():
+            prof.pop("seeds", None)
+    return spec.resolve(quick=quick, profile=profile)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a finished sweep hands to an experiment's analysis."""
+
+    spec: SweepSpec  # resolved, with tuned values applied and the corpus as data source
+    rows: list[dict[str, Any]]
+    limits: dict[str, float]  # the first data dir's {"unigram", "init"}
+    data_dir: Path
+    corpus: dict | None  # corpus.json, when the spec names a corpus
+    tune: dict | None  # tune.json, when the spec tunes
+
+
+def run_sweep(
+    spec: SweepSpec, out: str | Path, *, hooks: Hooks | None = None, quiet: bool = True,
+    trainer_cls: Any = None, log: Callable[[str], None] = print, jobs: int = 1, threads: int | None = None,
+) -> list[dict[str, Any]]:
+    """Train every variant x seed of a resolved ``spec`` in ``out`` (resuming and reusing what is
+    there; after a tuning sweep when the spec has ``tune``), then write results.csv, summary.md and
+    loss_curves.png. Returns the rows. ``jobs`` worker processes with ``threads`` torch threads each."""
+    return sweep_outcome(spec, out, hooks=hooks, quiet=quiet, trainer_cls=trainer_cls, log=log, jobs=jobs,
+                         threads=threads).rows
+
+
+def sweep_outcome(
+    spec: SweepSpec, out: str | Path, *, hooks: Hooks | None = None, quiet: bool = True,
+    trainer_cls: Any = None, log: Callable[[str], None] = print, jobs: int = 1, threads: int | None = None,
+) -> Outcome:
+    """:func:`run_sweep`, returning everything the analysis needs (see :class:`Outcome`)."""
+    check_parallel(jobs, threads)
+    if not spec.configs:
+        spec = spec.resolve(profile=spec.profile)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer_cls, hooks = trainer_cls or Trainer, hooks or Hooks()
+    tune = None
+    if spec.tune is not None:
+        spec, tune = tune_and_apply(spec, out, trainer_cls, quiet, log, jobs, threads)
+    sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
+    rows = execute(sw, jobs, threads, log)
+    write_tables(sw.spec, rows, out)
+    with contextlib.suppress(ImportError):
+        plot_loss_curves(sw.spec, out, out / "loss_curves.png")
+    first = sw.data_dirs[sw.spec.variants[0].name]
+    return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune)

@@ -1,0 +1,100 @@
+"""Where a sweep keeps each run, and the files it adds to a run directory: one place names them.
+
+    runs/<variant>/seed<s>/   a normal run directory (config.yaml, metrics.jsonl, checkpoints/), plus
+               .../start.json    the config hash and git revision the run started from (kept across resumes)
+               .../result.json   written atomically when the run is finished: its row of the table
+               .../curve.jsonl   (step, tokens, wall_s, loss | val_loss) as the run goes
+    locks/                    one lock file per run: a run is trained by one process at a time
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ...run.checkpoint.atomic import atomic_write_text
+from ...run.metrics import jsonable
+
+__all__ = ["CurveLogger", "clear_run", "lock_file", "read_curve", "read_result", "read_start", "run_dir_of",
+           "write_result", "write_start"]
+
+_RESULT_FILE = "result.json"  # a finished run: its row of the table
+_START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
+_CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, loss | val_loss) as the run goes
+
+
+def run_dir_of(out: Path, variant: str, seed: int) -> Path:
+    """The run directory of ``variant`` trained with sweep seed ``seed``."""
+    return Path(out) / "runs" / variant / f"seed{seed}"
+
+
+def lock_file(out: Path, variant: str, seed: int) -> Path:
+    """The file whose ``flock`` says which process trains that run."""
+    return Path(out) / "locks" / f"{variant}.seed{seed}.lock"
+
+
+def read_result(run_dir: Path) -> dict | None:
+    """A finished run's row (result.json), or None while it is unfinished."""
+    p = run_dir / _RESULT_FILE
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def write_result(run_dir: Path, row: dict[str, Any]) -> None:
+    """Mark the run finished with its row; written last and atomically."""
+    atomic_write_text(run_dir / _RESULT_FILE, json.dumps(jsonable(row), indent=1) + "\n")
+
+
+def read_start(run_dir: Path) -> dict | None:
+    """What was recorded when the run first started (start.json), or None."""
+    p = run_dir / _START_FILE
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def write_start(run_dir: Path, start: dict[str, Any]) -> None:
+    atomic_write_text(run_dir / _START_FILE, json.dumps(start) + "\n")
+
+
+def clear_run(run_dir: Path) -> None:
+    """Remove a run's files so it starts again (its lock lives elsewhere and stays held)."""
+    if run_dir.is_dir():
+        shutil.rmtree(run_dir)
+
+
+def read_curve(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's curve.jsonl (empty before it logged any)."""
+    p = Path(run_dir) / _CURVE_FILE
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
+
+
+class CurveLogger:
+    """Trainer callback: appends (step, tokens, cumulative wall time, loss / val_loss) to curve.jsonl.
+
+    It goes into the Trainer's constructor with the other callbacks; once the trainer knows the step
+    it resumed at, :meth:`begin` drops the rows after that step and starts the clock, so a resumed
+    run logs no step twice and its wall time continues."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / _CURVE_FILE
+        self.offset = self.wall_s = 0.0
+        self.start = time.perf_counter()
+
+    def begin(self, resumed_step: int) -> None:
+        kept = [r for r in read_curve(self.path.parent) if r["step"] <= resumed_step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.offset = self.wall_s = kept[-1]["wall_s"] if kept else 0.0
+        self.start = time.perf_counter()
+
+    def __call__(self, trainer, record: dict) -> None:
+        self.wall_s = self.offset + time.perf_counter() - self.start
+        if "loss" in record or "val_loss" in record:
+            row = {"step": record["step"], "tokens": trainer.tokens, "wall_s": round(self.wall_s, 3)}
+            for key in ("loss", "val_loss", "grad_norm", "tokens_per_s"):
+                if key in record:
+                    row[key] = record[key]
+            if "moe" in record:
+                row["max_load"] = [layer.get("max_load") for layer in record["moe"]]
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")

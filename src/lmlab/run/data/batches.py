@@ -1,0 +1,177 @@
+"""Prepared data read back: memory-mapped shards and reproducible batches.
+
+    train = TokenData("data/notes", "train")          # language modeling: one token stream per split
+    x, y = train.batch(8, 256, generator)             # (B, T) int64 each, y = x shifted by one
+    for x, y in train.iter_eval(8, 256): ...          # every window once, in order
+    rows = RowData("data/rows", "val")                # classification: rows of tokens with a class each
+
+A shard is opened only if meta.json (meta.py) vouches for it: its size must match the recorded
+count, and its largest id the recorded ``max_token_id`` (one pass over the memory map), so a
+damaged shard fails when it is opened, not mid-training. A batch is decided by the generator's
+state alone, so a trainer that saves the generator resumes exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ...schema import check_choice, check_positive
+from ..errors import CorruptFile
+from .meta import META, SPLITS, DataMeta
+
+
+def _open_shard(path: Path, dtype: np.dtype, expected: int) -> np.memmap:
+    if not path.is_file() or (path.stat().st_size == 0 and expected):
+        raise CorruptFile(f"{path} is missing or empty; run `lmlab prepare` (with --overwrite) to write the shards")
+    if path.stat().st_size != expected * dtype.itemsize:
+        raise CorruptFile(
+            f"{path} has {path.stat().st_size} bytes but {META} says {expected} {dtype.name} values; "
+            "it is damaged: run `lmlab prepare --overwrite`"
+        )
+    return np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
+
+
+def read_prepared(data_dir: Path) -> DataMeta:
+    """The meta.json of ``data_dir``, which must exist: a reader opens only prepared data."""
+    meta = DataMeta.read(data_dir)
+    if meta is None:
+        raise ValueError(f"no prepared data in {str(data_dir)!r} ({META} is missing); run `lmlab prepare` first")
+    return meta
+
+
+def check_token_ids(tokens: np.ndarray, meta: DataMeta, path: Path) -> None:
+    """Every id in ``tokens`` must be one that prepare recorded and below the vocabulary: one pass
+    over the memory map (about a second per GB), so a damaged shard fails here, not mid-training."""
+    if not len(tokens):
+        return
+    top = int(tokens.max())
+    if top > meta.max_token_id or top >= meta.vocab_size:
+        raise CorruptFile(
+            f"{path} holds token id {top}, but {META} records ids up to {meta.max_token_id} of a vocabulary of "
+            f"{meta.vocab_size}; the shard is damaged: run `lmlab prepare --overwrite`"
+        )
+
+
+class TokenData:
+    """One split of prepared language-modeling data, memory-mapped: random training batches and evaluation windows."""
+
+    def __init__(self, data_dir: str | Path, split: str):
+        check_choice("split", split, SPLITS)
+        self.dir, self.split = Path(data_dir), split
+        meta = read_prepared(self.dir)
+        if meta.task != "lm":
+            raise ValueError(f"{str(self.dir)!r} holds {meta.task} data (labelled rows), not a token stream; "
+                             "train it with --task classify")
+        self.meta = meta
+        self.path = self.dir / f"{split}.bin"
+        self.tokens = _open_shard(self.path, np.dtype(meta.dtype), meta.split_tokens(split))
+        check_token_ids(self.tokens, meta, self.path)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    # pickled (DataLoader workers, spawned processes) as a path, reopened on arrival, never copied
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "tokens"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.tokens = np.memmap(self.path, dtype=np.dtype(self.meta.dtype), mode="r")
+
+    def _check(self, batch_size: int, seq_len: int) -> None:
+        check_positive("batch_size", batch_size)
+        check_positive("seq_len", seq_len)
+        if len(self.tokens) < seq_len + 1:
+            raise ValueError(
+                f"{self.path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                "use a shorter seq_len or prepare more text"
+            )
+
+    def _rows(self, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.tokens[starts[:, None] + np.arange(seq_len + 1)]  # (B, T+1), a copy
+        w = torch.from_numpy(window.astype(np.int64))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
+
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` windows at random offsets drawn from ``generator`` (a CPU generator; its
+        state alone decides the batch, so a trainer that saves it resumes exactly). Returns
+        ``(x, y)``, int64 (B, T) on the CPU, with ``y[:, t] = x[:, t+1]`` in the corpus."""
+        self._check(batch_size, seq_len)
+        starts = torch.randint(len(self.tokens) - seq_len, (batch_size,), generator=generator)  # start + T + 1 <= N
+        return self._rows(starts.numpy(), seq_len)
+
+    def num_eval_windows(self, seq_len: int) -> int:
+        """How many windows ``iter_eval`` covers: every target token once, except the tail that
+        does not fill a whole window."""
+        return (len(self.tokens) - 1) // seq_len
+
+    def iter_eval(
+        self, batch_size: int, seq_len: int, max_batches: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Deterministic evaluation batches: windows at offsets 0, T, 2T, ... (inputs do not
+        overlap, so each token is predicted once), ``batch_size`` per batch, the last one
+        possibly smaller; at most ``max_batches`` batches when given."""
+        self._check(batch_size, seq_len)
+        if max_batches is not None:
+            check_positive("max_batches", max_batches)
+        starts = np.arange(self.num_eval_windows(seq_len)) * seq_len
+        for b, i in enumerate(range(0, len(starts), batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            yield self._rows(starts[i : i + batch_size], seq_len)
+
+
+class RowData:
+    """One split of prepared classification data: rows of tokens with a class index each, memory-mapped.
+    A batch is ``(x, labels)``: rows cut to ``seq_len`` tokens, right-padded with ``meta.pad_id``."""
+
+    def __init__(self, data_dir: str | Path, split: str):
+        check_choice("split", split, SPLITS)
+        self.dir, self.split = Path(data_dir), split
+        meta = read_prepared(self.dir)
+        if meta.task != "classify":
+            raise ValueError(f"{str(self.dir)!r} holds a token stream, not labelled rows; prepare a .jsonl file of rows "
+                             "with text and label fields using `lmlab prepare ROWS.jsonl --task classify`")
+        self.meta, self.pad_id, self.classes = meta, meta.pad_id, meta.classes
+        self.path = self.dir / f"{split}.bin"
+        self.tokens = _open_shard(self.path, np.dtype(meta.dtype), meta.split_tokens(split))
+        check_token_ids(self.tokens, meta, self.path)
+        n = meta.split_rows(split)
+        self.ends = _open_shard(self.dir / f"{split}.ends.bin", np.dtype(np.int64), n)
+        self.labels = _open_shard(self.dir / f"{split}.labels.bin", np.dtype(np.int32), n)
+        if n and (int(self.ends[-1]) != len(self.tokens) or int(self.labels.max()) >= len(self.classes)
+                  or int(self.labels.min()) < 0):
+            raise CorruptFile(f"{self.dir / f'{split}.ends.bin'} or its labels disagree with {META}; the data is "
+                              "damaged: run `lmlab prepare --overwrite`")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def rows(self, index: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x (B, L) int64 right-padded, labels (B,) int64) for rows ``index``; L <= seq_len."""
+        starts = np.where(index > 0, self.ends[np.maximum(index - 1, 0)], 0)
+        stops = np.minimum(self.ends[index], starts + seq_len)
+        width = int((stops - starts).max())
+        x = np.full((len(index), width), self.pad_id, dtype=np.int64)
+        for r, (a, b) in enumerate(zip(starts, stops)):
+            x[r, : b - a] = self.tokens[a:b]
+        return torch.from_numpy(x), torch.from_numpy(self.labels[index].astype(np.int64))
+
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` rows drawn at random from ``generator`` (its state alone decides the batch)."""
+        check_positive("batch_size", batch_size)
+        index = torch.randint(len(self), (batch_size,), generator=generator).numpy()
+        return self.rows(index, seq_len)
+
+    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row once, in order, ``batch_size`` at a time; at most ``max_batches`` batches."""
+        check_positive("batch_size", batch_size)
+        for b, i in enumerate(range(0, len(self), batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            yield self.rows(np.arange(i, min(i + batch_size, len(self))), seq_len)
