@@ -47,8 +47,8 @@ WORDS = ("the a model reads writes one word at time small first book next story 
 USER_FILES = {  # my_corpus/: 40 documents of 500 words, enough for a 512-token context in validation
     **{f"my_corpus/doc{i:02d}.{'md' if i % 5 == 0 else 'txt'}":
        " ".join(WORDS[(i * 7 + j * j * 13 + j // 3) % len(WORDS)] for j in range(500)) + "\n" for i in range(40)},
-    "rows.jsonl": "".join(json.dumps({"text": f"{w} review number {i}", "label": "pos" if w == "good" else "neg"}) + "\n"
-                          for i in range(60) for w in ("good", "bad")),
+    "rows.jsonl": "".join(json.dumps({"text": f"{w} review number {i}", "label": {"good": "pos", "bad": "neg"}[w]})
+                          + "\n" for i in range(60) for w in ("good", "bad")),
 }
 PRELUDE = """
 set -euo pipefail
