@@ -9,7 +9,7 @@ The model: llama-style (RMSNorm, rotary, SwiGLU, grouped-query attention), d_mod
 4 heads (2 key/value), byte vocabulary, 9.0M parameters; fp32 on the CPU, one torch thread per process.
 
 Part 1, static memory (2 processes, gloo): one training step (forward, backward, clip, AdamW) under
-train.parallel=ddp and under train.parallel=fsdp, on 4 x 256 tokens per process; then, per process,
+parallel.strategy=ddp and under parallel.strategy=fsdp, on 4 x 256 tokens per process; then, per process,
 the bytes of the distinct tensor storages it holds for the parameters, their gradients and the
 AdamW state (exp_avg, exp_avg_sq, step), a DTensor counted by its local shard. This is tensor
 accounting, exact, not RSS: allocator slack, the CUDA/CPU runtime and DDP's gradient buckets (one
@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import lmlab
-from lmlab.run.config import TrainConfig
+from lmlab.run.config import OptimConfig, ParallelConfig
 
 V, D, L, HEADS, KV = 256, 256, 12, 4, 2
 MB = 2**20
@@ -112,8 +112,8 @@ def static_worker() -> None:
     setups = {}
     for layout in ("ddp", "fsdp"):
         model = lmlab.Transformer(model_config())
-        plan = parallelize(model, TrainConfig(parallel=layout), dist, cpu)
-        setups[layout] = (model, plan, plan.wrap(model), build_optimizer(model, TrainConfig(), cpu))
+        plan = parallelize(model, ParallelConfig(strategy=layout), dist, cpu)
+        setups[layout] = (model, plan, plan.wrap(model), build_optimizer(model, OptimConfig(), cpu))
     report, times = {}, {k: [] for k in setups}
     for rep in range(3):  # the layouts take turns; the first step of each is the one measured
         for layout, (model, plan, trained, optimizer) in setups.items():

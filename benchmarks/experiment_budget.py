@@ -49,7 +49,7 @@ def speeds(cfg, batch: int, seq_len: int, steps: int, eval_len: int | None = Non
     """(training tokens per CPU second, forward tokens per CPU second at ``eval_len`` or seq_len,
     training tokens per wall second) of ``cfg.model``."""
     model = Transformer(cfg.model)
-    opt = build_optimizer(model, cfg.train, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (batch, seq_len), generator=g)
     for i in range(steps + 2):
@@ -103,7 +103,7 @@ def budget(name: str, steps: int) -> list[dict]:
             train, fwd, long, wall = measured[key]
             t = cfg.train
             tokens = t.steps * t.batch_size * cfg.seq_len
-            evals = (t.steps // t.eval_every + 1) * t.eval_batches * t.batch_size * cfg.seq_len
+            evals = (t.steps // cfg.eval.every + 1) * cfg.eval.batches * t.batch_size * cfg.seq_len
             short_tok, long_tok = hook_tokens(name, s, v)
             final = s.final_eval["tokens"] if s.final_eval else 0
             per_run = tokens / train + (evals + final + short_tok) / fwd + long_tok / long + OVERHEAD_S

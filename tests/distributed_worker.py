@@ -25,7 +25,7 @@ import torch.distributed as dist
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.checkpoint import sharded as dcp
-from lmlab.run.config import TrainConfig, load_config
+from lmlab.run.config import ParallelConfig, load_config
 from lmlab.run.parallel.group import Dist
 from lmlab.run.optim import build_optimizer
 from lmlab.run.parallel.plan import parallelize
@@ -42,7 +42,7 @@ def expert_parallel_errors(d: Dist, parallel: str, impl: str) -> dict[str, float
     for m in (ref, model):
         for layer in m.moe_layers:
             layer.set_impl(impl)
-    plan = parallelize(model, TrainConfig(parallel=parallel, expert_parallel=2), d, CPU)
+    plan = parallelize(model, ParallelConfig(strategy=parallel, experts=2), d, CPU)
     trained = plan.wrap(model)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 + d.rank))  # each its own tokens
     out, want = trained(x, x), ref(x, x)
@@ -73,8 +73,8 @@ def load_single_process_checkpoint(d: Dist, run_dir: Path) -> dict[str, int]:
 
     cfg = load_config(run_dir / "config.yaml")
     model = lmlab.Transformer(cfg.model)
-    plan = parallelize(model, cfg.train.override({"parallel": "fsdp"}), d, CPU)
-    optimizer = build_optimizer(model, cfg.train, CPU)
+    plan = parallelize(model, cfg.parallel.replace(strategy="fsdp"), d, CPU)
+    optimizer = build_optimizer(model, cfg.optim, CPU)
     _, path = ckpt.list_checkpoints(run_dir / "checkpoints")[-1]
     counters = dcp.load_into(path, model, optimizer, plan)
     model_state, optim_state = get_state_dict(model, optimizer,
@@ -94,8 +94,8 @@ def refuse_another_model(d: Dist, run_dir: Path) -> list[str]:
     """Every process's error on loading the run's first checkpoint into a deeper model."""
     cfg = load_config(run_dir / "config.yaml", {"model.n_layers": 3})
     model = lmlab.Transformer(cfg.model)
-    plan = parallelize(model, cfg.train, d, CPU)
-    optimizer = build_optimizer(model, cfg.train, CPU)
+    plan = parallelize(model, cfg.parallel, d, CPU)
+    optimizer = build_optimizer(model, cfg.optim, CPU)
     _, path = ckpt.list_checkpoints(run_dir / "checkpoints")[0]
     try:
         dcp.load_into(path, model, optimizer, plan)

@@ -23,8 +23,8 @@ from lmlab.run.load import load_run
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.max_seq_len", "32"]
-FAST = ["--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2", "--train.log_every", "1",
-        "--train.tensorboard", "false", "--train.sample_tokens", "16", "--train.device", "cpu", "--quiet"]
+FAST = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
+        "--log.tensorboard", "false", "--log.sample_tokens", "16", "--train.device", "cpu", "--quiet"]
 
 
 def corpus(path: Path, n_words: int = 6000) -> Path:
@@ -59,7 +59,7 @@ def trained(tmp_path_factory):
     source = corpus(root / "corpus.txt")
     assert cli.main(["prepare", str(source), "--out", str(root / "data"), "--seq-len", "32"]) == 0
     code = cli.main(["train", "--run-dir", str(root / "run"), "--data", str(root / "data"),
-                     *TINY, *FAST, "--train.steps", "12", "--train.eval_every", "6", "--train.save_every", "6"])
+                     *TINY, *FAST, "--train.steps", "12", "--eval.every", "6", "--checkpoint.every", "6"])
     assert code == 0
     return root
 
@@ -237,8 +237,8 @@ def test_sweep_and_experiment_bad_input_is_one_line_exit_2(capsys, tmp_path):
 
 
 def test_print_config_resolves_overrides(capsys, tmp_path):
-    (tmp_path / "run.yaml").write_text("model:\n  n_layers: 3\ntrain:\n  lr: 0.01\n")
-    code, out, _ = run(capsys, "train", "--config", tmp_path / "run.yaml", "--train.lr", "1e-4", "--print-config")
+    (tmp_path / "run.yaml").write_text("model:\n  n_layers: 3\noptim:\n  lr: 0.01\n")
+    code, out, _ = run(capsys, "train", "--config", tmp_path / "run.yaml", "--optim.lr", "1e-4", "--print-config")
     assert code == 0 and "n_layers: 3" in out and "lr: 0.0001" in out and not (Path("runs") / "default").exists()
 
 
@@ -283,15 +283,15 @@ def test_unknown_config_keys_suggest_the_closest(capsys, tmp_path):
     assert "unknown key 'model.n_layer'" in err and "did you mean 'n_layers'?" in err
     err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--modle.n_layers", "2")
     assert "unknown config section 'modle'" in err and "did you mean 'model'?" in err
-    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--train.lr", "fast")
+    err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--optim.lr", "fast")
     assert "lr='fast' is not a number" in err
     (tmp_path / "run.yaml").write_text("model:\n  positon: rope\n")
     err = bad_input(capsys, "train", "--config", tmp_path / "run.yaml", "--run-dir", tmp_path / "run")
     assert "did you mean 'positions'?" in err
     err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--bogus")
     assert "unrecognized arguments: --bogus" in err
-    err = bad_input(capsys, "eval", tmp_path, "--train.lr", "1")
-    assert "unknown config section 'train'" in err
+    err = bad_input(capsys, "eval", tmp_path, "--optim.lr", "1")
+    assert "unknown config section 'optim'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
 
 
@@ -348,7 +348,7 @@ def test_run_dir_holding_another_run(trained, capsys):
     before = snapshot(trained / "run")
     err = bad_input(capsys, "train", "--run-dir", trained / "run", "--data", trained / "data",
                     *TINY, *FAST, "--train.steps", "12",
-                    "--train.eval_every", "6", "--train.save_every", "6", "--model.n_layers", "3")
+                    "--eval.every", "6", "--checkpoint.every", "6", "--model.n_layers", "3")
     assert "already holds a different run (model.n_layers: 2 vs 3, there vs here)" in err and "--resume" in err
     err = bad_input(capsys, "train", "--run-dir", trained / "run")
     assert "already holds a different run" in err and "--overwrite" in err
@@ -364,7 +364,7 @@ def test_run_dir_holding_another_run(trained, capsys):
 def test_learned_positions_past_their_table(capsys, tmp_path):
     source = corpus(tmp_path / "c.txt")
     code = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--data.source", str(source), *TINY, *FAST,
-                     "--model.positions", "learned", "--train.steps", "2", "--train.eval_every", "2", "--train.sample_tokens", "0"])
+                     "--model.positions", "learned", "--train.steps", "2", "--eval.every", "2", "--log.sample_tokens", "0"])
     assert code == 0
     err = bad_input(capsys, "eval", tmp_path / "run", "--seq-len", "64")
     assert "positions='learned' has a table of max_seq_len=32 positions" in err
@@ -378,7 +378,7 @@ def test_signal_saves_a_checkpoint_and_resume_continues(capsys, tmp_path, sig):
     source = corpus(tmp_path / "c.txt")
     run_dir = tmp_path / "run"
     args = ["train", "--run-dir", str(run_dir), "--data.source", str(source), *TINY, *FAST, "--train.steps", "100000",
-            "--train.eval_every", "100000", "--train.save_every", "100000"]
+            "--eval.every", "100000", "--checkpoint.every", "100000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)

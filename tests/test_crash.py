@@ -25,9 +25,9 @@ from lmlab.run.checkpoint import local as ckpt
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.max_seq_len", "32"]
-RUN = [*TINY, "--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2", "--train.log_every", "1",
-       "--train.tensorboard", "false", "--train.sample_tokens", "0", "--train.device", "cpu", "--quiet",
-       "--train.steps", "10", "--train.eval_every", "2", "--train.save_every", "2", "--train.keep_last", "1"]
+RUN = [*TINY, "--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
+       "--log.tensorboard", "false", "--log.sample_tokens", "0", "--train.device", "cpu", "--quiet",
+       "--train.steps", "10", "--eval.every", "2", "--checkpoint.every", "2", "--checkpoint.keep_last", "1"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same arithmetic as this process (conftest: 1 thread)
 
 # Runs lmlab in a child that SIGKILLs itself at the n-th call of one function: before os.replace
@@ -144,7 +144,7 @@ def test_a_second_process_is_refused_while_the_first_trains_and_takes_over_after
     source = corpus(tmp_path / "c.txt")
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--data.source", str(source), *RUN, "--train.steps", "100000",
-            "--train.save_every", "1", "--train.eval_every", "100000"]
+            "--checkpoint.every", "1", "--eval.every", "100000"]
     first = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], env=ENV, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120

@@ -81,10 +81,11 @@ def copy_to_step(src: Path, dst: Path, step: int) -> Path:
 def dense(tmp_path_factory):
     """The same 8 steps on one process and on two under FSDP; checkpoints at steps 2, 4, 6 and 8."""
     tmp = tmp_path_factory.mktemp("dense")
-    cfg = run_config(tmp, steps=8, grad_accum=2, eval_every=4, save_every=2, keep_last=4, eval_batches=1)
+    cfg = run_config(tmp, {"train.steps": 8, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 2,
+                           "checkpoint.keep_last": 4, "eval.batches": 1})
     train(cfg, tmp / "one")
     (tmp / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    train_2(tmp / "run.yaml", tmp / "two", "--train.parallel", "fsdp")
+    train_2(tmp / "run.yaml", tmp / "two", "--parallel.strategy", "fsdp")
     return tmp
 
 
@@ -101,14 +102,14 @@ def test_fsdp_matches_one_process_dense(dense):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
     prov = yaml.safe_load((dense / "two" / "config.yaml").read_text())
-    assert prov["train"]["parallel"] == "fsdp" and prov["provenance"][0]["world_size"] == 2
+    assert prov["parallel"]["strategy"] == "fsdp" and prov["provenance"][0]["world_size"] == 2
 
 
 @pytest.mark.slow
 def test_fsdp_resume_on_two_processes_repeats_the_run_exactly(dense, tmp_path):
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
     # and writes steps 6 and 8 asynchronously: step 6's write runs while steps 7 and 8 change the weights
-    train_2(dense / "run.yaml", run, "--train.save_mode", "async", resume=True)
+    train_2(dense / "run.yaml", run, "--checkpoint.mode", "async", resume=True)
     assert losses(run) == losses(dense / "two")  # bit-identical, steps 5-8 included
     for step in (6, 8):
         a, b = weights(dense / "two", step), weights(run, step)
@@ -120,7 +121,7 @@ def test_fsdp_resume_on_two_processes_repeats_the_run_exactly(dense, tmp_path):
 def test_resharding_resume_two_to_one_to_two(dense, tmp_path):
     # 2 -> 1: the FSDP checkpoint of step 4 on one process, as a plain model
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
-    cfg = lmlab.run.load_config(run / "config.yaml", {"train.parallel": "ddp"})
+    cfg = lmlab.run.load_config(run / "config.yaml", {"parallel.strategy": "ddp"})
 
     def stop_at_6(trainer, record):
         if record["step"] == 6:
@@ -139,7 +140,7 @@ def test_resharding_resume_two_to_one_to_two(dense, tmp_path):
     # 1 -> 2: that safetensors checkpoint back onto two FSDP processes, against one process going on
     alone = copy_to_step(run, tmp_path / "alone", 6)
     train(cfg, alone, resume=True)
-    train_2(dense / "run.yaml", run, "--train.parallel", "fsdp", resume=True)
+    train_2(dense / "run.yaml", run, "--parallel.strategy", "fsdp", resume=True)
     a, b = losses(alone), losses(run)
     assert list(b) == list(range(1, 9))
     close([b[7], b[8]], [a[7], a[8]])
@@ -148,10 +149,11 @@ def test_resharding_resume_two_to_one_to_two(dense, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_moe_matches_one_process(tmp_path):
-    cfg = run_config(tmp_path, model=MOE, steps=4, grad_accum=2, eval_every=4, save_every=4, eval_batches=1)
+    cfg = run_config(tmp_path, {"train.steps": 4, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 4,
+                                "eval.batches": 1}, model=MOE)
     train(cfg, tmp_path / "one")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    train_2(tmp_path / "run.yaml", tmp_path / "two", "--train.parallel", "fsdp")
+    train_2(tmp_path / "run.yaml", tmp_path / "two", "--parallel.strategy", "fsdp")
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     close(list(two.values()), list(one.values()))
     last = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -179,10 +181,11 @@ def test_expert_parallel_layer_matches_one_process_and_fsdp_loads_a_single_proce
 
 @pytest.mark.slow
 def test_expert_parallel_with_fsdp_trains_like_one_process(tmp_path):
-    cfg = run_config(tmp_path, model=MOE, steps=4, grad_accum=2, eval_every=4, save_every=4, eval_batches=1)
+    cfg = run_config(tmp_path, {"train.steps": 4, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 4,
+                                "eval.batches": 1}, model=MOE)
     train(cfg, tmp_path / "one")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    train_2(tmp_path / "run.yaml", tmp_path / "two", "--train.parallel", "fsdp", "--train.expert_parallel", "2")
+    train_2(tmp_path / "run.yaml", tmp_path / "two", "--parallel.strategy", "fsdp", "--parallel.experts", "2")
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     close(list(two.values()), list(one.values()))
     a, b = weights(tmp_path / "one", 4), weights(tmp_path / "two", 4)  # each rank wrote half the experts
@@ -193,11 +196,11 @@ def test_expert_parallel_with_fsdp_trains_like_one_process(tmp_path):
 
 
 def test_expert_parallel_must_divide_the_experts_and_the_processes(tmp_path):
-    with pytest.raises(ValueError, match=r"train.expert_parallel=3 does not divide the 4 routed experts.*\[2, 4\]"):
-        run_config(tmp_path, model=MOE, expert_parallel=3)
-    with pytest.raises(ValueError, match=r"train.expert_parallel=2 needs a mixture-of-experts model"):
-        run_config(tmp_path, expert_parallel=2)
-    cfg = run_config(tmp_path, model=MOE, expert_parallel=2)
+    with pytest.raises(ValueError, match=r"parallel.experts=3 does not divide the 4 routed experts.*\[2, 4\]"):
+        run_config(tmp_path, {"parallel.experts": 3}, model=MOE)
+    with pytest.raises(ValueError, match=r"parallel.experts=2 needs a mixture-of-experts model"):
+        run_config(tmp_path, {"parallel.experts": 2})
+    cfg = run_config(tmp_path, {"parallel.experts": 2}, model=MOE)
     with pytest.raises(ValueError, match=r"does not divide the 1 process; .* torchrun --nproc-per-node"):
         Trainer(cfg, tmp_path / "run", quiet=True)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -208,10 +211,10 @@ def test_fsdp_without_torchrun_is_one_line_and_exit_2(tmp_path, capsys):
     cfg = run_config(tmp_path)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     code = cli(["train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), "--quiet",
-                "--train.parallel", "fsdp"])
+                "--parallel.strategy", "fsdp"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert "train.parallel=fsdp shards the model over several processes" in err and "torchrun" in err
+    assert "parallel.strategy=fsdp shards the model over several processes" in err and "torchrun" in err
 
 
 @pytest.mark.slow
@@ -219,12 +222,12 @@ def test_a_distributed_checkpoint_of_another_model_is_refused(dense, tmp_path, c
     """(On two processes: the worker test.)"""
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
     before = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
-    cfg = lmlab.run.load_config(run / "config.yaml", {"model.n_layers": 3, "train.parallel": "ddp"})
+    cfg = lmlab.run.load_config(run / "config.yaml", {"model.n_layers": 3, "parallel.strategy": "ddp"})
     with pytest.raises(ValueError, match=r"does not match the model: tensor 'blocks.2.attn.qkv.weight' is missing.*"
                                          r"model.n_layers is 2 in the checkpoint but 3 here"):
         Trainer(cfg, run, resume=True, quiet=True)
     code = cli(["train", "--resume", "--run-dir", str(run), "--quiet", "--model.n_layers", "3",
-                "--train.parallel", "ddp"])
+                "--parallel.strategy", "ddp"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "does not match the model" in err
     assert {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()} == before
@@ -242,7 +245,7 @@ def test_a_distributed_checkpoint_index_never_unpickles_code(dense, tmp_path):
             return (os.system, (f"touch {marker}",))
 
     index.write_bytes(pickle.dumps(Payload()))
-    cfg = lmlab.run.load_config(run / "config.yaml", {"train.parallel": "ddp"})
+    cfg = lmlab.run.load_config(run / "config.yaml", {"parallel.strategy": "ddp"})
     with pytest.raises(CorruptFile, match=r"cannot be read .*posix.system is not part of a checkpoint index"):
         Trainer(cfg, run, resume=True, quiet=True)
     assert not marker.exists()
@@ -267,7 +270,7 @@ def test_a_failed_collective_says_peers_were_lost_and_only_that_arms_the_watchdo
                         "[127.0.0.1]:8580. This is typically caused by a remote worker crashing.")
     d = Dist(rank=1, world=2, timeout=7.0)
     with pytest.raises(PeersLost, match=r"process 1 of 2 lost contact with the others \(.*Connection closed by peer.*"
-                                        r"train.collective_timeout=7s"):
+                                        r"parallel.collective_timeout=7s"):
         with d.collectives():
             raise gloo
     with pytest.raises(RuntimeError, match="^shape mismatch$"):  # a bug stays a bug
@@ -328,9 +331,9 @@ out.write_text(json.dumps({"seconds": time.time() - start, "code": status}))
 def test_killing_the_agent_and_one_rank_ends_the_survivor_within_the_timeout(tmp_path, how):
     """Killed: the survivor's next collective fails at once, and its shutdown may stall in gloo's
     teardown. Frozen (SIGSTOP): only the timeout ends the wait (torch's default for gloo: 30 min)."""
-    timeout = 10  # train.collective_timeout: the survivor notices within it and shuts down within it
-    cfg = run_config(tmp_path, steps=100000, grad_accum=2, eval_every=100000, save_every=100000,
-                     collective_timeout=timeout)
+    timeout = 10  # parallel.collective_timeout: the survivor notices within it and shuts down within it
+    cfg = run_config(tmp_path, {"train.steps": 100000, "train.grad_accum": 2, "eval.every": 100000,
+                                "checkpoint.every": 100000, "parallel.collective_timeout": timeout})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "lmlab.cli",
            "train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), "--quiet"]
@@ -346,9 +349,10 @@ def test_killing_the_agent_and_one_rank_ends_the_survivor_within_the_timeout(tmp
 # ============================================================== activation checkpointing
 def test_activation_checkpointing_changes_the_memory_not_the_run(tmp_path):
     model = {**MOE, "dropout": 0.1, "n_layers": 3}
-    cfg = run_config(tmp_path, model=model, steps=3, grad_accum=2, eval_every=3, save_every=3)
+    cfg = run_config(tmp_path, {"train.steps": 3, "train.grad_accum": 2, "eval.every": 3, "checkpoint.every": 3},
+                     model=model)
     plain, _, _ = train(cfg, tmp_path / "plain")
-    cfg = cfg.override({"train.activation_checkpointing": "blocks", "train.activation_checkpoint_every": 2})
+    cfg = cfg.override({"parallel.activation_checkpointing": "blocks", "parallel.activation_checkpoint_every": 2})
     _, _, trainer = train(cfg, tmp_path / "ckpt")
     assert losses(tmp_path / "ckpt") == losses(tmp_path / "plain")  # dropout masks and router biases included
     wrapped = [b.forward.__wrapped__ is not None for b in trainer.model.blocks if hasattr(b.forward, "__wrapped__")]

@@ -42,8 +42,8 @@ from lmlab.run.errors import CorruptFile
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.max_seq_len", "32"]
-FAST = ["--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2", "--train.log_every", "1",
-        "--train.tensorboard", "false", "--train.sample_tokens", "0", "--train.device", "cpu", "--quiet"]
+FAST = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
+        "--log.tensorboard", "false", "--log.sample_tokens", "0", "--train.device", "cpu", "--quiet"]
 ROOT = os.geteuid() == 0  # root ignores file modes: permission faults are then simulated at the system calls
 
 
@@ -81,7 +81,7 @@ def trained(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("faults")
     source = corpus(root / "corpus.txt")
     code = cli.main(["train", "--run-dir", str(root / "run"), "--data.source", str(source), *TINY, *FAST,
-                     "--train.steps", "4", "--train.eval_every", "2", "--train.save_every", "2"])
+                     "--train.steps", "4", "--eval.every", "2", "--checkpoint.every", "2"])
     assert code == 0
     return root
 
@@ -110,7 +110,7 @@ class Env:
         path = self.tmp / "spec.yaml"
         if not path.exists():
             path.write_text("name: t\nbase:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
-                            "  train: {steps: 2, batch_size: 2, eval_every: 2, device: cpu}\n"
+                            "  train: {steps: 2, batch_size: 2, device: cpu}\n  eval: {every: 2}\n"
                             "variants:\n  - {name: a, overrides: {}}\n")
         return path
 
@@ -340,7 +340,7 @@ def alias_bomb() -> str:
     levels = ['&a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for prev, name in zip("abcdefgh", "bcdefghi"):
         levels.append(f"&{name} [{', '.join([f'*{prev}'] * 9)}]")
-    return f"train: {{lr: [{', '.join(levels)}]}}\n"
+    return f"optim: {{lr: [{', '.join(levels)}]}}\n"
 
 
 def setup_deep_jsonl(env: Env) -> list:
@@ -496,14 +496,14 @@ CASES = [
          ("it must be at most 2**40 (1,099,511,627,776)",), seconds=20),
     Case("YAML alias bomb (9 levels of 9 aliases)", lambda env: config_file(env, alias_bomb()), 2,
          ("c.yaml' expands to more than 10,000 values", "through its aliases"), seconds=20),
-    Case("YAML alias to the list that holds it", lambda env: config_file(env, "train: {lr: &a [1, *a]}\n"), 2,
+    Case("YAML alias to the list that holds it", lambda env: config_file(env, "optim: {lr: &a [1, *a]}\n"), 2,
          ("c.yaml' contains itself through an alias",), seconds=20),
     Case("YAML flow list nested 20,000 deep",
-         lambda env: config_file(env, "train: {lr: " + "[" * 20_000 + "]" * 20_000 + "}\n"), 2,
+         lambda env: config_file(env, "optim: {lr: " + "[" * 20_000 + "]" * 20_000 + "}\n"), 2,
          ("c.yaml' nests deeper than 64 levels at line 1",), seconds=20),
     Case("JSONL line nested 100,000 deep", setup_deep_jsonl, 2, ("deep.jsonl:2: nests JSON values too deeply",),
          seconds=20),
-    Case("a number where a list belongs (train.betas: 5)", lambda env: config_file(env, "train: {betas: 5}\n"), 2,
+    Case("a number where a list belongs (optim.betas: 5)", lambda env: config_file(env, "optim: {betas: 5}\n"), 2,
          ("betas=5 is not a list",)),
     Case("a number as a section (data: 5)", lambda env: config_file(env, "data: 5\n"), 2,
          ("data must be a mapping of DataConfig fields, got 5",)),
@@ -539,23 +539,23 @@ CASES = [
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
     # ---- item 6: validation gaps
-    Case("--train.lr inf", lambda env: new_run(env, "--train.lr", "inf"), 2, ("lr='inf' is not valid; it must be a finite number",)),
+    Case("--optim.lr inf", lambda env: new_run(env, "--optim.lr", "inf"), 2, ("lr='inf' is not valid; it must be a finite number",)),
     Case("--model.init_std inf", lambda env: new_run(env, "--model.init_std", "inf"), 2, ("init_std='inf' is not valid",)),
-    Case("train.lr: .inf in YAML",
-         lambda env: (env.tmp.joinpath("c.yaml").write_text("train:\n  lr: .inf\n"), ["train", "--config", env.tmp / "c.yaml",
+    Case("optim.lr: .inf in YAML",
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("optim:\n  lr: .inf\n"), ["train", "--config", env.tmp / "c.yaml",
                                                                                     "--run-dir", env.tmp / "r"])[1],
          2, ("lr=inf is not valid",)),
     Case("duplicate key in a run config",
-         lambda env: (env.tmp.joinpath("c.yaml").write_text("train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n"),
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("optim:\n  lr: 0.1\n  eps: 3\n  lr: 0.2\n"),
                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("c.yaml': key 'lr' is given twice (lines 2 and 4); keep one",)),
     Case("a field nested and dotted in one run config",
-         lambda env: (env.tmp.joinpath("c.yaml").write_text("train:\n  lr: 0.1\ntrain.lr: 0.2\n"),
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("optim:\n  lr: 0.1\noptim.lr: 0.2\n"),
                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
-         2, ("gives 'train.lr' twice",)),
+         2, ("gives 'optim.lr' twice",)),
     Case("duplicate key in a sweep spec",
          lambda env: (env.spec().write_text(env.spec().read_text() + "name: u\n"), ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
-         2, ("spec.yaml': key 'name' is given twice (lines 1 and 7)",)),
+         2, ("spec.yaml': key 'name' is given twice (lines 1 and 8)",)),
     # ---- item 9: never write through a link that leaves the run
     Case("dangling metrics.jsonl link", setup_dangling_metrics, 2,
          ("run/metrics.jsonl' is a symbolic link to", "outside the run directory")),
@@ -715,8 +715,8 @@ def test_a_record_survives_a_crash_right_after_its_checkpoint(tmp_path, monkeypa
     """The old order (checkpoint, then log) lost step 4's record for good when the process died in
     between: resume restarts after the checkpoint. Records now reach the file first."""
     source = corpus(tmp_path / "c.txt")
-    args = [*TINY, *FAST, "--data.source", str(source), "--train.steps", "6", "--train.eval_every", "2",
-            "--train.save_every", "2"]
+    args = [*TINY, *FAST, "--data.source", str(source), "--train.steps", "6", "--eval.every", "2",
+            "--checkpoint.every", "2"]
     assert cli.main(["train", "--run-dir", str(tmp_path / "ref"), *args]) == 0
     real = ckpt.save_checkpoint
 
@@ -738,19 +738,19 @@ def test_a_record_survives_a_crash_right_after_its_checkpoint(tmp_path, monkeypa
 def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys):
     """lr jumps to 1e10 after step 3: step 4's update is huge but finite, and the old guard
     checkpointed it (and the skipped steps after it) and named it as the last good one."""
-    from lmlab.run.config import RunConfig, TrainConfig
+    from lmlab.run.config import CheckpointConfig, EvalConfig, LogConfig, OptimConfig, RunConfig, TrainConfig
     from lmlab.run.data.config import DataConfig
     from lmlab.run.trainer import Trainer, TrainingDiverged
 
     cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
                     data=DataConfig(source=str(corpus(tmp_path / "c.txt"))),
-                    train=TrainConfig(steps=20, batch_size=4, warmup_steps=0, lr=3e-3, eval_every=100, eval_batches=2,
-                                      save_every=1, keep_last=20, max_bad_steps=3, tensorboard=False, sample_tokens=0,
-                                      device="cpu"))
+                    train=TrainConfig(steps=20, batch_size=4, max_bad_steps=3, device="cpu"),
+                    optim=OptimConfig(warmup_steps=0, lr=3e-3), eval=EvalConfig(every=100, batches=2),
+                    checkpoint=CheckpointConfig(every=1, keep_last=20), log=LogConfig(tensorboard=False, sample_tokens=0))
 
     def explode(trainer, record):
         if record["step"] == 3:
-            trainer.cfg = trainer.cfg.override({"train.lr": 1e10})
+            trainer.cfg = trainer.cfg.override({"optim.lr": 1e10})
 
     with pytest.raises(TrainingDiverged) as e, Trainer(cfg, tmp_path / "run", quiet=True, callbacks=[explode]) as t:
         t.fit()
@@ -762,10 +762,10 @@ def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys)
 
 
 def test_non_finite_floats_are_refused_everywhere():
-    from lmlab.run.config import TrainConfig
+    from lmlab.run.config import OptimConfig, TrainConfig
 
     for make in (lambda v: lmlab.ModelConfig(init_std=v), lambda v: lmlab.ModelConfig(norm_eps=v),
-                 lambda v: lmlab.RopeConfig(base=v), lambda v: TrainConfig(lr=v), lambda v: TrainConfig(betas=(0.9, v)),
+                 lambda v: lmlab.RopeConfig(base=v), lambda v: OptimConfig(lr=v), lambda v: OptimConfig(betas=(0.9, v)),
                  lambda v: TrainConfig(max_memory_gib=v)):
         for value in (float("inf"), float("-inf"), float("nan"), "inf", "1e999"):
             with pytest.raises(ValueError, match="is not valid"):
@@ -900,7 +900,7 @@ def test_ctrl_c_with_stdout_to_a_closed_pipe_saves_a_checkpoint_and_exits_130(tm
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--data.source", str(corpus(tmp_path / "c.txt")), *TINY,
             *[a for a in FAST if a != "--quiet"], *(["--quiet"] if quiet else []), "--train.steps", "100000",
-            "--train.eval_every", "100000", "--train.save_every", "100000"]
+            "--eval.every", "100000", "--checkpoint.every", "100000"]
     with open(tmp_path / "stderr", "wb") as err:  # a file: a progress bar never fills a pipe nobody reads
         proc = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], stdout=subprocess.PIPE, stderr=err,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})

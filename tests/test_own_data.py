@@ -19,8 +19,8 @@ from lmlab.run.load import load_run
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 TINY = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.max_seq_len", "32"]
-FAST = ["--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2", "--train.log_every", "1",
-        "--train.tensorboard", "false", "--train.sample_tokens", "8", "--train.device", "cpu"]
+FAST = ["--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
+        "--log.tensorboard", "false", "--log.sample_tokens", "8", "--train.device", "cpu"]
 
 
 def run(capsys, *args) -> tuple[int, str, str]:
@@ -62,7 +62,7 @@ def test_prepare_bpe_then_train_on_it_resume_elsewhere_eval_and_generate(capsys,
     assert code == 0 and out.startswith("prepared data: bpe tokenizer, vocab 300; 40 documents, split by document;")
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     code, out, _ = run(capsys, "train", "--data", "data", "--run-dir", "run", *TINY, *FAST, "--train.steps", "6",
-                       "--train.eval_every", "3", "--train.save_every", "3")
+                       "--eval.every", "3", "--checkpoint.every", "3")
     assert code == 0, out
     banner = next(line for line in out.splitlines() if line.startswith("data: "))
     assert banner.startswith(f"data: {tmp_path / 'data'} (bpe tokenizer, vocab 300; 40 documents, split by document; "
@@ -100,7 +100,7 @@ def test_resume_refuses_data_that_changed_and_a_failed_start_leaves_no_data(caps
     corpus_dir(tmp_path / "a", seed=1)
     assert run(capsys, "prepare", tmp_path / "a", "--out", tmp_path / "data")[0] == 0
     args = ["train", "--data", tmp_path / "data", "--run-dir", tmp_path / "run", *TINY, *FAST, "--quiet",
-            "--train.steps", "2", "--train.eval_every", "2"]
+            "--train.steps", "2", "--eval.every", "2"]
     assert run(capsys, *args)[0] == 0
     corpus_dir(tmp_path / "a", seed=2)  # the same files, new text, prepared again in the same place
     assert run(capsys, "prepare", tmp_path / "a", "--out", tmp_path / "data", "--overwrite")[0] == 0
@@ -156,8 +156,8 @@ def test_fine_tune_a_hugging_face_llama_with_its_tokenizer(capsys, tmp_path, hf_
     assert (tmp_path / "data" / "tokenizer.json").read_bytes() == (hf_llama / "tokenizer.json").read_bytes()
     # one step at a negligible learning rate: the run starts from the checkpoint's weights
     code, out, err = run(capsys, "train", "--data", tmp_path / "data", "--train.init_from", hf_llama, "--run-dir",
-                       tmp_path / "run", *FAST, "--train.seq_len", "32", "--train.steps", "1", "--train.lr", "1e-12",
-                       "--train.eval_every", "1", "--train.weight_decay", "0")
+                       tmp_path / "run", *FAST, "--train.seq_len", "32", "--train.steps", "1", "--optim.lr", "1e-12",
+                       "--eval.every", "1", "--optim.weight_decay", "0")
     assert code == 0, err
     assert "starting from" in out and str(hf_llama) in out
     tuned, reference = load_run(tmp_path / "run").model, from_hf(hf_llama)
@@ -167,13 +167,13 @@ def test_fine_tune_a_hugging_face_llama_with_its_tokenizer(capsys, tmp_path, hf_
     # one step with a real learning rate moves them
     code, _, _ = run(capsys, "train", "--data", tmp_path / "data", "--train.init_from", hf_llama, "--run-dir",
                      tmp_path / "run2", *FAST, "--quiet", "--train.seq_len", "32", "--train.steps", "2",
-                     "--train.eval_every", "2")
+                     "--eval.every", "2")
     assert code == 0
     assert not torch.equal(load_run(tmp_path / "run2").model.embed.weight, reference.embed.weight)
     # one step: a raw source is prepared with the checkpoint's tokenizer, without being told
     code, _, _ = run(capsys, "train", "--data.source", tmp_path / "corpus", "--train.init_from", hf_llama,
                      "--run-dir", tmp_path / "run3", *FAST, "--quiet", "--train.seq_len", "32", "--train.steps", "1",
-                     "--train.eval_every", "1")
+                     "--eval.every", "1")
     assert code == 0
     own = json.loads((tmp_path / "run3" / "data" / "meta.json").read_text())
     assert own["tokenizer_hash"] == meta["tokenizer_hash"]
@@ -215,8 +215,8 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
                        "sentiment", "--out", tmp_path / "data")
     assert code == 0 and "2 classes" in out
     code, out, _ = run(capsys, "train", "--task", "classify", "--data", tmp_path / "data", "--run-dir", tmp_path / "run",
-                       *TINY, *FAST, "--train.batch_size", "16", "--train.steps", "60", "--train.lr", "3e-3",
-                       "--train.eval_every", "30", "--train.eval_batches", "50", "--quiet")
+                       *TINY, *FAST, "--train.batch_size", "16", "--train.steps", "60", "--optim.lr", "3e-3",
+                       "--eval.every", "30", "--eval.batches", "50", "--quiet")
     assert code == 0, out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["val_accuracy"] for r in records if "val_accuracy" in r}
@@ -306,7 +306,7 @@ def test_a_damaged_tokenizer_is_an_environment_failure_exit_3(capsys, tmp_path):
     assert run(capsys, "prepare", tmp_path / "corpus", "--tokenizer", "bpe", "--vocab-size", "300",
                "--out", tmp_path / "data")[0] == 0
     assert run(capsys, "train", "--data", tmp_path / "data", "--run-dir", tmp_path / "run", *TINY, *FAST, "--quiet",
-               "--train.steps", "1", "--train.eval_every", "1")[0] == 0
+               "--train.steps", "1", "--eval.every", "1")[0] == 0
     (tmp_path / "data" / "tokenizer.json").write_bytes(b"\x00\x01 not json")
     err = bad_input(capsys, "generate", tmp_path / "run", code=3)
     assert "tokenizer.json is damaged" in err and "lmlab prepare --overwrite" in err

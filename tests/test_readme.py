@@ -36,12 +36,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmlab.run.config import renamed
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 PAGES = {"README.md": README} | {f"docs/{p.name}": p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 BLOCKS = [(page, i, code) for page, text in PAGES.items()
           for i, code in enumerate(re.findall(r"```python\n(.*?)```", text, flags=re.S))]
-QUICK = {"train.steps": "2", "train.eval_batches": "1", "train.sample_tokens": "16"}
+QUICK = {"train.steps": "2", "eval.batches": "1", "log.sample_tokens": "16"}
 WORDS = ("the a model reads writes one word at time small first book next story cat sat on mat dog ran to park "
          "and then it was night morning light river stone tree house door window long short old new").split()
 USER_FILES = {  # my_corpus/: 40 documents of 500 words, enough for a 512-token context in validation
@@ -104,7 +106,7 @@ def is_training(argv: list[str]) -> bool:
 
 
 def quick_extra(argv: list[str]) -> str:
-    given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    given = {renamed(a[2:].split("=")[0]) for a in argv if a.startswith("--")}  # old key names count as given
     if argv[:2] == ["lmlab", "sweep"]:
         return "" if "quick" in given else "--quick"
     return " ".join(f"--{k} {v}" for k, v in QUICK.items() if k not in given) if is_training(argv) else ""

@@ -14,7 +14,7 @@ import yaml
 
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
-from lmlab.run.config import RunConfig, TrainConfig, build_config, load_config
+from lmlab.run.config import RunConfig, build_config, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.trainer import Trainer
 
@@ -29,14 +29,18 @@ def corpus(path: Path, n_words: int = 6000) -> Path:
     return path
 
 
-def run_config(tmp_path: Path, **train) -> RunConfig:
+FAST = {"train.steps": 8, "train.batch_size": 4, "optim.warmup_steps": 2, "optim.lr": 3e-3, "eval.every": 4,
+        "eval.batches": 2, "checkpoint.every": 4, "log.every": 1, "log.tensorboard": False, "log.sample_tokens": 0,
+        "train.device": "cpu"}  # a tiny run's sections, as dotted fields
+
+
+def run_config(tmp_path: Path, changes: dict | None = None) -> RunConfig:
+    """A tiny run on a word corpus in ``tmp_path``: FAST, then dotted ``changes``."""
     source = tmp_path / "corpus.txt"
     if not source.exists():
         corpus(source)
-    t = dict(steps=8, batch_size=4, warmup_steps=2, lr=3e-3, eval_every=4, eval_batches=2, save_every=4, log_every=1,
-             tensorboard=False, sample_tokens=0, device="cpu")
-    return RunConfig(model=lmlab.ModelConfig.from_preset("llama", **TINY), data=DataConfig(source=str(source)),
-                     train=TrainConfig(**{**t, **train}))
+    base = RunConfig(model=lmlab.ModelConfig.from_preset("llama", **TINY), data=DataConfig(source=str(source)))
+    return base.override({**FAST, **(changes or {})})
 
 
 def fit(cfg: RunConfig, run_dir: Path, callbacks=(), **kw):
@@ -60,15 +64,15 @@ def test_presets_in_yaml_and_on_the_command_line(tmp_path):
 
 
 def test_init_from_a_run_or_its_checkpoint_starts_from_its_config_and_weights(tmp_path):
-    cfg = run_config(tmp_path, steps=4, eval_every=4, save_every=4)
+    cfg = run_config(tmp_path, {"train.steps": 4, "eval.every": 4, "checkpoint.every": 4})
     cfg = cfg.override({"model.n_layers": 3, "model.positions": "alibi"})
     fit(cfg, tmp_path / "base")
     base = ckpt.resolve(tmp_path / "base" / "checkpoints", "best")
     for source in (tmp_path / "base", base):
-        tuned = load_config(None, {"train.init_from": str(source), "train.steps": "1", "train.lr": "1e-12",
-                                   "train.weight_decay": "0", "data.source": str(tmp_path / "corpus.txt"),
-                                   "train.eval_every": "1", "train.tensorboard": "false", "train.sample_tokens": "0",
-                                   "train.batch_size": "4", "train.eval_batches": "1", "train.device": "cpu"})
+        tuned = load_config(None, {"train.init_from": str(source), "train.steps": "1", "optim.lr": "1e-12",
+                                   "optim.weight_decay": "0", "data.source": str(tmp_path / "corpus.txt"),
+                                   "eval.every": "1", "log.tensorboard": "false", "log.sample_tokens": "0",
+                                   "train.batch_size": "4", "eval.batches": "1", "train.device": "cpu"})
         assert tuned.model == cfg.model  # the model section starts from the weights' config
         _, trainer = fit(tuned, tmp_path / f"tuned-{source.name}")
         reference = lmlab.Transformer(cfg.model)
@@ -98,17 +102,19 @@ def test_the_classifier_loss_includes_the_moe_auxiliary_losses():
 
 # ============================================================== honest warnings
 def test_warmup_longer_than_the_run_is_warned_about(tmp_path, capsys):
-    fit(run_config(tmp_path, steps=3, warmup_steps=5, eval_every=3), tmp_path / "run", quiet=False)
+    fit(run_config(tmp_path, {"train.steps": 3, "optim.warmup_steps": 5, "eval.every": 3}), tmp_path / "run",
+                              quiet=False)
     out = capsys.readouterr().out
-    assert "warning: train.warmup_steps=5 >= train.steps=3: the learning rate never leaves its warmup" in out
-    fit(run_config(tmp_path, steps=3, warmup_steps=2, eval_every=3), tmp_path / "ok", quiet=False)
+    assert "warning: optim.warmup_steps=5 >= train.steps=3: the learning rate never leaves its warmup" in out
+    fit(run_config(tmp_path, {"train.steps": 3, "optim.warmup_steps": 2, "eval.every": 3}), tmp_path / "ok",
+                              quiet=False)
     assert "warning" not in capsys.readouterr().out
 
 
 # ============================================================== TensorBoard across a resume
 def test_resuming_keeps_every_tensorboard_point(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    cfg = run_config(tmp_path, steps=6, tensorboard=True, eval_every=2, save_every=100)
+    cfg = run_config(tmp_path, {"train.steps": 6, "log.tensorboard": True, "eval.every": 2, "checkpoint.every": 100})
 
     def stop_at_3(trainer, record):
         if record["step"] == 3:

@@ -320,11 +320,12 @@ def test_trainer_compile_option_compiles_each_block_and_still_samples(tmp_path, 
         compile_blocks(model, backend="aot_eager")
 
     monkeypatch.setattr(trainer_module, "compile_blocks", compile_cheaply)
-    cfg = run_config(tmp_path, steps=2, eval_every=2, save_every=2, compile=True, sample_tokens=5)
+    cfg = run_config(tmp_path, {"train.steps": 2, "eval.every": 2, "checkpoint.every": 2, "train.compile": True,
+                                "log.sample_tokens": 5})
     result, records, trainer = train(cfg, tmp_path / "run")
     assert compiled == [trainer.model] and trainer.train_model is trainer.model
     assert all(b._compiled_call_impl is not None for b in trainer.model.blocks)
-    assert result.step == 2 and result.sample is not None and len(result.sample) > len(cfg.train.sample_prompt)
+    assert result.step == 2 and result.sample is not None and len(result.sample) > len(cfg.log.sample_prompt)
 
 
 # ============================================================== the benchmark suite

@@ -33,8 +33,9 @@ TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\
 
 TINY = {
     "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 16},
-    "train": {"steps": 4, "batch_size": 2, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1, "log_every": 1,
-              "save_every": 2, "sample_tokens": 0, "tensorboard": False, "device": "cpu"},
+    "train": {"steps": 4, "batch_size": 2, "device": "cpu"}, "optim": {"warmup_steps": 1},
+    "eval": {"every": 2, "batches": 1}, "checkpoint": {"every": 2},
+    "log": {"every": 1, "sample_tokens": 0, "tensorboard": False},
 }
 
 
@@ -78,8 +79,8 @@ def test_bad_override_is_rejected_before_training_naming_variant_and_field(tmp_p
     assert "\n" not in msg
     assert "variant 'typo'" in msg and "'model.n_layer'" in msg and "n_layers" in msg  # the closest field suggested
 
-    bad_value = spec_file(tmp_path, corpus, variants=[{"name": "neg", "overrides": {"train.lr": -1.0}}])
-    with pytest.raises(ValueError, match=r"variant 'neg': .*train\.lr"):
+    bad_value = spec_file(tmp_path, corpus, variants=[{"name": "neg", "overrides": {"optim.lr": -1.0}}])
+    with pytest.raises(ValueError, match=r"variant 'neg': .*optim\.lr=-1.0 is not valid"):
         load_spec(bad_value)
 
 
@@ -111,8 +112,8 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     ({"seed_fields": ["model.d_model"]}, "seed_fields=['model.d_model'] is not valid"),
     ({"final_eval": {"windows": 3}}, "final_eval must be {tokens: N}"),
     ({"corpus": {"name": "wikipedia"}}, "corpus must be {name: stdlib}"),
-    ({"tune": {"field": "train.lr"}}, "tune needs field"),
-    ({"tune": {"field": "train.lr", "values": [1e-3], "by": ["depth"]}}, "tune names axis 'depth'"),
+    ({"tune": {"field": "optim.lr"}}, "tune needs field"),
+    ({"tune": {"field": "optim.lr", "values": [1e-3], "by": ["depth"]}}, "tune names axis 'depth'"),
     ({"profiles": {"gpu": {"overides": {}}}}, "profile 'gpu': unknown key 'overides'"),
     ({"base": {**TINY, "train.steps": 3}}, "base gives 'train.steps' twice (nested and dotted)"),
     ({"variants": [{"name": "a"}, {"name": "b", "init_from": "a", "overrides": {"train.init_from": "runs/x"}}]},
@@ -132,8 +133,7 @@ def test_a_sweep_reads_its_base_and_variants_as_train_config_reads_a_config(tmp_
     prepared = tmp_path / "prepared"
     prepare(DataConfig(source=str(corpus), val_fraction=0.1), prepared)
     model = {"preset": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 1, "max_seq_len": 16}
-    base = {"model": model,
-            "data": str(prepared), "train": {k: v for k, v in TINY["train"].items() if k != "lr"}, "train.lr": 1e-3}
+    base = {"model": model, "data": str(prepared), **{k: v for k, v in TINY.items() if k != "model"}, "optim.lr": 1e-3}
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(base))
     mixtral = {"model": {"preset": "mixtral", "moe": {"top_k": 1}}}  # nested in a variant, merged into the preset's moe
@@ -147,7 +147,7 @@ def test_a_sweep_reads_its_base_and_variants_as_train_config_reads_a_config(tmp_
     assert spec.configs["mixtral"] == load_config(config, {"model.preset": "mixtral", "model.moe.top_k": 1})
     assert spec.configs["as-base"].model.norm == "rmsnorm" and spec.configs["gpt2"].model.positions == "learned"
     assert spec.configs["mixtral"].model.moe.n_experts == lmlab.ModelConfig.from_preset("mixtral").moe.n_experts
-    assert spec.configs["as-base"].data.prepared == str(prepared) and spec.configs["as-base"].train.lr == 1e-3
+    assert spec.configs["as-base"].data.prepared == str(prepared) and spec.configs["as-base"].optim.lr == 1e-3
 
     # and the sweep trains on the prepared data where it is: nothing prepared under out/
     out = tmp_path / "out"
@@ -175,7 +175,7 @@ def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, c
 
 def test_profiles_change_sizes_seeds_and_tuning_and_a_variant_may_train_fewer_seeds():
     data = {"base": TINY, "seeds": 5, "final_eval": {"tokens": 64},
-            "tune": {"field": "train.lr", "values": [1e-3, 3e-3], "seeds": [7]},
+            "tune": {"field": "optim.lr", "values": [1e-3, 3e-3], "seeds": [7]},
             "profiles": {"gpu": {"overrides": {"model.d_model": 32}, "seeds": [0], "tune": None, "final_eval": {"tokens": 999}},
                          "mid": {"tune": {"values": [2e-3]}}},
             "variants": [{"name": "a"}, {"name": "b", "seeds": 3, "profiles": {"gpu": {"model.n_layers": 3}}}]}
@@ -247,12 +247,12 @@ def test_a_finished_run_is_reused_only_if_its_resolved_config_is_identical(tmp_p
     one = json.loads((out / "runs/one/seed0/result.json").read_text())
     assert one["config_hash"].startswith("sha256:")
     changed = spec_file(tmp_path, corpus, variants=[{"name": "one", "overrides": {"model.n_layers": 1}},
-                                                    {"name": "two", "overrides": {"model.n_layers": 2, "train.lr": 1e-3}}])
+                                                    {"name": "two", "overrides": {"model.n_layers": 2, "optim.lr": 1e-3}}])
     CountingTrainer.made, lines = [], []
     run_sweep(load_spec(changed), out, trainer_cls=CountingTrainer, log=lines.append)
     # the changed variant reran from scratch and said why; the unchanged one was read back
     assert CountingTrainer.made == [(str(out / "runs/two/seed0"), 0, False)]
-    assert any("two seed 0: config changed since it ran: train.lr: 0.002 vs 0.001 (then vs now); rerunning" in m for m in lines), lines
+    assert any("two seed 0: config changed since it ran: optim.lr: 0.002 vs 0.001 (then vs now); rerunning" in m for m in lines), lines
     assert any("one seed 0: done earlier" in m for m in lines)
     assert json.loads((out / "runs/one/seed0/result.json").read_text()) == one
     # a result.json from before config hashes (or of another config) is not trusted either
@@ -266,7 +266,7 @@ def test_a_finished_run_is_reused_only_if_its_resolved_config_is_identical(tmp_p
 def test_sweep_writes_rows_summary_and_shares_data(tmp_path, corpus):
     path = spec_file(tmp_path, corpus, seeds=2, variants=[
         {"name": "base"},
-        {"name": "ft", "init_from": "base", "overrides": {"train.steps": 2, "train.lr": 1e-4, "train.min_lr": 1e-5}},
+        {"name": "ft", "init_from": "base", "overrides": {"train.steps": 2, "optim.lr": 1e-4, "optim.min_lr": 1e-5}},
     ])
     out = tmp_path / "out"
     assert cli.main(["sweep", str(path), "--out", str(out)]) == 0
@@ -321,7 +321,7 @@ def test_run_status_separates_divergence_from_learning_nothing():
 def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
     rows = run_sweep(load_spec(spec_file(tmp_path, corpus, diverged_above=0.5, variants=[{"name": "one"}])), tmp_path / "out", log=quiet)
     assert rows[0]["status"] == "diverged" and "above 0.500" in rows[0]["status_reason"]
-    rows = run_sweep(load_spec(spec_file(tmp_path, corpus, variants=[{"name": "lazy", "overrides": {"train.lr": 1e-6}}])),
+    rows = run_sweep(load_spec(spec_file(tmp_path, corpus, variants=[{"name": "lazy", "overrides": {"optim.lr": 1e-6}}])),
                      tmp_path / "out2", log=quiet)
     assert rows[0]["status"] == "no better than unigram" and not rows[0]["diverged"]  # 4 steps at lr 1e-6 learn nothing
     data = tmp_path / "out" / "data"
@@ -387,7 +387,7 @@ def test_two_workers_give_the_rows_one_process_gives(tmp_path, corpus):
 
 # ============================================================== tuning
 def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
-    tune = Tune("train.lr", [1e-3, 3e-3, 1e-2], ["arch"], {}, [7, 8], {})
+    tune = Tune("optim.lr", [1e-3, 3e-3, 1e-2], ["arch"], {}, [7, 8], {})
 
     def row(group, value, loss, status="ok"):
         return {"tune_group": group, "tune_value": str(value), "final_val_loss": loss, "status": status}
@@ -418,7 +418,7 @@ def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus
                                     {"name": "post", "overrides": {"model.norm_position": "post"}}]},
         {"axis": "depth", "levels": [{"name": "L1", "overrides": {"model.n_layers": 1}},
                                      {"name": "L2", "overrides": {"model.n_layers": 2}}]}],
-        tune={"field": "train.lr", "values": [1e-6, 3e-3], "by": ["arch"], "at": {"depth": "L2"}, "seeds": [9],
+        tune={"field": "optim.lr", "values": [1e-6, 3e-3], "by": ["arch"], "at": {"depth": "L2"}, "seeds": [9],
               "overrides": {"train.steps": 3}})
     out = tmp_path / "out"
     rows = run_sweep(load_spec(path), out, log=quiet)
@@ -429,7 +429,7 @@ def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus
     assert all((out / "runs" / n / "seed9").is_dir() for n in ("tune-pre-lr0.003", "tune-post-lr1e-06"))
     for r in rows:
         cfg = yaml.safe_load((out / "runs" / r["variant"] / "seed0" / "config.yaml").read_text())
-        assert cfg["train"]["lr"] == 3e-3 and cfg["train"]["steps"] == 4
+        assert cfg["optim"]["lr"] == 3e-3 and cfg["train"]["steps"] == 4
 
 
 # ============================================================== tables

@@ -17,7 +17,7 @@ import yaml
 
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
-from lmlab.run.config import RunConfig, TrainConfig, load_config
+from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
@@ -33,17 +33,19 @@ def corpus(path: Path, n_words: int = 6000) -> Path:
     return path
 
 
-def run_config(tmp_path: Path, model: dict | None = None, **train) -> RunConfig:
+FAST = {"train.steps": 8, "train.batch_size": 4, "optim.warmup_steps": 2, "optim.lr": 3e-3, "eval.every": 4,
+        "eval.batches": 2, "checkpoint.every": 4, "log.every": 1, "log.tensorboard": False, "log.sample_tokens": 0,
+        "train.device": "cpu"}  # a tiny run's sections, as dotted fields
+
+
+def run_config(tmp_path: Path, changes: dict | None = None, model: dict | None = None) -> RunConfig:
+    """A tiny llama (TINY, then ``model`` fields) on a word corpus in ``tmp_path``; FAST, then dotted ``changes``."""
     source = tmp_path / "corpus.txt"
     if not source.exists():
         corpus(source)
-    t = dict(steps=8, batch_size=4, warmup_steps=2, lr=3e-3, eval_every=4, eval_batches=2, save_every=4, log_every=1,
-             tensorboard=False, sample_tokens=0, device="cpu")
-    return RunConfig(
-        model=lmlab.ModelConfig.from_preset("llama", **{**TINY, **(model or {})}),
-        data=DataConfig(source=str(source)),
-        train=TrainConfig(**{**t, **train}),
-    )
+    base = RunConfig(model=lmlab.ModelConfig.from_preset("llama", **{**TINY, **(model or {})}),
+                     data=DataConfig(source=str(source)))
+    return base.override({**FAST, **(changes or {})})
 
 
 def train(cfg: RunConfig, run_dir: Path, callbacks=(), **kw) -> tuple[TrainResult, list[dict], Trainer]:
@@ -79,15 +81,15 @@ def test_param_groups_decay_only_weight_matrices():
 
 
 def test_learning_rate_warmup_then_cosine_to_min():
-    cfg = TrainConfig(steps=11, warmup_steps=2, lr=1.0, min_lr=0.1)
-    got = [learning_rate(s, cfg) for s in range(11)]
+    cfg = OptimConfig(warmup_steps=2, lr=1.0, min_lr=0.1)
+    got = [learning_rate(s, cfg, 11) for s in range(11)]
     assert got[0] == 0.5 and got[1] == 1.0 and got[2] == 1.0  # warmup reaches lr, decay starts from it
     assert got[6] == pytest.approx(0.55)  # half way through the decay: (lr + min_lr) / 2
     assert got[10] == pytest.approx(0.1)  # the last step is at min_lr
     assert got[4] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
     assert all(a >= b for a, b in zip(got[1:], got[2:]))
-    assert learning_rate(0, TrainConfig(steps=5, warmup_steps=0, lr=1.0, min_lr=0.0)) == 1.0
-    assert learning_rate(4, TrainConfig(steps=5, warmup_steps=0, lr=0.5)) == pytest.approx(0.05)  # default: lr / 10
+    assert learning_rate(0, OptimConfig(warmup_steps=0, lr=1.0, min_lr=0.0), 5) == 1.0
+    assert learning_rate(4, OptimConfig(warmup_steps=0, lr=0.5), 5) == pytest.approx(0.05)  # default: lr / 10
 
 
 def test_clip_gradients_scales_to_max_norm_and_reports_non_finite():
@@ -119,27 +121,27 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_train_config_validation_names_field_and_fix():
-    cases = {
-        "train.min_lr=0.1 is above train.lr=0.01": dict(lr=0.01, min_lr=0.1),
-        r"train.betas=\[0.9\] is not valid; give two numbers": dict(betas=(0.9,)),
-        "train.device='gpu' is not a device; use auto, cpu, cuda": dict(device="gpu"),
-        r"train.steps=0 is not valid; it must be > 0": dict(steps=0),
-        r"train.grad_clip=-1.0 is not valid; it must be >= 0": dict(grad_clip=-1.0),
-    }
-    for message, kw in cases.items():
+    cases = [
+        (OptimConfig, dict(lr=0.01, min_lr=0.1), "optim.min_lr=0.1 is above optim.lr=0.01"),
+        (OptimConfig, dict(betas=(0.9,)), r"optim.betas=\[0.9\] is not valid; give two numbers"),
+        (TrainConfig, dict(device="gpu"), "train.device='gpu' is not a device; use auto, cpu, cuda"),
+        (TrainConfig, dict(steps=0), r"train.steps=0 is not valid; it must be > 0"),
+        (OptimConfig, dict(grad_clip=-1.0), r"optim.grad_clip=-1.0 is not valid; it must be >= 0"),
+    ]
+    for section, kw, message in cases:
         with pytest.raises(ValueError, match=message):
-            TrainConfig(**kw)
+            section(**kw)
     with pytest.raises(ValueError, match="train.seq_len=64 is longer than model.max_seq_len=32"):
         RunConfig(model=lmlab.ModelConfig(**TINY), train=TrainConfig(seq_len=64))
 
 
 def test_load_config_layers_yaml_and_overrides_on_the_defaults(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("model:\n  n_layers: 2\ntrain:\n  lr: 0.001\n  betas: [0.8, 0.9]\nprovenance: [{}]\n")
-    cfg = load_config(path, {"train.lr": "3e-4", "model.rope.base": "500000"})
+    path.write_text("model:\n  n_layers: 2\noptim:\n  lr: 0.001\n  betas: [0.8, 0.9]\nprovenance: [{}]\n")
+    cfg = load_config(path, {"optim.lr": "3e-4", "model.rope.base": "500000"})
     default = RunConfig()
     assert cfg.model.n_layers == 2 and cfg.model.d_model == default.model.d_model  # the rest stays the demo's
-    assert cfg.train.lr == 3e-4 and cfg.train.betas == (0.8, 0.9) and cfg.model.rope.base == 5e5
+    assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.8, 0.9) and cfg.model.rope.base == 5e5
     assert cfg.train.steps == default.train.steps and cfg.data == default.data
     # sizes derived from d_model / n_heads follow them, as in ModelConfig.override
     wide = load_config(None, {"model.d_model": 256, "model.n_heads": 8})
@@ -159,13 +161,13 @@ def test_load_config_layers_yaml_and_overrides_on_the_defaults(tmp_path):
 
 # ============================================================== the loop
 def test_training_logs_checkpoints_and_config(tmp_path):
-    cfg = run_config(tmp_path, steps=12, keep_last=1, grad_accum=2)
+    cfg = run_config(tmp_path, {"train.steps": 12, "checkpoint.keep_last": 1, "train.grad_accum": 2})
     result, records, trainer = train(cfg, tmp_path / "run", command=["lmlab", "train", "--x"])
     run = tmp_path / "run"
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(1, 13))
     for r in logged:
-        assert r["lr"] == pytest.approx(learning_rate(r["step"] - 1, cfg.train))
+        assert r["lr"] == pytest.approx(learning_rate(r["step"] - 1, cfg.optim, cfg.train.steps))
         assert r["tokens"] == r["step"] * 4 * 2 * 32 and r["tokens_per_s"] > 0 and r["skipped_steps"] == 0
         assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
     vals = {r["step"]: r["val_loss"] for r in logged if "val_loss" in r}
@@ -186,7 +188,7 @@ def test_training_logs_checkpoints_and_config(tmp_path):
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):
-    cfg = run_config(tmp_path, steps=8, grad_accum=2, model={"dropout": 0.1})
+    cfg = run_config(tmp_path, {"train.steps": 8, "train.grad_accum": 2}, model={"dropout": 0.1})
     full, _, _ = train(cfg, tmp_path / "full")
 
     def stop_at_4(trainer, record):
@@ -210,10 +212,10 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):
 def test_resume_takes_the_optimizer_hyperparameters_from_the_config(tmp_path):
     """The moments come from the checkpoint, betas, eps and weight decay from the resumed run's config.
     A run saved with weight_decay=0 used to stay undecayed whatever the new config said."""
-    cfg = run_config(tmp_path, steps=2, eval_every=2, save_every=2, weight_decay=0.0)
+    cfg = run_config(tmp_path, {"train.steps": 2, "eval.every": 2, "checkpoint.every": 2, "optim.weight_decay": 0.0})
     _, _, first = train(cfg, tmp_path / "run")
     saved = {i: {k: v.clone() for k, v in s.items()} for i, s in first.optimizer.state_dict()["state"].items()}
-    changed = cfg.override({"train.weight_decay": 0.05, "train.betas": [0.8, 0.99], "train.eps": 1e-6})
+    changed = cfg.override({"optim.weight_decay": 0.05, "optim.betas": [0.8, 0.99], "optim.eps": 1e-6})
     with Trainer(changed, tmp_path / "run", quiet=True, resume=True) as t:  # resumed at its last step: no update
         state = t.optimizer.state_dict()["state"]
         assert all(torch.equal(state[i][k], v) for i, s in saved.items() for k, v in s.items())
@@ -222,7 +224,7 @@ def test_resume_takes_the_optimizer_hyperparameters_from_the_config(tmp_path):
 
 
 def test_non_finite_steps_are_skipped_and_counted(tmp_path):
-    cfg = run_config(tmp_path, steps=6, max_bad_steps=2)
+    cfg = run_config(tmp_path, {"train.steps": 6, "train.max_bad_steps": 2})
     bad_loss, bad_grad = {2}, {4}
     snapshots = {}
 
@@ -246,7 +248,7 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
 
 
 def test_consecutive_faults_stop_the_run_and_keep_the_good_checkpoint(tmp_path):
-    cfg = run_config(tmp_path, steps=20, save_every=2, eval_every=100, max_bad_steps=3)
+    cfg = run_config(tmp_path, {"train.steps": 20, "checkpoint.every": 2, "eval.every": 100, "train.max_bad_steps": 3})
 
     def corrupt(trainer, record):
         if record["step"] == 5:  # weights go bad after a good update: every later loss is NaN
@@ -268,7 +270,7 @@ def test_consecutive_faults_stop_the_run_and_keep_the_good_checkpoint(tmp_path):
 
 def test_moe_statistics_and_aux_losses_are_logged_and_biases_updated(tmp_path):
     moe = {"moe": {"n_experts": 4, "top_k": 2, "load_balance_coef": 0.01, "bias_update_rate": 0.01}, "ffn": "glu"}
-    cfg = run_config(tmp_path, model=moe, steps=3, eval_every=3)
+    cfg = run_config(tmp_path, {"train.steps": 3, "eval.every": 3}, model=moe)
     _, records, trainer = train(cfg, tmp_path / "run")
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for r in logged:
@@ -280,7 +282,7 @@ def test_moe_statistics_and_aux_losses_are_logged_and_biases_updated(tmp_path):
 
 
 def test_existing_run_needs_resume_or_overwrite(tmp_path):
-    cfg = run_config(tmp_path, steps=2, eval_every=2, save_every=2)
+    cfg = run_config(tmp_path, {"train.steps": 2, "eval.every": 2, "checkpoint.every": 2})
     train(cfg, tmp_path / "run")
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     with pytest.raises(ValueError, match=r"already holds this run, trained to step 2; pass --resume"):
@@ -294,7 +296,7 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
 
 # ============================================================== DDP
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    cfg = run_config(tmp_path, steps=4, grad_accum=2, eval_every=4, save_every=4)
+    cfg = run_config(tmp_path, {"train.steps": 4, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 4})
     train(cfg, tmp_path / "one")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -316,7 +318,7 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
 
 def test_tensorboard_events_mirror_the_metrics(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    cfg = run_config(tmp_path, steps=4, tensorboard=True, eval_every=2)
+    cfg = run_config(tmp_path, {"train.steps": 4, "log.tensorboard": True, "eval.every": 2})
     train(cfg, tmp_path / "run")
     acc = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
@@ -328,7 +330,8 @@ def test_tensorboard_events_mirror_the_metrics(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank-1 process through /proc")
 def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path):
-    cfg = run_config(tmp_path, steps=100000, grad_accum=2, eval_every=100000, save_every=100000)
+    cfg = run_config(tmp_path, {"train.steps": 100000, "train.grad_accum": 2, "eval.every": 100000,
+                                "checkpoint.every": 100000})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

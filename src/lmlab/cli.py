@@ -3,7 +3,7 @@
     lmlab prepare my_corpus/ --tokenizer bpe --out data/mine
     lmlab train                                   # the demo: a small llama-style model, a few CPU minutes
     lmlab train --data data/mine --model.preset mixtral --run-dir runs/mine
-    lmlab train --config run.yaml --model.n_layers 6 --train.lr 3e-4 --run-dir runs/deeper
+    lmlab train --config run.yaml --model.n_layers 6 --optim.lr 3e-4 --run-dir runs/deeper
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
     lmlab export runs/default --out exported/      # a Hugging Face transformers checkpoint
@@ -50,7 +50,7 @@ EXIT_CODES = """exit status:
        file, a device that cannot be used, not enough memory; nothing half-written is left behind
   130  stopped by Ctrl-C, 143 by SIGTERM, after saving a checkpoint (continue with --resume)"""
 
-OVERRIDES = "config fields: any field as --SECTION.FIELD VALUE (or =VALUE), e.g. --model.n_layers 6 --train.lr 3e-4"
+OVERRIDES = "config fields: any field as --SECTION.FIELD VALUE (or =VALUE), e.g. --model.n_layers 6 --optim.lr 3e-4"
 
 
 class UsageError(ValueError):
@@ -256,11 +256,12 @@ def build_prepare(p: argparse.ArgumentParser) -> None:
 def build_train(t: argparse.ArgumentParser) -> None:
     t.description = paragraphs("Train the model of a run config. With no arguments, trains a small llama-style "
                        "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains on every "
-                       "process with train.parallel (ddp: DistributedDataParallel, the default; fsdp: FSDP2 sharding), "
-                       "train.expert_parallel and train.activation_checkpointing; the global batch stays batch_size x "
+                       "process with parallel.strategy (ddp: DistributedDataParallel, the default; fsdp: FSDP2 sharding), "
+                       "parallel.experts and parallel.activation_checkpointing; the global batch stays batch_size x "
                        "grad_accum whatever the number of processes.", OVERRIDES)
     t.epilog = config_help() + "\n\n" + EXIT_CODES
-    t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:); omitted fields keep their defaults")
+    t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:, optim:, ...); omitted fields keep "
+                   "their defaults")
     t.add_argument("--data", default=None, metavar="DIR", help="prepared data (`lmlab prepare ... --out DIR`) to train on; "
                    "without it, data.source (the built-in corpus unless named) is prepared into the run directory")
     t.add_argument("--task", default=None, help="lm (default) or classify (prepared rows with labels; SequenceClassifier)")
@@ -722,7 +723,7 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
 
 def build_consolidate(c: argparse.ArgumentParser) -> None:
     c.description = paragraphs(
-            "A run trained with train.parallel=fsdp or train.expert_parallel > 1 writes distributed checkpoints "
+            "A run trained with parallel.strategy=fsdp or parallel.experts > 1 writes distributed checkpoints "
             "(torch.distributed.checkpoint: each process its shards). This gathers one into the checkpoint's "
             "model.safetensors, which eval, generate and export read. One process; it needs memory for the whole "
             "model, and no GPU.")

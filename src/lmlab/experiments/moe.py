@@ -201,7 +201,7 @@ def markdown(spec, rows, claims, tune, *, command, wall_s, data, init_loss) -> s
         "## What was measured\n\n" + spec.description + "\n\n"
         f"Body: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {cfg.model.ffn}/{cfg.model.activation}, dense FFN width "
         f"F = {cfg.model.d_ff}, vocab {cfg.model.vocab_size}. Every run: {t.steps} steps of {t.batch_size}×{cfg.seq_len} tokens "
-        f"({t.steps * t.batch_size * cfg.seq_len:,} tokens), {t.warmup_steps} warmup steps and cosine decay to lr/10, identical "
+        f"({t.steps * t.batch_size * cfg.seq_len:,} tokens), {cfg.optim.warmup_steps} warmup steps and cosine decay to lr/10, identical "
         "data order per seed. " + (f"Learning rate per arm from {tune['values']} by a tuning run of {spec.tune.overrides.get('train.steps', t.steps)} "
                                    f"steps (seed {tune['seeds']}, not reused). " + grid_edge_text(tune) if tune and spec.tune else "")
         + (f"Arms no verdict rests on ({', '.join(few)}) train the first {min(seeds[n] for n in few)} seeds; the others "

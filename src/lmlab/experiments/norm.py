@@ -291,7 +291,7 @@ def markdown(spec, rows, claims, tune: dict | None, *, command, wall_s, data, li
     n_layers = {d: next(spec.configs[r["variant"]].model.n_layers for r in rows if r["depth"] == d) for d in depths}
     cfg = spec.configs[rows[0]["variant"]]
     t = cfg.train
-    warm = max(spec.configs[r["variant"]].train.warmup_steps for r in rows)
+    warm = max(spec.configs[r["variant"]].optim.warmup_steps for r in rows)
     text = report_header("Claim 1: pre-norm trains deep models stably where post-norm struggles", command, spec, wall_s, rows, data)
     text += (
         "## What was measured\n\n"
@@ -300,7 +300,7 @@ def markdown(spec, rows, claims, tune: dict | None, *, command, wall_s, data, li
         f"{cfg.model.d_model}, {cfg.model.n_heads} heads, {cfg.model.norm}, {cfg.model.ffn}/{cfg.model.activation}, "
         f"{cfg.model.positions} positions, context {cfg.seq_len}, vocab {cfg.model.vocab_size}. Every run: {t.steps} AdamW steps "
         f"of {t.batch_size}×{cfg.seq_len} tokens ({t.steps * t.batch_size * cfg.seq_len:,} tokens), cosine decay to lr/10, "
-        f"gradient clipping {t.grad_clip:g}. {eval_slice_text(spec)}. Unigram loss on that slice {limits['unigram']:.3f}; "
+        f"gradient clipping {cfg.optim.grad_clip:g}. {eval_slice_text(spec)}. Unigram loss on that slice {limits['unigram']:.3f}; "
         f"ln(vocab) {limits['init']:.3f}.\n\n" + tune_text(tune)
         + "## Criteria (fixed before the runs)\n\n"
         "Each claim is a paired difference over seeds (seed s = the same initial weights where shapes agree, and the same "

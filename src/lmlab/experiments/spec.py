@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from ..model import Transformer
-from ..run.config import RunConfig, build_config, config_changes
+from ..run.config import RunConfig, build_config, config_changes, upgrade_keys
 from ..run.errors import one_line
 from ..schema import suggest
 
@@ -267,14 +267,15 @@ def _tune(raw: Any, source: str) -> Tune | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping) or "field" not in raw or not raw.get("values"):
-        raise ValueError(f"{source}: tune needs field: (e.g. train.lr) and values: [3e-3, 1e-2, 3e-2]")
+        raise ValueError(f"{source}: tune needs field: (e.g. optim.lr) and values: [3e-3, 1e-2, 3e-2]")
     _check_keys(raw, TUNE_KEYS, f"{source}: tune")
     by = raw.get("by", ["variant"])
     by = [by] if isinstance(by, str) else list(by)
     at = raw.get("at") or {}
     if not isinstance(at, Mapping):
         raise ValueError(f"{source}: tune.at must map grid axes to levels, e.g. {{depth: L12}}")
-    return Tune(str(raw["field"]), list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
+    field = next(iter(upgrade_keys({str(raw["field"]): None}, f"{source}: tune field")))
+    return Tune(field, list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
                 _seeds(raw.get("seeds", [1000]), f"{source}: tune"), _changes(raw.get("overrides"), "tune overrides"))
 
 

@@ -1,6 +1,8 @@
 """One training run and its directory: the layer between the model and many runs compared.
 
-    config.py       RunConfig (task + model + data + train), load_config: defaults < preset/init_from < YAML < --overrides
+    config.py       RunConfig: task, model, data, and a section per concern (train, optim, eval, checkpoint, log,
+                    parallel); load_config: defaults < preset/init_from < YAML < --overrides; the old
+                    one-section keys (train.lr, ...) read as the new ones for one release
     tasks.py        language modeling and classification: model, loss, evaluation
     init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
     optim.py        AdamW groups and the warmup + cosine schedule
@@ -46,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real imports; at run time __getattr__ makes each on first use, so that
     # `lmlab --help` and the config modules load without torch
-    from .config import RunConfig, TrainConfig, load_config
+    from .config import (CheckpointConfig, EvalConfig, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+                         load_config)
     from .data.batches import TokenData
     from .data.config import DataConfig
     from .data.meta import DataMeta
@@ -55,14 +58,15 @@ if TYPE_CHECKING:  # the real imports; at run time __getattr__ makes each on fir
     from .metrics import read_metrics
     from .trainer import Trainer, TrainingDiverged, TrainResult
 
-EXPORTS = {"RunConfig": "config", "TrainConfig": "config", "load_config": "config", "DataConfig": "data.config",
-           "DataMeta": "data.meta", "TokenData": "data.batches", "prepare": "data.prepare", "LoadedRun": "load",
-           "load_run": "load", "read_metrics": "metrics", "Trainer": "trainer", "TrainingDiverged": "trainer",
-           "TrainResult": "trainer"}  # public name -> the module that defines it
+EXPORTS = {"RunConfig": "config", "TrainConfig": "config", "OptimConfig": "config", "EvalConfig": "config",
+           "CheckpointConfig": "config", "LogConfig": "config", "ParallelConfig": "config", "load_config": "config",
+           "DataConfig": "data.config", "DataMeta": "data.meta", "TokenData": "data.batches", "prepare": "data.prepare",
+           "LoadedRun": "load", "load_run": "load", "read_metrics": "metrics", "Trainer": "trainer",
+           "TrainingDiverged": "trainer", "TrainResult": "trainer"}  # public name -> the module that defines it
 
 __all__ = [
-    "DataConfig", "DataMeta", "LoadedRun", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer",
-    "TrainingDiverged",
+    "CheckpointConfig", "DataConfig", "DataMeta", "EvalConfig", "LoadedRun", "LogConfig", "OptimConfig",
+    "ParallelConfig", "RunConfig", "TokenData", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged",
     "load_config", "load_run", "prepare", "read_metrics",
 ]
 

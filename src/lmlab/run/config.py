@@ -1,8 +1,19 @@
-"""The run config: the task, the model, the data and how to train, saved as a run's ``config.yaml``.
+"""The run config: the task, the model, the data, and a section per concern of training, saved as a
+run's ``config.yaml``.
 
-    cfg = load_config("run.yaml", {"train.lr": 3e-4})      # defaults < YAML < dotted overrides
+    cfg = load_config("run.yaml", {"optim.lr": 3e-4})      # defaults < YAML < dotted overrides
     cfg.seq_len                                             # train.seq_len or model.max_seq_len
     build_config(config_changes(mapping, "spec.yaml: base"))  # the same reading, for a sweep's base: and variants
+
+    train:       what is trained, for how long, on what device (TrainConfig)
+    optim:       AdamW and its warmup + cosine schedule (OptimConfig; run/optim.py)
+    eval:        validation passes (EvalConfig)
+    checkpoint:  when checkpoints are written, how many are kept, sync or async (CheckpointConfig)
+    log:         metrics.jsonl, TensorBoard and printed samples (LogConfig)
+    parallel:    several processes under torchrun (ParallelConfig; run/parallel/plan.py)
+
+Each component receives only its own section. The old keys of the one-section layout
+(``train.lr``, ``train.eval_every``, ...) are read for one release, with a note (RENAMED, at the end).
 
 The model section starts from the demo model, or from ``model.preset`` (``model: {preset: llama,
 d_model: 256}``, ``--model.preset mixtral``), or from the weights of ``train.init_from``; the
@@ -12,77 +23,61 @@ other model fields are applied on top. ``data: DIR`` is short for ``data: {prepa
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, ClassVar, Iterator, Literal, Mapping
 
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
 from .data.config import DataConfig
 
-Parallel = Literal["ddp", "fsdp"]
+Strategy = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
 SaveMode = Literal["sync", "async"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class TrainConfig(Config):
-    """How to train. The defaults are the ``lmlab train`` demo: a few minutes on a 2-core CPU."""
+class Section(Config):
+    """A section of the run config: a message about one of its fields names it ``section.field``."""
 
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+        except ValueError as e:  # the schema's type checks name the bare field; this section's checks name it in full
+            text, names = str(e), self.field_names()
+            if any(text.startswith(f"{n}{c}") for n in names for c in "=[ "):
+                raise ValueError(f"{self.section}.{text}") from None
+            raise
+
+    def positive(self, *names: str, allow_zero: bool = False) -> None:
+        """Each field in ``names`` must be > 0 (>= 0 with ``allow_zero``; None passes)."""
+        for name in names:
+            if getattr(self, name) is not None:
+                check_positive(f"{self.section}.{name}", getattr(self, name), allow_zero=allow_zero)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TrainConfig(Section):
+    """What is trained, for how long and where. The defaults of all sections are the ``lmlab train``
+    demo: a few minutes on a 2-core CPU."""
+
+    section: ClassVar[str] = "train"
     steps: int = 1500  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch, on each process
     seq_len: int | None = None  # tokens per sequence; None = model.max_seq_len
     grad_accum: int = 1  # micro-batches per step over all processes: global batch = batch_size * grad_accum
-    lr: float = 2e-3  # peak learning rate; small models tolerate a high one
-    min_lr: float | None = None  # cosine decay ends here; None = lr / 10 (as in Chinchilla)
-    warmup_steps: int = 100  # linear warmup from lr / warmup_steps
-    weight_decay: float = 0.1  # AdamW decoupled decay; matrices only, never norms, biases or embeddings
-    betas: tuple[float, ...] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
-    eval_every: int = 250  # steps between validation passes (and at the last step)
-    eval_batches: int = 20  # validation batches of batch_size sequences per pass
-    save_every: int = 500  # steps between checkpoints (also at a new best, the last step and on a signal)
-    keep_last: int = 2  # newest checkpoints kept, besides the best
     seed: int = 0  # data order and dropout; weights are seeded by model.init_seed
     device: str = "auto"  # auto = cuda if available, else cpu; or cpu, cuda, cuda:1, mps
     compile: bool = False  # torch.compile each block, fullgraph (run/parallel/compile.py; slow to start, worth it on GPUs)
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
-    log_every: int = 10  # steps between metrics.jsonl records
-    sample_every: int = 0  # steps between printed samples; 0 = only at the end
-    sample_tokens: int = 200  # tokens per sample
-    sample_prompt: str = "The "
-    tensorboard: bool = True  # write TensorBoard events to <run>/tb when tensorboard is installed
     init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
-    # ---- several processes under torchrun (docs/distributed.md); applied by run/parallel/plan.py
-    parallel: Parallel = "ddp"  # ddp: each process holds the whole model; fsdp: params, grads, optimizer sharded (FSDP2)
-    expert_parallel: int = 1  # N > 1: each group of N processes splits every MoE layer's routed experts N ways
-    activation_checkpointing: ActivationCheckpointing = "none"  # blocks: recompute block activations in backward
-    activation_checkpoint_every: int = 1  # with blocks: checkpoint every k-th block (1 = all of them)
-    collective_timeout: float = 600.0  # seconds a process waits for the others in training before it gives up
-    setup_timeout: float = 3600.0  # the same before the first step, while rank 0 prepares the data
-    save_mode: SaveMode = "sync"  # async: sharded (DCP) checkpoints are written while training goes on
     max_memory_gib: float | None = None  # refuse to start a run estimated to need more; None = the device's memory
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "lr", "eval_every", "eval_batches", "save_every",
-                     "keep_last", "max_bad_steps", "log_every", "eps"):
-            check_positive(f"train.{name}", getattr(self, name))
-        if self.seq_len is not None:
-            check_positive("train.seq_len", self.seq_len)
-        for name in ("expert_parallel", "activation_checkpoint_every", "collective_timeout", "setup_timeout"):
-            check_positive(f"train.{name}", getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "sample_every", "sample_tokens"):
-            check_positive(f"train.{name}", getattr(self, name), allow_zero=True)
-        if self.min_lr is not None:
-            check_positive("train.min_lr", self.min_lr, allow_zero=True)
-        if self.max_memory_gib is not None:
-            check_positive("train.max_memory_gib", self.max_memory_gib)
-        if self.min_lr is not None and self.min_lr > self.lr:
-            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}; choose min_lr <= lr")
-        if len(self.betas) != 2:
-            raise ValueError(f"train.betas={list(self.betas)} is not valid; give two numbers, e.g. 0.9,0.95")
-        for i, b in enumerate(self.betas):
-            check_range(f"train.betas[{i}]", b, 0.0, 0.9999)
+        self.positive("steps", "batch_size", "grad_accum", "max_bad_steps", "seq_len", "max_memory_gib")
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
         try:
@@ -94,6 +89,87 @@ class TrainConfig(Config):
             raise ValueError(
                 f"train.device={self.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
             ) from None
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class OptimConfig(Section):
+    """AdamW and its schedule: linear warmup, then cosine decay to ``min_lr`` at the last step (run/optim.py)."""
+
+    section: ClassVar[str] = "optim"
+    lr: float = 2e-3  # peak learning rate; small models tolerate a high one
+    min_lr: float | None = None  # cosine decay ends here; None = lr / 10 (as in Chinchilla)
+    warmup_steps: int = 100  # linear warmup from lr / warmup_steps
+    weight_decay: float = 0.1  # AdamW decoupled decay; matrices only, never norms, biases or embeddings
+    betas: tuple[float, ...] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+
+    def validate(self) -> None:
+        self.positive("lr", "eps")
+        self.positive("warmup_steps", "weight_decay", "grad_clip", "min_lr", allow_zero=True)
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} is above optim.lr={self.lr}; choose min_lr <= lr")
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas={list(self.betas)} is not valid; give two numbers, e.g. 0.9,0.95")
+        for i, b in enumerate(self.betas):
+            check_range(f"optim.betas[{i}]", b, 0.0, 0.9999)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class EvalConfig(Section):
+    """Validation passes during training (at the last step too)."""
+
+    section: ClassVar[str] = "eval"
+    every: int = 250  # steps between validation passes
+    batches: int = 20  # validation batches of train.batch_size sequences per pass
+
+    def validate(self) -> None:
+        self.positive("every", "batches")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CheckpointConfig(Section):
+    """When checkpoints are written, how many are kept, and whether training waits for them."""
+
+    section: ClassVar[str] = "checkpoint"
+    every: int = 500  # steps between checkpoints (also at a new best, the last step and on a signal)
+    keep_last: int = 2  # newest checkpoints kept, besides the best
+    mode: SaveMode = "sync"  # async: sharded (DCP) checkpoints are written while training goes on
+
+    def validate(self) -> None:
+        self.positive("every", "keep_last")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LogConfig(Section):
+    """What a run records and prints: metrics.jsonl, TensorBoard events and samples of text."""
+
+    section: ClassVar[str] = "log"
+    every: int = 10  # steps between metrics.jsonl records
+    tensorboard: bool = True  # write TensorBoard events to <run>/tb when tensorboard is installed
+    sample_every: int = 0  # steps between printed samples; 0 = only at the end
+    sample_tokens: int = 200  # tokens per sample
+    sample_prompt: str = "The "
+
+    def validate(self) -> None:
+        self.positive("every")
+        self.positive("sample_every", "sample_tokens", allow_zero=True)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ParallelConfig(Section):
+    """Several processes under torchrun (docs/distributed.md); applied by run/parallel/plan.py."""
+
+    section: ClassVar[str] = "parallel"
+    strategy: Strategy = "ddp"  # ddp: every process holds the whole model; fsdp: params, grads, AdamW state sharded
+    experts: int = 1  # N > 1: each group of N processes splits every MoE layer's routed experts N ways
+    activation_checkpointing: ActivationCheckpointing = "none"  # blocks: recompute block activations in backward
+    activation_checkpoint_every: int = 1  # with blocks: checkpoint every k-th block (1 = all of them)
+    collective_timeout: float = 600.0  # seconds a process waits for the others in training before it gives up
+    setup_timeout: float = 3600.0  # the same before the first step, while rank 0 prepares the data
+
+    def validate(self) -> None:
+        self.positive("experts", "activation_checkpoint_every", "collective_timeout", "setup_timeout")
 
 
 def default_model() -> ModelConfig:
@@ -110,6 +186,11 @@ class RunConfig(Config):
     model: ModelConfig = dataclasses.field(default_factory=default_model)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         if self.train.seq_len is not None and self.train.seq_len > self.model.max_seq_len:
@@ -117,22 +198,31 @@ class RunConfig(Config):
                 f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}, "
                 "the model's training context; raise model.max_seq_len or lower train.seq_len"
             )
-        n = self.train.expert_parallel
+        n = self.parallel.experts
         if n > 1:
             if self.model.moe is None:
-                raise ValueError(f"train.expert_parallel={n} needs a mixture-of-experts model (model.moe); "
-                                 "set train.expert_parallel=1 for a dense model")
+                raise ValueError(f"parallel.experts={n} needs a mixture-of-experts model (model.moe); "
+                                 "set parallel.experts=1 for a dense model")
             experts = self.model.moe.routed_experts
             if experts % n:
-                raise ValueError(f"train.expert_parallel={n} does not divide the {experts} routed experts of each MoE "
-                                 f"layer; choose train.expert_parallel in {[d for d in divisors(experts) if d > 1]}")
-        if self.train.save_mode == "async" and self.train.parallel == "ddp" and n == 1:
-            raise ValueError("train.save_mode=async writes sharded (DCP) checkpoints, which train.parallel=fsdp or "
-                             "train.expert_parallel > 1 use; set train.save_mode=sync under ddp")
+                raise ValueError(f"parallel.experts={n} does not divide the {experts} routed experts of each MoE "
+                                 f"layer; choose parallel.experts in {[d for d in divisors(experts) if d > 1]}")
+        if self.checkpoint.mode == "async" and self.parallel.strategy == "ddp" and n == 1:
+            raise ValueError("checkpoint.mode=async writes sharded (DCP) checkpoints, which parallel.strategy=fsdp or "
+                             "parallel.experts > 1 use; set checkpoint.mode=sync under ddp")
+
+    def override(self, changes: Mapping[str, Any]) -> "RunConfig":
+        """A copy with dotted overrides applied; the old keys (``train.lr``) are read as their new ones."""
+        return super().override(upgrade_keys(changes, "the overrides"))
 
     @property
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.max_seq_len
+
+
+def sections() -> str:
+    """The run config's sections, for messages: "task:, model:, data:, train:, optim:, ..."."""
+    return ", ".join(f"{name}:" for name in RunConfig.field_names())
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -160,7 +250,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 
     A YAML file may give any subset of fields; a run's own config.yaml (with its ``provenance``) works
     too, and is taken as resolved: its model is not rebuilt from a preset or ``init_from``. A field
-    given twice (``lr:`` twice under ``train:``, or both ``train: {lr: ..}`` and ``train.lr:``) is refused."""
+    given twice (``lr:`` twice under ``optim:``, both ``optim: {lr: ..}`` and ``optim.lr:``, or the old
+    ``train.lr`` and ``optim.lr``) is refused. Old keys are read as their new ones, with a note."""
     changes: dict[str, Any] = {}
     resolved = False
     if path is not None:
@@ -169,12 +260,12 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise FileNotFoundError(f"config file {str(p)!r} does not exist")
         data = read_yaml(p, f"config file {str(p)!r}")
         if data is None:
-            raise ValueError(f"config file {str(p)!r} is empty; give at least one of model:, data:, train:")
+            raise ValueError(f"config file {str(p)!r} is empty; give at least one of {sections()}")
         if not isinstance(data, dict):
-            raise ValueError(f"config file {str(p)!r} must be a mapping with model:, data:, train: sections")
+            raise ValueError(f"config file {str(p)!r} must be a mapping with sections {sections()}")
         resolved = data.get("provenance") is not None
         changes.update(config_changes(data, f"config file {str(p)!r}"))
-    changes.update(overrides or {})
+    changes.update(upgrade_keys(overrides or {}, "the overrides"))  # after the file's: an override wins
     return build_config(changes, resolved=resolved)
 
 
@@ -183,7 +274,8 @@ def config_changes(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     flattened (``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}``; ``model.preset`` stays a
     change), ``data: DIR`` read as ``data.prepared``, and a run's ``provenance`` record dropped. The
     one reading of a config: ``train --config`` and a sweep's ``base:`` and variants all use it.
-    A field given twice (nested and dotted) is refused, naming ``source``."""
+    A field given twice (nested and dotted, or under its old and new name) is refused, naming
+    ``source``; old keys (``train.lr``) are read as their new ones (``optim.lr``), with a note."""
     provenance = data.get("provenance")
     if provenance is not None and not isinstance(provenance, list):
         raise ValueError(f"{source}: provenance must be the list of sessions lmlab writes, "
@@ -195,15 +287,16 @@ def config_changes(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     twice = next((k for i, k in enumerate(leaves) if k in leaves[:i]), None)
     if twice is not None:
         raise ValueError(f"{source} gives {twice!r} twice (nested and dotted); keep one")
-    return flatten(data)
+    return upgrade_keys(flatten(data), source)
 
 
 def build_config(changes: Mapping[str, Any], *, resolved: bool = False) -> RunConfig:
     """A RunConfig from dotted ``changes`` on the defaults. ``model.preset`` (a name in
     ``lmlab.PRESETS``) or ``train.init_from`` (its weights' config) replaces the demo model as the
     starting point of the model section; the other ``model.*`` changes apply on top of it.
-    ``resolved``: the changes are a run's saved config, whose model needs no starting point."""
-    changes = dict(changes)
+    ``resolved``: the changes are a run's saved config, whose model needs no starting point.
+    Old keys (``train.lr``) are read as their new ones (``optim.lr``), with a note."""
+    changes = upgrade_keys(changes, "the config")
     preset = changes.pop("model.preset", None)
     init = changes.get("train.init_from")
     base = RunConfig()
@@ -226,3 +319,80 @@ def config_diff(a: RunConfig, b: RunConfig) -> list[str]:
     """Dotted fields that differ: ["model.d_model: 64 vs 128", ...]."""
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return [f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+# ============================================================== the old keys, read for one release
+# Until the config had a section per concern, ``train:`` held the optimizer, the schedule, evaluation,
+# checkpointing, logging, sampling and parallelism. RENAMED is the one table from each old dotted key
+# to its new one; upgrade_keys applies it wherever a config is read (YAML files, a run's saved
+# config.yaml, --section.field overrides, sweep specs), printing one line per read that names each
+# old key and its new one (each key once per process). Delete this part, and the calls to
+# upgrade_keys, when the old keys go.
+RENAMED = {  # old dotted key -> new dotted key
+    "train.lr": "optim.lr",
+    "train.min_lr": "optim.min_lr",
+    "train.warmup_steps": "optim.warmup_steps",
+    "train.weight_decay": "optim.weight_decay",
+    "train.betas": "optim.betas",
+    "train.eps": "optim.eps",
+    "train.grad_clip": "optim.grad_clip",
+    "train.eval_every": "eval.every",
+    "train.eval_batches": "eval.batches",
+    "train.save_every": "checkpoint.every",
+    "train.keep_last": "checkpoint.keep_last",
+    "train.save_mode": "checkpoint.mode",
+    "train.log_every": "log.every",
+    "train.tensorboard": "log.tensorboard",
+    "train.sample_every": "log.sample_every",
+    "train.sample_tokens": "log.sample_tokens",
+    "train.sample_prompt": "log.sample_prompt",
+    "train.parallel": "parallel.strategy",
+    "train.expert_parallel": "parallel.experts",
+    "train.activation_checkpointing": "parallel.activation_checkpointing",
+    "train.activation_checkpoint_every": "parallel.activation_checkpoint_every",
+    "train.collective_timeout": "parallel.collective_timeout",
+    "train.setup_timeout": "parallel.setup_timeout",
+}
+
+NOTED: set[str] = set()  # old keys already noted by this process
+
+
+def renamed(key: str) -> str:
+    """The current name of dotted ``key`` (itself unless it is an old one)."""
+    return RENAMED.get(key, key)
+
+
+def upgrade_keys(changes: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A copy of ``changes`` with each old key renamed to its new one (order kept). ``where`` names
+    the source in the note and the error, e.g. "config file 'run.yaml'". A field given under both
+    names is refused: ValueError naming both."""
+    old = [k for k in changes if k in RENAMED]
+    for key in old:
+        if RENAMED[key] in changes:
+            raise ValueError(f"{where}: {key!r} and {RENAMED[key]!r} are the same field given twice ({key} is its "
+                             f"old name); keep {RENAMED[key]}")
+    _note([k for k in old if k not in NOTED], where)
+    return {renamed(k): v for k, v in changes.items()}
+
+
+def _note(keys: list[str], where: str) -> None:
+    """One line on stderr for ``keys`` (rank 0 only under torchrun); each key is noted once per process."""
+    if not keys:
+        return
+    NOTED.update(keys)
+    if os.environ.get("RANK", "0") == "0":
+        pairs = ", ".join(f"{k} -> {RENAMED[k]}" for k in keys)
+        print(f"lmlab: note: old config keys in {where}, read as the new ones in this release only; rename them: "
+              f"{pairs}", file=sys.stderr)
+
+
+def one_section_dict(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A new-layout config dict (``RunConfig.to_dict()``) in the old one-section layout: the renamed
+    fields back under ``train:`` by their old names. Sweeps hash this form, so that results they
+    recorded before the sections were split still count as the same runs."""
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in config.items()}
+    sections = {new.split(".")[0] for new in RENAMED.values()}
+    for old, new in RENAMED.items():
+        section, field = new.split(".")
+        out["train"][old.split(".")[1]] = out[section][field]
+    return {k: v for k, v in out.items() if k not in sections}

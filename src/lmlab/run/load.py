@@ -60,7 +60,7 @@ def load_run(
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
     if (where / "dcp").is_dir() and not (where / ckpt.WEIGHTS).is_file():  # dcp.DCP_DIR: a sharded run's
         step = int(where.name.split("_")[-1])
-        raise ValueError(f"{str(where)!r} is a distributed checkpoint (train.parallel=fsdp or expert parallel); "
+        raise ValueError(f"{str(where)!r} is a distributed checkpoint (parallel.strategy=fsdp or expert parallel); "
                          f"write its weights file first: lmlab consolidate {path} --checkpoint {step}")
     check_fits(lambda n: loading_memory(cfg.model, parameters=n), cfg.model, torch.device(device),
                what=f"the model of {str(path)!r}", fix="check its config (and any --model.* overrides)")

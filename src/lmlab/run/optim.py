@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from .config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -36,7 +36,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     # the fused kernel (CUDA, and CPU since torch 2.4) is one pass over each tensor: ~6x faster
     # than the foreach path on CPU for a few-million-parameter model
     return torch.optim.AdamW(
@@ -85,12 +85,12 @@ def split_by_layout(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """lr for 0-based ``step``: linear warmup to ``lr`` over ``warmup_steps`` (reaching it at step
-    warmup_steps - 1), then cosine decay reaching ``min_lr`` at the last step, steps - 1."""
+def learning_rate(step: int, cfg: OptimConfig, steps: int) -> float:
+    """lr for 0-based ``step`` of a run of ``steps``: linear warmup to ``lr`` over ``warmup_steps``
+    (reaching it at step warmup_steps - 1), then cosine decay reaching ``min_lr`` at the last step, steps - 1."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = cfg.steps - 1 - cfg.warmup_steps
+    decay_steps = steps - 1 - cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps) if decay_steps > 0 else 1.0
     min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))

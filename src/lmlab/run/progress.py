@@ -85,7 +85,8 @@ def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_
     """The lines a run starts with: what it trains, where, on what, and its data."""
     m, t = cfg.model, cfg.train
     start = f", starting from {t.init_from}" if t.init_from else ""
-    layout = ", ".join([t.parallel] + ([f"expert parallel {t.expert_parallel}"] if t.expert_parallel > 1 else []))
+    p = cfg.parallel
+    layout = ", ".join([p.strategy] + ([f"expert parallel {p.experts}"] if p.experts > 1 else []))
     return (
         f"training {noun} in {run_dir}: {parameters:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
         f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "

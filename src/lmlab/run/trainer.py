@@ -1,6 +1,6 @@
 """The training loop: one run, from its config to checkpoints, metrics and a sample.
 
-    cfg = load_config("run.yaml", {"train.lr": 3e-4})
+    cfg = load_config("run.yaml", {"optim.lr": 3e-4})
     with Trainer(cfg, "runs/mine") as trainer:
         result = trainer.fit()
 
@@ -227,7 +227,7 @@ class Trainer:
         self.run_dir = self.run.path
         self.callbacks, self.quiet = list(callbacks), quiet
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.dist = Dist.from_env(self.device, cfg.train.collective_timeout, cfg.train.setup_timeout)
+        self.dist = Dist.from_env(self.device, cfg.parallel.collective_timeout, cfg.parallel.setup_timeout)
         self.progress = Progress(show=self.dist.main and not quiet)
         self.log: MetricsLog | None = None
         self.data: RunData | None = None
@@ -261,8 +261,8 @@ class Trainer:
             from .init_from import init_source
 
             init_source(self.cfg.train.init_from).load_into(self.model)
-        if self.cfg.train.warmup_steps >= self.cfg.train.steps:
-            self.progress.print(f"warning: train.warmup_steps={self.cfg.train.warmup_steps} >= train.steps="
+        if self.cfg.optim.warmup_steps >= self.cfg.train.steps:
+            self.progress.print(f"warning: optim.warmup_steps={self.cfg.optim.warmup_steps} >= train.steps="
                                 f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
         if self.dist.main:
             self._start_records(overwrite, command)
@@ -285,7 +285,7 @@ class Trainer:
         self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
                                                    world_size=self.dist.world, data=identity(self.data)))
         # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
-        self.log = MetricsLog(self.run, tensorboard=self.cfg.train.tensorboard,
+        self.log = MetricsLog(self.run, tensorboard=self.cfg.log.tensorboard,
                               purge_step=self.step + 1 if self.step else None, say=self.progress.print)
 
     def _abandon(self, peers_lost: bool = False) -> None:
@@ -315,22 +315,22 @@ class Trainer:
         return cfg
 
     def _setup_model(self) -> None:
-        t = self.cfg.train
+        p = self.cfg.parallel
         self.model = self.task.build_model(self.cfg.model, self.meta).to(self.device)
         self.transformer = self.task.body(self.model)  # the Transformer itself, for accounting and MoE biases
-        if self.model is not self.transformer and (t.parallel == "fsdp" or t.expert_parallel > 1):
-            raise ValueError(f"task={self.cfg.task!r} trains with train.parallel=ddp and train.expert_parallel=1; "
+        if self.model is not self.transformer and (p.strategy == "fsdp" or p.experts > 1):
+            raise ValueError(f"task={self.cfg.task!r} trains with parallel.strategy=ddp and parallel.experts=1; "
                              "FSDP and expert parallelism shard language models only")
         # expert parallelism, activation checkpointing and FSDP change the model in place; DDP wraps it
-        self.parallel = parallelize(self.transformer, t, self.dist, self.device)
-        if t.compile:
+        self.parallel = parallelize(self.transformer, p, self.dist, self.device)
+        if self.cfg.train.compile:
             compile_blocks(self.transformer)  # in place: parameter names and checkpoints are unchanged
         self.train_model: nn.Module = self.parallel.wrap(self.model)
-        self.optimizer = build_optimizer(self.model, t, self.device)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
         self.checkpointer = build_checkpointer(
             layout_of(self.parallel), self.run.checkpoints, self.model, self.optimizer, self.parallel, self.dist,
-            keep_last=t.keep_last, save_mode=t.save_mode, model_config=self.cfg.model.to_dict(),
-            say=self.progress.print)
+            keep_last=self.cfg.checkpoint.keep_last, save_mode=self.cfg.checkpoint.mode,
+            model_config=self.cfg.model.to_dict(), say=self.progress.print)
         # under FSDP its MixedPrecisionPolicy computes in bf16 instead of autocast
         use_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported() and not self.parallel.fsdp
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
@@ -376,7 +376,8 @@ class Trainer:
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
-            sample = self.sample() if self._takes_part and t.sample_tokens and self.task.writes_text else None
+            writes = self._takes_part and self.cfg.log.sample_tokens and self.task.writes_text
+            sample = self.sample() if writes else None
         return TrainResult(
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val, skipped_steps=self.skipped_steps,
             tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
@@ -386,7 +387,7 @@ class Trainer:
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
         t = self.cfg.train
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, t)
+            group["lr"] = learning_rate(step, self.cfg.optim, t.steps)
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for j in micro_ids:
@@ -403,7 +404,7 @@ class Trainer:
         loss, asked = self.dist.all_reduce_sum(shared).tolist()
         loss /= self.dist.world
         self.stop.agree(bool(asked))
-        grad_norm = self.parallel.clip_gradients(self.model, t.grad_clip)
+        grad_norm = self.parallel.clip_gradients(self.model, self.cfg.optim.grad_clip)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             # balance on the load summed over processes, so every rank's biases agree
@@ -429,8 +430,7 @@ class Trainer:
     def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
         """At evaluation steps add val_loss (and the task's metrics) to ``record``; returns (this
         step's val loss or None, improved)."""
-        t = self.cfg.train
-        if not (self.step % t.eval_every == 0 or self.step == t.steps):
+        if not (self.step % self.cfg.eval.every == 0 or self.step == self.cfg.train.steps):
             return None, False
         val_loss, improved = self._evaluate()
         if val_loss is not None:
@@ -442,12 +442,12 @@ class Trainer:
 
     def _save_if_due(self, improved: bool, val_loss: float | None) -> None:
         """Checkpoint when due, improved or stopping; print a sample when due (where :attr:`_takes_part`)."""
-        t = self.cfg.train
+        steps, every, log = self.cfg.train.steps, self.cfg.checkpoint.every, self.cfg.log
         if not self._takes_part:
             return
-        if self.step % t.save_every == 0 or self.step == t.steps or improved or self.stop.stopping:
+        if self.step % every == 0 or self.step == steps or improved or self.stop.stopping:
             self._save(best=improved, val_loss=val_loss)
-        if t.sample_every and self.step % t.sample_every == 0 and self.step < t.steps and self.task.writes_text:
+        if log.sample_every and self.step % log.sample_every == 0 and self.step < steps and self.task.writes_text:
             self.progress.print(f"sample at step {self.step}: {self.sample()!r}")
 
     # ---- evaluation, checkpoints, samples
@@ -462,9 +462,9 @@ class Trainer:
         Sharded, every process evaluates the same batches and takes rank 0's value, so all decide alike."""
         if not self._takes_part:
             return None, False
-        t = self.cfg.train
-        self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=t.batch_size, seq_len=self.cfg.seq_len,
-                                            max_batches=t.eval_batches, autocast=self.autocast)
+        self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=self.cfg.train.batch_size,
+                                            seq_len=self.cfg.seq_len, max_batches=self.cfg.eval.batches,
+                                            autocast=self.autocast)
         loss = self.last_eval.loss
         if self.parallel.sharded:
             mine = torch.tensor([loss if self.dist.main else 0.0], dtype=torch.float64, device=self.device)
@@ -505,19 +505,19 @@ class Trainer:
         return None
 
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
-        """Text the model writes after ``prompt`` (default: the config's), seeded by train.seed."""
-        t = self.cfg.train
-        prompt = t.sample_prompt if prompt is None else prompt
-        return sample_from(self.model, self.tokenizer, self.parallel, prompt, max_new_tokens or t.sample_tokens, t.seed)
+        """Text the model writes after ``prompt`` (default: log.sample_prompt), seeded by train.seed."""
+        log = self.cfg.log
+        return sample_from(self.model, self.tokenizer, self.parallel, log.sample_prompt if prompt is None else prompt,
+                           max_new_tokens or log.sample_tokens, self.cfg.train.seed)
 
     # ---- logging
     def _record(self, loss: float, grad_norm: float, aux: dict[str, float], tokens_per_step: int) -> dict[str, Any]:
-        """This step's metrics: only {"step"} between log_every steps, else the full record."""
-        t = self.cfg.train
+        """This step's metrics: only {"step"} between log.every steps, else the full record."""
+        last = self.cfg.train.steps
         record: dict[str, Any] = {"step": self.step}
-        tps = self.progress.throughput(tokens_per_step, logged=self.step % t.log_every == 0 or self.step == t.steps)
+        tps = self.progress.throughput(tokens_per_step, logged=self.step % self.cfg.log.every == 0 or self.step == last)
         if tps is not None:
-            record.update(loss=loss, lr=learning_rate(self.step - 1, t), grad_norm=grad_norm,
+            record.update(loss=loss, lr=learning_rate(self.step - 1, self.cfg.optim, last), grad_norm=grad_norm,
                           tokens=self.tokens, tokens_per_s=tps, skipped_steps=self.skipped_steps)
             if self.peak_flops:
                 record["mfu"] = tps * self.flops_per_token / (self.peak_flops * self.dist.world)

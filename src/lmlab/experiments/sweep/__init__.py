@@ -18,12 +18,12 @@ A spec is a base run config plus variants, each a name and dotted overrides::
     variants:
       - {name: shallow, overrides: {model.n_layers: 2}}
       - {name: deep, overrides: {model.n_layers: 8}, profiles: {gpu: {model.n_layers: 24}}}
-      - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, train.lr: 3e-4}}   # deep's final weights
+      - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, optim.lr: 3e-4}}   # deep's final weights
     grid:                     # optional: the product of these axes is appended to the variants
       - {axis: norm, levels: [{name: pre, overrides: {model.norm_position: pre}},
                               {name: post, overrides: {model.norm_position: post}}]}
       - {axis: depth, levels: [{name: L2, overrides: {model.n_layers: 2}}, {name: L8, overrides: {model.n_layers: 8}}]}
-    tune: {field: train.lr, values: [1e-3, 3e-3, 1e-2], by: [norm], at: {depth: L8}, seeds: [1000]}
+    tune: {field: optim.lr, values: [1e-3, 3e-3, 1e-2], by: [norm], at: {depth: L8}, seeds: [1000]}
     match_active_params: {reference: shallow, tolerance: 0.05}   # optional equal-compute check
     corpus: {name: stdlib}    # optional: train on the deduplicated stdlib corpus (experiments.corpus)
     final_eval: {tokens: 65536}   # optional: the final loss over 65,536 tokens in windows spread over validation

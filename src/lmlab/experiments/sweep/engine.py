@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from ...run.checkpoint import local as ckpt
 from ...run.checkpoint.directory import CHECKPOINTS
-from ...run.config import RunConfig, config_diff, load_config
+from ...run.config import RunConfig, config_diff, load_config, one_section_dict
 from ...run.data.meta import META, DataMeta
 from ...run.data.prepare import prepare
 from ...run.errors import one_line
@@ -159,7 +159,7 @@ class Sweep:
             if done is None or done.get("config_hash") != self.key(self.spec.variant(variant.init_from), seed):
                 return None
             parent = done["config_hash"]  # the parent's weights: its hash stands for them
-        cfg = self._planned(variant, seed).to_dict()
+        cfg = one_section_dict(self._planned(variant, seed).to_dict())  # the layout results were first keyed by
         # where the data lives is not what it is (its identity is hashed below)
         cfg["data"] = {k: (None if k == "prepared" else v) for k, v in cfg["data"].items()
                        if k not in ("source", "dir")}
@@ -265,8 +265,8 @@ def _final_loss(sw: Sweep, trainer, result) -> tuple[float, int]:
         return r.loss, r.tokens
     if result is None or result.val_loss is None:
         return float("nan"), 0
-    t = trainer.cfg.train
-    return float(result.val_loss), t.eval_batches * t.batch_size * trainer.cfg.seq_len
+    cfg = trainer.cfg
+    return float(result.val_loss), cfg.eval.batches * cfg.train.batch_size * cfg.seq_len
 
 
 def _row(sw, variant, seed, cfg, trainer, result, reason, curve, start) -> dict[str, Any]:

@@ -59,9 +59,9 @@ def eval_slice_text(spec: SweepSpec) -> str:
     if spec.final_eval:
         return (f"final_val_loss: mean next-token loss over {spec.final_eval['tokens']:,} validation tokens, "
                 "in windows of the run's seq_len spread evenly over the whole validation split, after the last step")
-    t = spec.configs[spec.variants[0].name].train
-    return (f"final_val_loss: the trainer's last evaluation, over the first {t.eval_batches} x {t.batch_size} windows "
-            "of the validation split")
+    cfg = spec.configs[spec.variants[0].name]
+    return (f"final_val_loss: the trainer's last evaluation, over the first {cfg.eval.batches} x {cfg.train.batch_size} "
+            "windows of the validation split")
 
 
 def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None:

@@ -95,7 +95,7 @@ def safe_planner() -> Any:
 class ShardedSaver:
     """Writes a sharded run's checkpoints; every process calls :meth:`save` alike.
 
-    ``mode="async"`` (``train.save_mode``): ``dcp.async_save`` copies the state to host memory and
+    ``mode="async"`` (``checkpoint.mode``): ``dcp.async_save`` copies the state to host memory and
     writes it from a background thread over a gloo group of its own, so training waits only for
     the copy; the checkpoint is renamed into place (and so appears) at the next save or at
     :meth:`finish`. Meant for GPUs, where writing stalls the accelerator; untested on them here."""
@@ -295,7 +295,7 @@ def by_name(optim_state: dict[str, Any]) -> dict[str, Any]:
     for group in optim_state["param_groups"]:
         if "names" not in group:
             raise ValueError("the checkpoint's optimizer state does not name its parameters; resume it with "
-                             "train.parallel=ddp and the number of processes that wrote it")
+                             "parallel.strategy=ddp and the number of processes that wrote it")
         for i, name in zip(group["params"], group["names"]):
             if i in optim_state["state"]:
                 state[name] = optim_state["state"][i]

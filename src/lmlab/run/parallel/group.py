@@ -4,9 +4,9 @@ Without ``torchrun`` a run is rank 0 of 1 and nothing here talks to other proces
 :class:`Dist` joins the process group (NCCL on CUDA, gloo on CPU) and offers the few collectives
 the trainer needs: a sum, a barrier, and "run this on rank 0 and give every rank the outcome".
 
-No process waits forever. Every process group has a timeout: ``train.collective_timeout`` for
+No process waits forever. Every process group has a timeout: ``parallel.collective_timeout`` for
 the default group and the groups built from it (DDP, FSDP, expert parallelism, checkpoints), and
-``train.setup_timeout`` for the group that waits while rank 0 prepares the data. A process whose
+``parallel.setup_timeout`` for the group that waits while rank 0 prepares the data. A process whose
 peers died sees its next collective fail (at once when the connection drops, else after the
 timeout), and :meth:`Dist.close` after a failure arms a watchdog that ends the process if its
 shutdown hangs, as gloo's can when it tears down connections to dead peers.
@@ -125,7 +125,7 @@ class Dist:
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise PeersLost(
                 f"process {self.rank} of {self.world} lost contact with the others ({first}); a process died or did "
-                f"not answer within train.collective_timeout={self.timeout:g}s. Continue from the last checkpoint "
+                f"not answer within parallel.collective_timeout={self.timeout:g}s. Continue from the last checkpoint "
                 "with --resume"
             ) from e
 

@@ -1,13 +1,13 @@
 """Parallelism, applied to a plain :class:`~lmlab.model.Transformer` from outside (as torchtitan's
 ``parallelize.py`` does): the model code never branches on it.
 
-    train.parallel=ddp        every process holds the whole model; gradients are all-reduced
+    parallel.strategy=ddp     every process holds the whole model; gradients are all-reduced
                               (DistributedDataParallel)
-    train.parallel=fsdp       fully_shard each block, then the root, over a 1-D mesh of all W processes:
+    parallel.strategy=fsdp    fully_shard each block, then the root, over a 1-D mesh of all W processes:
                               each holds 1/W of the parameters, gradients and AdamW state, and a block's
                               parameters are all-gathered only for its forward and backward (FSDP2;
                               Zhao et al. 2023, arXiv:2304.11277)
-    train.expert_parallel=N   each MoE layer's E routed experts are split over groups of N processes,
+    parallel.experts=N        each MoE layer's E routed experts are split over groups of N processes,
                               E/N each; tokens travel to their experts' process with all_to_all and
                               back (GShard, Lepikhin et al. 2021, sec. 3.2)
     activation_checkpointing  blocks: every k-th block keeps only its input for backward and
@@ -39,7 +39,7 @@ from torch import nn
 from ...config import ModelConfig
 from ...model import Transformer
 from ...moe import Assignment, Experts, combine, dispatch, plan
-from ..config import TrainConfig
+from ..config import ParallelConfig
 from .group import Dist
 from ..optim import clip_gradients
 
@@ -357,14 +357,14 @@ def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
 
 
 # ============================================================== applying it
-def parallelize(model: Transformer, t: TrainConfig, dist: Dist, device: torch.device) -> Parallel:
+def parallelize(model: Transformer, t: ParallelConfig, dist: Dist, device: torch.device) -> Parallel:
     """Apply ``t``'s expert parallelism, activation checkpointing and FSDP to ``model``, in place,
     in that order; return the plan (DDP, which wraps rather than changes, is :meth:`Parallel.wrap`).
     Raises ValueError, alike on every process, for a layout the processes cannot form."""
     check_layout(t, dist.world)
-    plan = Parallel(world=dist.world, device=device, fsdp=t.parallel == "fsdp")
-    if t.expert_parallel > 1:
-        plan.experts = ExpertGroups.build(t.expert_parallel, dist, device)
+    plan = Parallel(world=dist.world, device=device, fsdp=t.strategy == "fsdp")
+    if t.experts > 1:
+        plan.experts = ExpertGroups.build(t.experts, dist, device)
         for local in shard_experts(model, plan.experts):
             plan.expert_params += list(local.parameters())
         mine = {id(p) for p in plan.expert_params}
@@ -378,15 +378,15 @@ def parallelize(model: Transformer, t: TrainConfig, dist: Dist, device: torch.de
     return plan
 
 
-def check_layout(t: TrainConfig, world: int) -> None:
-    if t.parallel == "fsdp" and world == 1:
-        raise ValueError("train.parallel=fsdp shards the model over several processes, and this is one; start "
-                         "them with torchrun --nproc-per-node N (N >= 2), or use train.parallel=ddp")
-    n = t.expert_parallel
+def check_layout(t: ParallelConfig, world: int) -> None:
+    if t.strategy == "fsdp" and world == 1:
+        raise ValueError("parallel.strategy=fsdp shards the model over several processes, and this is one; start "
+                         "them with torchrun --nproc-per-node N (N >= 2), or use parallel.strategy=ddp")
+    n = t.experts
     if n > 1 and world % n:
         hint = "start N processes with torchrun --nproc-per-node N" if world == 1 else f"use a divisor of {world}"
-        raise ValueError(f"train.expert_parallel={n} does not divide the {world} process{'es' * (world > 1)}; "
-                         f"each group of {n} processes splits the experts: {hint}, or set train.expert_parallel=1")
+        raise ValueError(f"parallel.experts={n} does not divide the {world} process{'es' * (world > 1)}; "
+                         f"each group of {n} processes splits the experts: {hint}, or set parallel.experts=1")
 
 
 def shard_model(model: Transformer, device: torch.device, ignored: set[nn.Parameter]) -> None:
