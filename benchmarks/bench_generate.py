@@ -20,14 +20,14 @@ is printed. Ratios are against transformers' dynamic cache (``HF``) and static +
 Two clocks: wall time (what a user waits) and, on CPU, process CPU time, which other programs on
 a shared machine barely disturb; with ``--threads 1`` the two agree on an idle machine.
 
-    python benchmarks/bench_generate.py --threads 2               # CPU, fp32, the README's size
+    python benchmarks/bench_generate.py --threads 2               # CPU, fp32, docs/speed.md's size
     python benchmarks/bench_generate.py --device cuda --size gpu  # 198M llama, bf16
     python benchmarks/bench_generate.py --quick                   # seconds: checks the machinery
 
 For ``benchmarks/run_all.sh``: every benchmark takes ``--device {cpu,cuda}`` and ``--quick``;
 on a GPU, ``--device cuda --size gpu --rounds 3`` times the 198M model at batch 1 and 8.
 
-Where the time goes (2-core CPU, one thread, README's Speed): the eager loop spends a third of
+Where the time goes (2-core CPU, one thread, docs/speed.md): the eager loop spends a third of
 each token in the weight-reading matmuls and the rest in ~140 small operator calls, which the
 compiled step fuses away; at batch 8 the compiled step is ~60% matmuls, the rest attention over
 the whole static cache and top-k.

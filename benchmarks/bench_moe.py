@@ -14,7 +14,7 @@ Sizes (``--size``): ``cpu``: d_model 256, 4 layers, experts of width 128, 8 x 25
 ``--compile``: lmlab compiles each block (``train.compile``; the MoE layer is one graph), HF the
 whole model.
 
-    python benchmarks/bench_moe.py --threads 2                 # the README's CPU rows
+    python benchmarks/bench_moe.py --threads 2                 # docs/speed.md's CPU rows
     python benchmarks/bench_moe.py --device cuda [--compile]
     python benchmarks/bench_moe.py --quick
 """

@@ -9,11 +9,11 @@ holds the (B·T, V) logits); transformers gets ``F.cross_entropy`` on its logits
 AdamW, as ``lmlab.run.optim`` does.
 
 Sizes (``--size``): ``cpu``: llama preset, d_model 256, 4 layers, vocab 256, 8 x 256 tokens.
-``gpu``: the 198M llama of the README's GPU table (d_model 1024, 12 layers, vocab 32000), 8 x 1024.
+``gpu``: the 198M llama of docs/speed.md's GPU sizes (d_model 1024, 12 layers, vocab 32000), 8 x 1024.
 ``--compile``: lmlab compiles each block (``train.compile``, lmlab.run.parallel.compile), transformers
 the whole model with ``torch.compile``. Timing, clocks and MFU: see harness.py.
 
-    python benchmarks/bench_train_step.py --threads 2              # the README's CPU row
+    python benchmarks/bench_train_step.py --threads 2              # docs/speed.md's CPU row
     python benchmarks/bench_train_step.py --device cuda [--compile]
     python benchmarks/bench_train_step.py --quick                  # seconds; numbers meaningless
 """

@@ -2,7 +2,7 @@
 matmul that MFU is measured against.
 
     --device cpu|cuda   cuda: bf16 autocast over fp32 weights, as the trainer runs; cpu: fp32
-    --threads N         torch CPU threads (the CPU numbers in the README use 2)
+    --threads N         torch CPU threads (the CPU numbers in docs/speed.md use 2)
     --quick             tiny sizes and few steps: seconds, for CI (numbers meaningless)
 
 Timing: the contenders take turns, one step each, for ``--steps`` rounds after ``--warmup``; each

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark in benchmarks/, one after the other, each printing both libraries, the ratio and MFU.
 #
-#   benchmarks/run_all.sh                      # CPU sizes (the README's CPU table), fp32, 2 threads
+#   benchmarks/run_all.sh                      # CPU sizes (docs/speed.md's CPU table), fp32, 2 threads
 #   benchmarks/run_all.sh --device cuda        # GPU sizes, bf16 autocast, eager and compiled
 #   benchmarks/run_all.sh --quick              # tiny sizes on CPU: seconds per script, for CI
 #
@@ -26,7 +26,7 @@ done
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 flags=(--device "$device" ${quick[@]+"${quick[@]}"})
 if [[ "$device" == cpu && ${#extra[@]} -eq 0 ]]; then
-  # the README's CPU numbers use 2 threads; the quick run is a smoke test, where 1 thread is faster
+  # docs/speed.md's CPU numbers use 2 threads; the quick run is a smoke test, where 1 thread is faster
   # on a busy machine
   if [[ ${#quick[@]} -gt 0 ]]; then extra=(--threads 1); else extra=(--threads 2); fi
 fi

@@ -369,3 +369,14 @@ def test_eos_ids_come_from_the_tokenizer():
 
     model = ScriptedModel([list(b"ab") + [4], list(b"abc") + [3], list(b"z")])
     assert [c.finish for c in complete(model, TwoEnds(), ["x"] * 3, 5, temperature=0)] == ["eos", "eos", "length"]
+
+
+# ============================================================== the default decoder
+def test_auto_decoder_is_a_cuda_graph_for_dense_models_on_cuda_and_eager_otherwise(tiny):
+    """What docs/training.md says ``auto`` picks; the choice reads only the device type and the model."""
+    from lmlab.generate import auto_decoder
+
+    dense, moe = lmlab.Transformer(tiny()), lmlab.Transformer(tiny(**{"moe.n_experts": 4, "moe.top_k": 2}))
+    assert auto_decoder(dense, torch.device("cuda")) == "graph"
+    assert auto_decoder(moe, torch.device("cuda")) == "eager"  # expert dispatch reads counts on the host
+    assert auto_decoder(dense, torch.device("cpu")) == "eager" and auto_decoder(moe, torch.device("cpu")) == "eager"

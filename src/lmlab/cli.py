@@ -7,7 +7,7 @@
     lmlab eval runs/default --seq-len 512 --model.rope.scaling yarn --model.rope.factor 4
     lmlab generate runs/default --prompt "The " --temperature 0.8 --top-k 40
     lmlab export runs/default --out exported/      # a Hugging Face transformers checkpoint
-    lmlab generate runs/default --prompts-file prompts.txt --stop "\n\n" --temperature 0
+    lmlab generate runs/default --prompts-file prompts.txt --stop $'\\n\\n' --temperature 0   # bash: a blank line
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files

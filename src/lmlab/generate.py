@@ -29,7 +29,7 @@ graph      ``static``'s step captured as a CUDA graph, not compiled (CUDA only; 
 auto       ``graph`` on CUDA for a dense model outside torch.distributed (a sharded model's
            collectives cannot be captured this way), else ``eager``. On the CPU ``eager``
            measured faster than ``static`` and ``compiled`` pays for its compile time only
-           after tens of thousands of tokens (README, Speed).
+           after tens of thousands of tokens (docs/speed.md).
 =========  ===========================================================================
 
 The prefill is never compiled or captured: its shape changes with every prompt. The host

@@ -158,7 +158,7 @@ class LogConfig(Section):
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ParallelConfig(Section):
-    """Several processes under torchrun (README, "Distributed training"); applied by run/parallel/plan.py."""
+    """Several processes under torchrun (docs/distributed.md); applied by run/parallel/plan.py."""
 
     section: ClassVar[str] = "parallel"
     strategy: Strategy = "ddp"  # ddp: every process holds the whole model; fsdp: params, grads, AdamW state sharded
