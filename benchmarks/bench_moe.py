@@ -75,7 +75,9 @@ def dense_twin(size: str, active: int) -> Transformer:
     base = dict(vocab_size=V, d_model=D, n_layers=L, n_heads=heads, max_seq_len=S, ffn="glu", activation="silu",
                 norm_eps=1e-6)
     with torch.device("meta"):
-        count = lambda d_ff: Transformer(ModelConfig(**base, d_ff=d_ff)).num_params()["total"]
+        def count(d_ff: int) -> int:
+            return Transformer(ModelConfig(**base, d_ff=d_ff)).num_params()["total"]
+
         per_unit = (count(16) - count(8)) / 8
         d_ff = 8 * round((active - count(8)) / per_unit / 8) + 8
     return Transformer(ModelConfig(**base, d_ff=d_ff))

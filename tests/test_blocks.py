@@ -107,7 +107,9 @@ def _duplicate_kv_heads(gqa: Transformer, mha: Transformer) -> None:
     for name, w in list(state.items()):
         if name.endswith("attn.qkv.weight"):
             q, k, v = w.split([H * hd, KV * hd, KV * hd], dim=0)
-            dup = lambda t: t.view(KV, hd, -1).repeat_interleave(H // KV, dim=0).reshape(H * hd, -1)
+            def dup(t):
+                return t.view(KV, hd, -1).repeat_interleave(H // KV, dim=0).reshape(H * hd, -1)
+
             state[name] = torch.cat([q, dup(k), dup(v)], dim=0)
     mha.load_state_dict(state)
 

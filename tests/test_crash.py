@@ -21,7 +21,7 @@ import torch
 
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
-from helpers import TINY_ARGS, WORDS, corpus
+from helpers import TINY_ARGS, corpus
 
 TINY = TINY_ARGS
 RUN = [*TINY, "--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",

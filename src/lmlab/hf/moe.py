@@ -237,12 +237,12 @@ def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
         raise _refuse(hf, "shared_expert_intermediate_size", "lmlab maps Qwen2-MoE's gated shared expert only with a positive width")
     # layer l is sparse iff l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0
     step, dense_only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
-    sparse = [l not in dense_only and (l + 1) % step == 0 for l in range(n_layers)]
+    sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)]
     layout = _every_and_first_dense(sparse)
     if layout is None:
         raise _refuse(
             hf, "mlp_only_layers",
-            f"with decoder_sparse_step={step} the MoE layers are {[l for l, s in enumerate(sparse) if s]}; lmlab "
+            f"with decoder_sparse_step={step} the MoE layers are {[i for i, s in enumerate(sparse) if s]}; lmlab "
             "expresses only 'every n-th layer after the first k'",
         )
     every, first_dense = layout
@@ -257,7 +257,7 @@ def _every_and_first_dense(sparse: list[bool]) -> tuple[int, int] | None:
     L = len(sparse)
     for first in range(L):
         for every in range(1, L + 1):
-            if [l >= first and (l - first) % every == 0 for l in range(L)] == sparse:
+            if [i >= first and (i - first) % every == 0 for i in range(L)] == sparse:
                 return every, first
     return None
 
@@ -292,11 +292,11 @@ def qwen2_moe_layers(cfg: ModelConfig) -> tuple[int, list[int]]:
     """(decoder_sparse_step, mlp_only_layers) that make exactly lmlab's MoE layers sparse: the step
     is ``moe.every`` where its layers cover them, else 1, and the other layers are listed dense."""
     L = cfg.n_layers
-    sparse = [cfg.is_moe_layer(l) for l in range(L)]
+    sparse = [cfg.is_moe_layer(i) for i in range(L)]
     for step in dict.fromkeys((cfg.moe.every, 1)):
-        stepped = [(l + 1) % step == 0 for l in range(L)]
+        stepped = [(i + 1) % step == 0 for i in range(L)]
         if all(t or not s for s, t in zip(sparse, stepped)):
-            return step, [l for l in range(L) if stepped[l] and not sparse[l]]
+            return step, [i for i in range(L) if stepped[i] and not sparse[i]]
     raise AssertionError("step 1 covers every layer")
 
 
