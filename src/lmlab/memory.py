@@ -141,6 +141,18 @@ def evaluation_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
                           activations=tokens * (4 * cfg.vocab_size + 2 * 8) + 8 * seq_len)
 
 
+def check_generation_fits(cfg: ModelConfig, batch_size: int, length: int, device: torch.device,
+                          bytes_per_value: int) -> None:
+    """Refuse, before the cache is allocated, a generation whose KV cache and rotary tables for
+    ``length`` positions (prompt + new tokens) exceed the device's memory (the weights are already held)."""
+    limit, where = device_memory(device)
+    cache, tables = kv_cache_bytes(cfg, batch_size, length, bytes_per_value), rotary_table_bytes(cfg, length)
+    if limit is not None and cache + tables > limit:
+        raise ValueError(f"generating up to {length:,} positions for {batch_size} prompt(s) needs at least "
+                         f"{gib(cache + tables)} (KV cache {gib(cache)}, rotary tables {gib(tables)}), more than "
+                         f"{where}; ask for fewer new tokens")
+
+
 # ============================================================== the device
 def device_memory(device: torch.device) -> tuple[int | None, str]:
     """(bytes, description) of ``device``'s memory: a GPU's total, or for the CPU (and MPS, whose
