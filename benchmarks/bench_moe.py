@@ -138,8 +138,10 @@ def main() -> None:
 
     print(f"MoE training step: d_model {D}, {L} layers, {E} experts of width {F_expert}, top-{K} + {SHARED} shared, "
           f"batch {B} x {S}, vocab {V}; {setup.describe()}" + ("; torch.compile" if args.compile else "; eager"))
-    print(f"HF experts_implementation={hf.config._experts_implementation!r}, attention={hf.config._attn_implementation!r}; "
-          f"same weights: max |logits(lmlab) - logits(HF)| = {gap:.2e}; median of {steps} alternating steps")
+    print(
+        f"HF experts_implementation={hf.config._experts_implementation!r}, attention={hf.config._attn_implementation!r}; "
+        f"same weights: max |logits(lmlab) - logits(HF)| = {gap:.2e}; median of {steps} alternating steps"
+    )
     print(f"{'model':14s} {'total params':>13s} {'active':>11s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>6s}"
           + ("" if setup.cuda else f" {'tokens/cpu-s':>13s}"))
     fpt = moe.flops_per_token(S)  # the HF twin has the same architecture; the dense twin its own count

@@ -31,7 +31,17 @@ BAD = {
     "bool-field-given-text": (dict(bias="maybe"), ["bias='maybe'", "true or false"]),
     "required-field-given-none": (dict(d_model=None), ["d_model=None"]),
 }
-SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "relative_clip", "n_kv_heads", "head_dim", "d_ff"]
+SIZES = [
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "max_seq_len",
+    "relative_clip",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+]
 for _name in SIZES:
     for _value in (0, -2):
         BAD[f"{_name}={_value}"] = ({_name: _value}, [f"{_name}={_value}", "> 0"])
@@ -78,7 +88,9 @@ def test_bad_value_through_override_and_from_dict(make, expected):
 
 
 def test_valid_edge_values_are_accepted():
-    cfg = ModelConfig(**{**TINY, "dropout": 0.0, "n_kv_heads": 1, "head_dim": 12, "positions": "alibi", "d_model": 30, "n_heads": 4})
+    cfg = ModelConfig(
+        **{**TINY, "dropout": 0.0, "n_kv_heads": 1, "head_dim": 12, "positions": "alibi", "d_model": 30, "n_heads": 4}
+    )
     assert (cfg.n_kv_heads, cfg.head_dim) == (1, 12)  # explicit head_dim lifts the divisibility rule
 
 

@@ -178,8 +178,10 @@ def test_pretrained_wordlevel_tokenizer_counts_unknowns_in_prepare(tmp_path):
     assert isinstance(tok, HFTokenizer) and tok.unk_id == 0 and tok.eod_id == 1 and not hasattr(tok, "id_bytes")
     assert tok.decode(tok.encode("alpha beta")) == "alpha beta"
     docs = many_docs(40)
-    meta = prepare(DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), tokenizer=str(tmp_path / "tokenizer.json")),
-                   tmp_path / "d")
+    meta = prepare(
+        DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), tokenizer=str(tmp_path / "tokenizer.json")),
+        tmp_path / "d",
+    )
     # the digits of "document 12" are not in the vocabulary: one <unk> per number, counted
     assert meta.unknown_tokens == len(docs) and meta.unk_id == 0
     assert meta.tokenizer == "pretrained" and meta.tokenizer_source == str(tmp_path / "tokenizer.json")
@@ -384,10 +386,15 @@ def test_too_few_or_lopsided_documents_fall_back_to_the_token_stream(tmp_path):
     docs = many_docs(100) + ["huge " * 40000]
     s = shards_mod.survey(open_source(str(jsonl(tmp_path / "l.jsonl", docs))))
     assert not s.to_val(0.05)[-1]
-    assert shards_mod.choose_split(s, 0.05) == ("token stream", "splitting by document would put 0.6% of the text in "
-                                                "validation, too far from val_fraction=0.05 (a few documents are most of the text)")
-    assert shards_mod.choose_split(shards_mod.survey(open_source(str(jsonl(tmp_path / "m.jsonl", docs[:100])))), 0.05)[0] \
+    assert shards_mod.choose_split(s, 0.05) == (
+        "token stream",
+        "splitting by document would put 0.6% of the text in "
+        "validation, too far from val_fraction=0.05 (a few documents are most of the text)",
+    )
+    assert (
+        shards_mod.choose_split(shards_mod.survey(open_source(str(jsonl(tmp_path / "m.jsonl", docs[:100])))), 0.05)[0]
         == "document"
+    )
 
 
 def test_meta_records_identity_largest_id_and_unigram_baseline(tmp_path):
@@ -594,8 +601,10 @@ def test_undecodable_bytes_are_replaced_when_asked(tmp_path):
     src = write(tmp_path / "bad.txt", b"caf\xc3\xa9 ok\nbad \xff here")
     assert texts(str(src), errors="replace")[0][1] == "café ok\nbad \ufffd here"
     prepare(DataConfig(source=str(src), errors="replace", tokenizer="char"), tmp_path / "d")
-    assert load_tokenizer(tmp_path / "d").decode(split_ids(tmp_path / "d", "train") + split_ids(tmp_path / "d", "val")) \
+    assert (
+        load_tokenizer(tmp_path / "d").decode(split_ids(tmp_path / "d", "train") + split_ids(tmp_path / "d", "val"))
         == "café ok\nbad \ufffd here"
+    )
 
 
 def test_corpus_shorter_than_one_context(existing, tmp_path):

@@ -21,7 +21,11 @@ def model_for(**overrides) -> lmlab.Transformer:
     base = dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
     preset = overrides.pop("preset", None)
     nested = {k: overrides.pop(k) for k in list(overrides) if "." in k}
-    cfg = lmlab.ModelConfig.from_preset(preset, **{**base, **overrides}) if preset else lmlab.ModelConfig(**{**base, **overrides})
+    cfg = (
+        lmlab.ModelConfig.from_preset(preset, **{**base, **overrides})
+        if preset
+        else lmlab.ModelConfig(**{**base, **overrides})
+    )
     cfg = cfg.override(nested) if nested else cfg
     return lmlab.Transformer(cfg).eval()
 
@@ -146,7 +150,9 @@ def test_sampler_draws_from_the_softmax_distribution():
     hot = make_sampler(2.0, None, None, torch.Generator().manual_seed(0), 4)(logits)  # temperature flattens
     assert torch.allclose(torch.bincount(hot, minlength=4).float() / len(hot), (logits[0] / 2).softmax(-1), atol=0.01)
     k2 = make_sampler(1.0, 2, None, torch.Generator().manual_seed(0), 4)(logits)
-    assert torch.allclose(torch.bincount(k2, minlength=4).float() / len(k2), torch.tensor([0.7311, 0.2689, 0, 0]), atol=0.01)
+    assert torch.allclose(
+        torch.bincount(k2, minlength=4).float() / len(k2), torch.tensor([0.7311, 0.2689, 0, 0]), atol=0.01
+    )
 
 
 def test_top_k_and_top_p_filters_closed_form():

@@ -300,7 +300,9 @@ def test_from_hf_builds_the_model_without_initializing_it(tmp_path, monkeypatch)
     monkeypatch.setattr(lmlab.init.Init, "draw", lambda self, shape: draws.append(shape) or torch.zeros(shape))
     ours = lmlab.from_hf(path)
     assert draws == []
-    assert ours.head.weight is ours.embed.weight and ours.num_params()["total"] == sum(p.numel() for p in hf.parameters())
+    assert ours.head.weight is ours.embed.weight and ours.num_params()["total"] == sum(
+        p.numel() for p in hf.parameters()
+    )
     assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers(), ours.positions.inv_freq])
     idx = tokens(T)
     assert_parity(logits(ours, idx), logits(hf, idx))
@@ -340,7 +342,9 @@ def _only_pickle(path: Path) -> None:
 
 def _lost_shard(path: Path) -> None:
     (path / "model.safetensors").unlink()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})
+    )
 
 
 def _shard_outside(path: Path) -> None:
@@ -420,7 +424,9 @@ def test_config_from_hf_refuses_what_lmlab_cannot_express(case):
 def test_interleaved_layout_equals_half_after_permuting_q_k_rows():
     """Pairs (2j, 2j+1) rotate exactly as pairs (j, j + d/2) once each head's q and k rows are
     permuted: this proves both layouts, and is the conversion Meta-format checkpoints need."""
-    half_cfg = lmlab.ModelConfig.from_preset("llama", vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.2)
+    half_cfg = lmlab.ModelConfig.from_preset(
+        "llama", vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.2
+    )
     inter_cfg = half_cfg.override({"rope.layout": "interleaved"})
     half, inter = lmlab.Transformer(half_cfg).eval(), lmlab.Transformer(inter_cfg).eval()
     H, KV, hd = half_cfg.n_heads, half_cfg.n_kv_heads, half_cfg.head_dim

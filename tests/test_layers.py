@@ -74,7 +74,9 @@ def module_aliases(path: Path, modules: dict[str, Path], module: str) -> set[str
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([node.module] if node.module else []))
+            base = ".".join(
+                package.split(".")[: len(package.split(".")) - node.level + 1] + ([node.module] if node.module else [])
+            )
             aliases |= {a.asname or a.name for a in node.names if f"{base}.{a.name}" in modules}
     return aliases
 

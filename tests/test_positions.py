@@ -53,7 +53,9 @@ def test_rotary_rotates_each_pair_by_p_theta(layout):
     cfg = tiny_config(positions="rope", head_dim=d, max_seq_len=20, **{"rope.layout": layout})
     x = torch.randn(1, d, generator=torch.Generator().manual_seed(1))
     out = _rotate_at_every_position(cfg, x)[0]  # (P, d)
-    pairs = [(i, i + d // 2) for i in range(d // 2)] if layout == "half" else [(2 * i, 2 * i + 1) for i in range(d // 2)]
+    pairs = (
+        [(i, i + d // 2) for i in range(d // 2)] if layout == "half" else [(2 * i, 2 * i + 1) for i in range(d // 2)]
+    )
     expected = torch.zeros_like(out)
     for p in range(cfg.max_seq_len):
         for i, (a, b) in enumerate(pairs):

@@ -78,7 +78,9 @@ class RopeConfig(Config):
         check_positive("rope.base", self.base)
         check_positive("rope.factor", self.factor)
         if self.scaling != "none" and self.factor < 1.0:
-            raise ValueError(f"rope.factor={self.factor} is not valid for rope.scaling={self.scaling!r}; use factor >= 1")
+            raise ValueError(
+                f"rope.factor={self.factor} is not valid for rope.scaling={self.scaling!r}; use factor >= 1"
+            )
         if self.original_max_seq_len is not None:
             check_positive("rope.original_max_seq_len", self.original_max_seq_len)
         if self.beta_fast <= self.beta_slow:
@@ -170,7 +172,9 @@ class MoEConfig(Config):
         if self.shared_d_ff is not None:
             check_size("moe.shared_d_ff", self.shared_d_ff)
             if self.n_shared == 0:
-                raise ValueError(f"moe.shared_d_ff={self.shared_d_ff} sets the width of shared experts; set moe.n_shared >= 1")
+                raise ValueError(
+                    f"moe.shared_d_ff={self.shared_d_ff} sets the width of shared experts; set moe.n_shared >= 1"
+                )
         if self.capacity_factor is not None:
             check_positive("moe.capacity_factor", self.capacity_factor)
         if self.top_k > self.n_experts:

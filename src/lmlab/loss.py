@@ -103,7 +103,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if targets.numel() * weight.shape[0] <= CHUNK_ELEMENTS:  # one chunk: the plain path is that chunk
         return linear_cross_entropy_reference(hidden, weight, targets)
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten().long(), compute_dtype(hidden), grads)
+    return LinearCrossEntropy.apply(
+        hidden.flatten(0, -2), weight, targets.flatten().long(), compute_dtype(hidden), grads
+    )
 
 
 LOSSES = {"chunked": linear_cross_entropy, "plain": linear_cross_entropy_reference}

@@ -213,7 +213,9 @@ class Transformer(nn.Module):
         """An empty KV cache on the model's device, in the weights' dtype unless ``dtype`` is given
         (under bf16 autocast the weights stay fp32; pass ``dtype=torch.bfloat16`` to halve its memory)."""
         p = self.head.weight
-        return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=dtype or p.dtype)
+        return KVCache(
+            self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=dtype or p.dtype
+        )
 
     def moe_stats(self) -> list[dict[str, float]]:
         """Load statistics of each MoE layer from the last forward (empty for dense models)."""
@@ -314,4 +316,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.residual_scaling == "gpt2" else cfg.init_std
     beta = deepnorm_beta(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else None
     embed_std = cfg.d_model ** -0.5 if cfg.init == "xavier" else None
-    init_module(model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta, cfg.init, embed_std))
+    init_module(
+        model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta, cfg.init, embed_std)
+    )

@@ -226,7 +226,9 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     if hf["use_sliding_window"]:
         raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention")
     if not hf["num_experts"]:
-        raise _refuse(hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'")
+        raise _refuse(
+            hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'"
+        )
     moe = _qwen2_moe_experts(hf, hf["num_hidden_layers"])
     return llama_layout_config(hf, qkv_bias=bool(hf["qkv_bias"]), moe=moe)  # biases on q, k, v only
 
@@ -234,7 +236,11 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
     d_shared = hf["shared_expert_intermediate_size"]
     if not d_shared or d_shared <= 0:
-        raise _refuse(hf, "shared_expert_intermediate_size", "lmlab maps Qwen2-MoE's gated shared expert only with a positive width")
+        raise _refuse(
+            hf,
+            "shared_expert_intermediate_size",
+            "lmlab maps Qwen2-MoE's gated shared expert only with a positive width",
+        )
     # layer l is sparse iff l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0
     step, dense_only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
     sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)]
@@ -485,7 +491,13 @@ def glm4_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dic
     if not cfg.is_moe_layer(int(ours.split(".")[1])):
         return llama_glu_to_hf(cfg, sd, ours, hf)
     out = moe_to_hf(
-        cfg, sd, ours, hf, names=GLM4_MOE_NAMES, arch="GLM-4-MoE", shared="shared_experts" if cfg.moe.n_shared else None,
+        cfg,
+        sd,
+        ours,
+        hf,
+        names=GLM4_MOE_NAMES,
+        arch="GLM-4-MoE",
+        shared="shared_experts" if cfg.moe.n_shared else None,
         score_bias="gate.e_score_correction_bias",
     )
     if not cfg.moe.n_shared:  # the width-0 shared FFN transformers builds

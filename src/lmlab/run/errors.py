@@ -70,5 +70,6 @@ def write_failure(e: BaseException, path: str | Path) -> BaseException | None:
     if isinstance(e, RuntimeError) and not isinstance(e, EnvironmentFailure) and (
             "PytorchStreamWriter" in str(e) or "inline_container" in str(e)):
         return EnvironmentFailure(
-            f"writing {str(path)!r} failed ({one_line(e)[:120]}); check that its file system has free space and is writable")
+            f"writing {str(path)!r} failed ({one_line(e)[:120]}); check that its file system has free space and is writable"
+        )
     return None
