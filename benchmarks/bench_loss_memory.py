@@ -107,7 +107,8 @@ def main() -> None:
     )
     for r in (plain, chunked):
         print(
-            f"  {r['impl']:8s} peak {r['peak_bytes'] / 1e9:7.3f} GB   {r['seconds'] * 1e3:8.0f} ms   loss {r['loss']:.6f}"
+            f"  {r['impl']:8s} peak {r['peak_bytes'] / 1e9:7.3f} GB   "
+            f"{r['seconds'] * 1e3:8.0f} ms   loss {r['loss']:.6f}"
         )
     assert abs(plain["loss"] - chunked["loss"]) < 1e-3 * abs(plain["loss"]), (plain["loss"], chunked["loss"])
     assert abs(plain["grad_norm"] - chunked["grad_norm"]) < 1e-3 * plain["grad_norm"]

@@ -139,7 +139,8 @@ def main() -> None:
     print(f"MoE training step: d_model {D}, {L} layers, {E} experts of width {F_expert}, top-{K} + {SHARED} shared, "
           f"batch {B} x {S}, vocab {V}; {setup.describe()}" + ("; torch.compile" if args.compile else "; eager"))
     print(
-        f"HF experts_implementation={hf.config._experts_implementation!r}, attention={hf.config._attn_implementation!r}; "
+        f"HF experts_implementation={hf.config._experts_implementation!r}, "
+        f"attention={hf.config._attn_implementation!r}; "
         f"same weights: max |logits(lmlab) - logits(HF)| = {gap:.2e}; median of {steps} alternating steps"
     )
     print(f"{'model':14s} {'total params':>13s} {'active':>11s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>6s}"
@@ -150,7 +151,8 @@ def main() -> None:
         active = model.num_params()["active"] if isinstance(model, Transformer) else moe.num_params()["active"]
         wall, cpu = timer.median(name)
         flops = model.flops_per_token(S) if model is dense else fpt
-        line = f"{name:14s} {total:13,d} {active:11,d} {wall * 1e3:10.1f} {B * S / wall:10,.0f} {mfu(flops, B * S / wall, timer.peak):6.1%}"
+        line = (f"{name:14s} {total:13,d} {active:11,d} {wall * 1e3:10.1f} {B * S / wall:10,.0f} "
+                f"{mfu(flops, B * S / wall, timer.peak):6.1%}")
         print(line + ("" if setup.cuda else f" {B * S / cpu:13,.0f}"))
     for other, target in (("HF Qwen2-MoE", 1.3), ("lmlab dense", 0.9)):
         r, rc = timer.ratio("lmlab MoE", other)

@@ -123,7 +123,8 @@ def main() -> None:
           f"median of {args.steps} alternating steps")
     for name in timer.contenders:
         wall, cpu = timer.median(name)
-        line = f"  {name:13s} {wall * 1e3:9.1f} ms/step {tokens / wall:10,.0f} tokens/s   MFU {mfu(fpt, tokens / wall, timer.peak):6.1%}"
+        line = (f"  {name:13s} {wall * 1e3:9.1f} ms/step {tokens / wall:10,.0f} tokens/s   "
+                f"MFU {mfu(fpt, tokens / wall, timer.peak):6.1%}")
         print(line + (f"   (CPU time {cpu * 1e3:8.1f} ms/step)" if not setup.cuda else ""))
     wall_ratio, cpu_ratio = timer.ratio("lmlab", "transformers")
     spread = sorted(timer.ratios_per_round("lmlab", "transformers"))

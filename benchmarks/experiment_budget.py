@@ -136,7 +136,8 @@ def main() -> None:
                 group = group.rsplit("-", 1)[0] + " (warmup, nowarmup)"
             groups[group].append(r)
         print(
-            f"\n## {name}\n\n| runs of | runs | tokens/run | train tok/CPU-s | (tok/wall-s now) | CPU-min/run | core-h |\n"
+            f"\n## {name}\n\n| runs of | runs | tokens/run | train tok/CPU-s | (tok/wall-s now) | "
+            "CPU-min/run | core-h |\n"
             "|---|---|---|---|---|---|---|"
         )
         for g, rs in groups.items():
@@ -149,7 +150,8 @@ def main() -> None:
         print(f"\n{name}: {sum(r['runs'] for r in rows)} runs, {total / 3600:.2f} core-hours; "
               f"~{total / 3600 / args.jobs:.2f} h wall with {args.jobs} processes")
     print(
-        f"\nall: {grand / 3600:.2f} core-hours; ~{math.ceil(grand / 360 / args.jobs) / 10:.1f} h wall with {args.jobs} processes "
+        f"\nall: {grand / 3600:.2f} core-hours; ~{math.ceil(grand / 360 / args.jobs) / 10:.1f} h wall "
+        f"with {args.jobs} processes "
         f"x {args.threads} thread(s), at the speeds measured now"
     )
 
