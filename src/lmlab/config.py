@@ -88,7 +88,8 @@ class RopeConfig(Config):
         check_positive("rope.low_freq_factor", self.low_freq_factor)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
-                f"rope.high_freq_factor={self.high_freq_factor} must be greater than rope.low_freq_factor={self.low_freq_factor}"
+                f"rope.high_freq_factor={self.high_freq_factor} "
+                f"must be greater than rope.low_freq_factor={self.low_freq_factor}"
             )
         for name in ("attention_factor", "mscale", "mscale_all_dim"):
             value = getattr(self, name)
@@ -164,7 +165,8 @@ class MoEConfig(Config):
         for name in ("n_shared", "first_dense"):
             check_size(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_size("moe.n_experts*granularity", self.routed_experts)
-        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate"):
+        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef",
+                     "bias_update_rate"):
             check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_positive("moe.routed_scale", self.routed_scale)
         if self.d_expert is not None:

@@ -50,7 +50,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     chunk of logits at a time; hidden (N, C), weight (V, C), targets (N,) long."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, grads: bool):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                grads: bool):
         h_NC, w_VC = hidden.to(dtype), weight.to(dtype)  # autocast's casts, done by hand
         valid_N = targets != IGNORE_INDEX
         n_valid = valid_N.sum()  # a tensor: no host sync

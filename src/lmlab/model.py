@@ -101,7 +101,8 @@ class LMOutput:
         return self.head(self.hidden)
 
 
-def under_autocast_of(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def under_autocast_of(x: torch.Tensor,
+                      fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """``fn`` that runs under the autocast state in force now on x's device, whenever it is called."""
     device = x.device.type
     enabled = torch.is_autocast_enabled(device)
@@ -142,7 +143,8 @@ class Transformer(nn.Module):
 
     # ---- forward
     def hidden(
-        self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None, attention_mask: torch.Tensor | None = None
+        self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None,
+        attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Final hidden states (B, T, C) for token ids (B, T); advances ``cache`` if given.
 
@@ -280,7 +282,8 @@ class SequenceClassifier(nn.Module):
         """The body's (``Transformer.embedding_parameters``): the optimizer does not decay them."""
         return self.body.embedding_parameters()
 
-    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.body.hidden(idx)  # (B, T, C)
         not_pad = (idx != self.pad_token_id).long()
         last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index

@@ -76,7 +76,8 @@ class Claim:
             else ""
         )
         small += f" ({self.untestable})" if self.untestable else ""
-        return f"- **{self.id}** — {self.claim}: {label(self.verdict)}{small}. Difference {iv} {self.unit}{margin}. {self.detail}".rstrip()
+        return (f"- **{self.id}** — {self.claim}: {label(self.verdict)}{small}. "
+                f"Difference {iv} {self.unit}{margin}. {self.detail}").rstrip()
 
     def to_json(self) -> dict[str, Any]:
         iv = self.interval
@@ -128,7 +129,8 @@ def claims_table(results: str | Path) -> str:
         data = json.loads(path.read_text())
         if data.get("schema") != SCHEMA:
             lines.append(
-                f"| [{path.parent.name}]({path.parent.name}/report.md) | (an older report without intervals) | — | — | — | — |"
+                f"| [{path.parent.name}]({path.parent.name}/report.md) | (an older report without intervals) "
+                "| — | — | — | — |"
             )
             continue
         for c in data["claims"]:

@@ -139,7 +139,8 @@ def data_text(data: dict | None) -> str:
         parts.append(
             f"Corpus: the Python {c['recipe']['python']} standard library's source and pydoc topics "
             f"(experiments/corpus.py, recipe v{c['recipe']['version']}), {c['documents']:,} documents, "
-            f"{c['bytes'] / 1e6:.1f} MB after removing {c['exact_duplicates']} exact and {c['near_duplicates']} near-duplicate "
+            f"{c['bytes'] / 1e6:.1f} MB after removing {c['exact_duplicates']} exact and "
+            f"{c['near_duplicates']} near-duplicate "
             f"documents and {c.get('repeated_span_bytes_removed', 0) / 1e6:.2f} MB of repeated 64-byte spans; content "
             f"{c['content_hash']} (it changes with the Python version)"
         )
@@ -147,7 +148,8 @@ def data_text(data: dict | None) -> str:
         parts.append(
             f"Tokenizer: {data.get('tokenizer', '?')} (vocab {data.get('vocab_size', '?')}). Split by prepare: train "
             f"{o['train_tokens']:,} tokens ({o['train_bytes'] / 1e6:.1f} MB), validation {o['val_tokens']:,} tokens "
-            f"({o['val_bytes'] / 1e6:.1f} MB); {o['val_windows_in_train']:.3%} of validation's {o['window']}-byte windows "
+            f"({o['val_bytes'] / 1e6:.1f} MB); {o['val_windows_in_train']:.3%} "
+            f"of validation's {o['window']}-byte windows "
             "occur verbatim in training"
         )
     return ". ".join(parts) + ".\n\n" if parts else ""

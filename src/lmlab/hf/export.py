@@ -306,7 +306,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {str(out)!r} is a file; give a directory to write the checkpoint into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(
-            f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it, or choose another --out"
+            f"output directory {str(out)!r} exists and is not empty; "
+            "pass --overwrite to replace it, or choose another --out"
         )
     if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
         raise ValueError(f"output directory {str(out)!r} holds files lmlab did not export (no {EXPORT_MARKER}); "

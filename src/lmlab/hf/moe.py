@@ -456,7 +456,8 @@ def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
     })
     if why is None and _shared_total(cfg) % width:
-        why = f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of moe_intermediate_size={width})"
+        why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
+               f"moe_intermediate_size={width})")
     if why is None and moe.group_limited and moe.group_score != "top2":
         why = f"moe.group_score={moe.group_score!r} (GLM-4-MoE scores a group by its best two experts)"
     if why is None and moe.routed_experts < 2:
