@@ -56,7 +56,8 @@ def load_run(
         return _load_hf(path, overrides, device, tokenizer, require_tokenizer)
     if not (path / CONFIG_FILE).is_file():
         raise ValueError(
-            f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)"
+            f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) "
+            "nor a Hugging Face checkpoint (no config.json)"
         )
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
