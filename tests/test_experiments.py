@@ -252,8 +252,8 @@ EXPECTED = {
         "plots": ["grad_norm_init.png", "loss_curves.png", "final_loss_vs_depth.png", "update_size.png"],
     },
     "positions": {
-        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope", "rope-scaled",
-                 "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
+        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
+                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
         "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x", "copy_8x_far"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],
     },
@@ -261,7 +261,8 @@ EXPECTED = {
         "rows": ["dense", "switch-top1", "gshard-top2", "fg-m2", "fg-m4", "fg-m2-shared", "fg-m4-shared",
                  "fg-m4-shared-lossfree", "fg-m4-shared-nobalance"],
         "columns": ["max_load_val"],
-        "plots": ["val_loss_vs_tokens.png", "val_loss_vs_wall_time.png", "expert_load_heatmaps.png", "balance_max_load.png"],
+        "plots": ["val_loss_vs_tokens.png", "val_loss_vs_wall_time.png", "expert_load_heatmaps.png",
+                  "balance_max_load.png"],
     },
 }
 
@@ -422,11 +423,13 @@ def test_claims_table_is_generated_from_verdict_files(tmp_path):
     (results / "old" / "verdict.json").write_text(json.dumps({"gradients": False}))
     table = claims.claims_table(results)
     assert (
-        "| [norm](norm/report.md) | warmup-post-xavier: post-norm needs warmup | **REPRODUCED** | +0.200 [+0.100, +0.300] nats | ±0.050 | 3 |"
+        "| [norm](norm/report.md) | warmup-post-xavier: post-norm needs warmup | **REPRODUCED** | "
+        "+0.200 [+0.100, +0.300] nats | ±0.050 | 3 |"
         in table
     )
     assert (
-        "| tiny: a real but tiny effect | **REPRODUCED** (inside the tie margin) | -0.005 [-0.008, -0.001] nats | ±0.026 | 3 |"
+        "| tiny: a real but tiny effect | **REPRODUCED** (inside the tie margin) | "
+        "-0.005 [-0.008, -0.001] nats | ±0.026 | 3 |"
         in table
     )
     assert (

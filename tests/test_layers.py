@@ -162,7 +162,8 @@ def write_package(root: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize("files, expected", [
-    ({"a.py": "from . import b\n", "b.py": "def f():\n    from .a import x\n"}, "import cycle: pkg.a -> pkg.b -> pkg.a"),
+    ({"a.py": "from . import b\n", "b.py": "def f():\n    from .a import x\n"},
+     "import cycle: pkg.a -> pkg.b -> pkg.a"),
     ({"model.py": "def f():\n    from .run.trainer import Trainer\n", "run/trainer.py": ""}, "a layer above it"),
     ({"run/x.py": "from ..experiments import sweep\n", "experiments/sweep.py": ""}, "a layer above it"),
     ({"run/x.py": "from ..model import _randn\n", "model.py": ""}, "private name(s) ['_randn']"),

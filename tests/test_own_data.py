@@ -51,7 +51,7 @@ def config_yaml(run_dir: Path) -> dict:
     return yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
-# ============================================================== prepare -> train --data -> resume elsewhere -> eval -> generate
+# ====================================================== prepare -> train --data -> resume elsewhere -> eval -> generate
 def test_prepare_bpe_then_train_on_it_resume_elsewhere_eval_and_generate(capsys, tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
     corpus_dir(tmp_path / "corpus")

@@ -185,7 +185,9 @@ def test_alibi_bias_is_minus_slope_times_distance(offset):
 def test_learned_positions_past_the_table_are_a_clear_error():
     model = Transformer(tiny_config(positions="learned", max_seq_len=8))
     model(tokens(1, 8))  # exactly the table: fine
-    with pytest.raises(ValueError, match=r"positions='learned' has a table of max_seq_len=8 positions and cannot encode position 8"):
+    with pytest.raises(ValueError,
+                       match=r"positions='learned' has a table of max_seq_len=8 positions "
+                             r"and cannot encode position 8"):
         model(tokens(1, 9))
     cache = model.new_cache(1, 16)
     model(tokens(1, 6), cache=cache)

@@ -99,7 +99,8 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     assert err.count("\n") == 0 and "variant 'wide'" in err and "n_heads=3" in err
     assert not out.exists()  # nothing prepared, nothing trained
     for flags, message in ((["--jobs", "0"], "--jobs=0 is not valid"), (["--threads", "0"], "--threads=0 is not valid"),
-                           (["--quick", "--profile", "gpu"], "exclude each other"), (["--profile", "huge"], "no profile 'huge'")):
+                           (["--quick", "--profile", "gpu"], "exclude each other"),
+                           (["--profile", "huge"], "no profile 'huge'")):
         assert cli.main(["sweep", str(spec_file(tmp_path, corpus)), "--out", str(out), *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, (flags, err)
@@ -170,7 +171,8 @@ def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, c
             {"axis": "norm", "levels": [{"name": "pre", "overrides": {"model.norm_position": "pre"}},
                                         {"name": "post", "overrides": {"model.norm_position": "post"}}]},
             {"axis": "depth", "levels": [{"name": "L1", "overrides": {"model.n_layers": 1}},
-                                         {"name": "L3", "overrides": {"model.n_layers": 3}, "quick": {"train.steps": 2}}]},
+                                         {"name": "L3", "overrides": {"model.n_layers": 3},
+                                          "quick": {"train.steps": 2}}]},
         ],
     }).resolve(quick=True)
     assert [v.name for v in spec.variants] == ["pre-L1", "pre-L3", "post-L1", "post-L3"]
@@ -220,7 +222,9 @@ def test_active_parameter_matching_names_the_variant_that_is_off(tmp_path, corpu
     assert abs(counts["top2-half"]["active_params"] / counts["dense"]["active_params"] - 1) < 0.05
     bad = parse_spec({"base": base, "match_active_params": {"reference": "dense"}, "variants": [
         {"name": "dense"}, {"name": "top2-full", "overrides": {"model.moe": {"n_experts": 4, "top_k": 2}}}]})
-    with pytest.raises(ValueError, match=r"variant 'top2-full' has [\d,]+ active parameters, \+\d+\.\d% from the reference 'dense'"):
+    with pytest.raises(ValueError,
+                       match=r"variant 'top2-full' has [\d,]+ active parameters, "
+                             r"\+\d+\.\d% from the reference 'dense'"):
         bad.resolve()
 
 

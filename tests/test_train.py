@@ -224,7 +224,8 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
     snapshots = {}
 
     with Trainer(cfg, tmp_path / "run", quiet=True,
-                 callbacks=[lambda t, r: snapshots.__setitem__(r["step"], t.model.head.weight.detach().clone())]) as trainer:
+                 callbacks=[lambda t, r: snapshots.__setitem__(r["step"],
+                                                               t.model.head.weight.detach().clone())]) as trainer:
         # on the final hidden states: the training loss reads the head's weight, not the head module
         trainer.model.final_norm.register_forward_hook(
             lambda m, i, out: out * float("nan") if trainer.step + 1 in bad_loss and m.training else None)
