@@ -138,7 +138,8 @@ def moe_claims(rows: list[dict], *, init_loss: float) -> list[Claim]:
             "moe",
             "collapse",
             "without balancing, routing collapses onto few experts",
-            "log(max/mean expert load on validation) without balancing minus with the balance loss, paired by seed, above 0.",
+            "log(max/mean expert load on validation) without balancing minus with the balance loss, "
+            "paired by seed, above 0.",
             iv,
             load_margin,
             "higher",
@@ -165,7 +166,8 @@ def arm_table(rows: list[dict], tune: dict | None, init_loss: float) -> list[dic
             "arm": arm, "seeds": len(runs), "lr": f"{chosen[arm]:g}" if arm in chosen else "—",
             "total params": f"{first['total_params']:,}", "active params": f"{first['active_params']:,}",
             "FLOPs/token": f"{first['flops_per_token'] / 1e6:.2f}M",
-            "final val loss": f"{statistics.fmean(finite):.3f} ± {statistics.stdev(finite):.3f}" if len(finite) > 1 else _m(finite),
+            "final val loss": (f"{statistics.fmean(finite):.3f} ± {statistics.stdev(finite):.3f}" if len(finite) > 1
+                               else _m(finite)),
             "vs dense [95% CI]": iv.text() if iv else "—",
             "wall (min)": f"{statistics.fmean(r['wall_s'] for r in runs) / 60:.1f}",
             "tokens/s": f"{statistics.fmean(r['tokens_per_s'] for r in runs):,.0f}",
@@ -244,23 +246,29 @@ def markdown(spec, rows, claims, tune, *, command, wall_s, data, init_loss) -> s
     )
     text += (
         "## What was measured\n\n" + spec.description + "\n\n"
-        f"Body: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {cfg.model.ffn}/{cfg.model.activation}, dense FFN width "
-        f"F = {cfg.model.d_ff}, vocab {cfg.model.vocab_size}. Every run: {t.steps} steps of {t.batch_size}×{cfg.seq_len} tokens "
-        f"({t.steps * t.batch_size * cfg.seq_len:,} tokens), {cfg.optim.warmup_steps} warmup steps and cosine decay to lr/10, identical "
-        "data order per seed. " + (f"Learning rate per arm from {tune['values']} by a tuning run of {spec.tune.overrides.get('train.steps', t.steps)} "
-                                   f"steps (seed {tune['seeds']}, not reused). " + grid_edge_text(tune) if tune and spec.tune else "")
-        + (f"Arms no verdict rests on ({', '.join(few)}) train the first {min(seeds[n] for n in few)} seeds; the others "
-           f"{len(spec.seeds)}. " if few else "")
-        + f"Active parameters include the router; the sweep refuses arms more than 5% from dense. {eval_slice_text(spec)}.\n\n"
-        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (the same seed: the same data order and the "
-        f"same draws for the shared layers' weights), 95% t intervals; tie margin 2 × the median seed std (loss ±{claims[0].margin:.3f} "
-        f"nats). Equal compute is a setup check, not a criterion: the sweep refuses unequal active parameters.\n\n"
+        f"Body: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {cfg.model.ffn}/{cfg.model.activation}, "
+        f"dense FFN width F = {cfg.model.d_ff}, vocab {cfg.model.vocab_size}. Every run: {t.steps} steps of "
+        f"{t.batch_size}×{cfg.seq_len} tokens ({t.steps * t.batch_size * cfg.seq_len:,} tokens), "
+        f"{cfg.optim.warmup_steps} warmup steps and cosine decay to lr/10, identical "
+        "data order per seed. " + (f"Learning rate per arm from {tune['values']} by a tuning run of "
+                                   f"{spec.tune.overrides.get('train.steps', t.steps)} "
+                                   f"steps (seed {tune['seeds']}, not reused). " + grid_edge_text(tune)
+                                   if tune and spec.tune else "")
+        + (f"Arms no verdict rests on ({', '.join(few)}) train the first {min(seeds[n] for n in few)} seeds; "
+           f"the others {len(spec.seeds)}. " if few else "")
+        + "Active parameters include the router; the sweep refuses arms more than 5% from dense. "
+        f"{eval_slice_text(spec)}.\n\n"
+        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (the same seed: the same data order "
+        "and the same draws for the shared layers' weights), 95% t intervals; tie margin 2 × the median seed std "
+        f"(loss ±{claims[0].margin:.3f} nats). Equal compute is a setup check, not a criterion: the sweep refuses "
+        "unequal active parameters.\n\n"
         + criteria_text(claims) + "\n## Results\n\n" + markdown_table(arm_table(rows, tune, init_loss))
         + "\n![val loss vs tokens](val_loss_vs_tokens.png)\n\n![val loss vs wall time](val_loss_vs_wall_time.png)\n\n"
         "![expert load](expert_load_heatmaps.png)\n\n![balance](balance_max_load.png)\n\n"
         "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n"
-        "Wall time is this CPU and this implementation (dropless, one thread): MoE's routing costs more here than on a GPU "
-        "with grouped GEMMs; read the tokens/s column as a property of the setup.\n\n" + paper_note(claims, cfg, (tune or {}).get("chosen"))
+        "Wall time is this CPU and this implementation (dropless, one thread): MoE's routing costs more here "
+        "than on a GPU with grouped GEMMs; read the tokens/s column as a property of the setup.\n\n"
+        + paper_note(claims, cfg, (tune or {}).get("chosen"))
     )
     return text
 
@@ -273,7 +281,8 @@ def paper_note(claims: list[Claim], cfg, chosen: dict | None = None) -> str:
         notes.append(
             f"DeepSeekMoE's comparisons (Dai et al. 2024, sec. 4) use 2B-parameter models on 100B tokens, experts "
             f"hundreds of units wide; here the dense FFN is {cfg.model.d_ff} wide, so m=4 experts are "
-            f"{cfg.model.d_ff // 8} wide, and each run trains on {cfg.train.steps * cfg.train.batch_size * cfg.seq_len / 1e6:.1f}M "
+            f"{cfg.model.d_ff // 8} wide, and each run trains on "
+            f"{cfg.train.steps * cfg.train.batch_size * cfg.seq_len / 1e6:.1f}M "
             "tokens. Routing has less to specialize on, and an expert that narrow is a weak "
             "function: the setup difference most likely to explain a missing gain. Showing it needs a wider "
             "body, more than one extra arm's budget here; the --profile gpu size is the place to test it."
