@@ -151,9 +151,10 @@ def norm_claims(rows: list[dict], *, init_loss: float, deepest: str) -> list[Cla
         ratios = [log_ratio(r) for r in cells.get((post, deepest, "warmup"), {}).values()]
         pre_ratios = [log_ratio(r) for r in cells.get((pre, deepest, "warmup"), {}).values()]
         claims.append(Claim(
-            "norm", f"gradient-{init}", f"post-norm's gradient grows toward the top layers at init ({INIT_TEXT[init]} init)",
-            f"At {deepest}: log(||dL/dW2|| at the top layer / at the bottom layer) of post-norm, mean over seeds, above 0 "
-            "with its 95% interval (Xiong et al. fig. 3; pre-norm's shown beside it).",
+            "norm", f"gradient-{init}",
+            f"post-norm's gradient grows toward the top layers at init ({INIT_TEXT[init]} init)",
+            f"At {deepest}: log(||dL/dW2|| at the top layer / at the bottom layer) of post-norm, mean over seeds, "
+            "above 0 with its 95% interval (Xiong et al. fig. 3; pre-norm's shown beside it).",
             mean_interval(ratios) if ratios else None, grad_margin, "higher", "log ratio",
             f"Top/bottom ratio: post {math.exp(statistics.fmean(ratios)) if ratios else float('nan'):.2f}x, pre "
             f"{math.exp(statistics.fmean(pre_ratios)) if pre_ratios else float('nan'):.2f}x (geometric means)."))
@@ -164,7 +165,8 @@ def norm_claims(rows: list[dict], *, init_loss: float, deepest: str) -> list[Cla
                 "norm",
                 f"warmup-post-{init}",
                 f"post-norm needs warmup at depth ({INIT_TEXT[init]} init)",
-                f"At {deepest}, each at its tuned lr: post-norm without warmup minus with warmup, paired by seed, above 0.",
+                f"At {deepest}, each at its tuned lr: post-norm without warmup minus with warmup, "
+                "paired by seed, above 0.",
                 iv,
                 margin,
                 "higher",
@@ -194,7 +196,8 @@ def norm_claims(rows: list[dict], *, init_loss: float, deepest: str) -> list[Cla
                 "norm",
                 f"pre-no-warmup-{init}",
                 f"pre-norm does not need warmup ({INIT_TEXT[init]} init)",
-                f"At {deepest}: pre-norm without warmup minus with warmup, paired by seed, below the tie margin (no worse).",
+                f"At {deepest}: pre-norm without warmup minus with warmup, paired by seed, "
+                "below the tie margin (no worse).",
                 iv,
                 margin,
                 "not_higher",
@@ -370,22 +373,28 @@ def markdown(spec, rows, claims, tune: dict | None, *, command, wall_s, data, li
         f"Arch (placement and init) {{{', '.join(dict.fromkeys(r['arch'] for r in rows))}}} × depth "
         f"{{{', '.join(str(n_layers[d]) for d in depths)}}} × warmup {{{warm} steps, none}}. Model: d_model "
         f"{cfg.model.d_model}, {cfg.model.n_heads} heads, {cfg.model.norm}, {cfg.model.ffn}/{cfg.model.activation}, "
-        f"{cfg.model.positions} positions, context {cfg.seq_len}, vocab {cfg.model.vocab_size}. Every run: {t.steps} AdamW steps "
-        f"of {t.batch_size}×{cfg.seq_len} tokens ({t.steps * t.batch_size * cfg.seq_len:,} tokens), cosine decay to lr/10, "
-        f"gradient clipping {cfg.optim.grad_clip:g}. {eval_slice_text(spec)}. Unigram loss on that slice {limits['unigram']:.3f}; "
+        f"{cfg.model.positions} positions, context {cfg.seq_len}, vocab {cfg.model.vocab_size}. "
+        f"Every run: {t.steps} AdamW steps of {t.batch_size}×{cfg.seq_len} tokens "
+        f"({t.steps * t.batch_size * cfg.seq_len:,} tokens), cosine decay to lr/10, "
+        f"gradient clipping {cfg.optim.grad_clip:g}. {eval_slice_text(spec)}. "
+        f"Unigram loss on that slice {limits['unigram']:.3f}; "
         f"ln(vocab) {limits['init']:.3f}.\n\n" + tune_text(tune)
         + "## Criteria (fixed before the runs)\n\n"
-        "Each claim is a paired difference over seeds (seed s = the same initial weights where shapes agree, and the same "
-        "data order) with a 95% t interval; it counts only when the interval excludes zero. A diverged run counts as "
-        f"ln(vocab). Tie margin: {2:g} × the median seed standard deviation of a cell (loss: ±{claims[1].margin:.3f} nats; "
+        "Each claim is a paired difference over seeds (seed s = the same initial weights where shapes agree, "
+        "and the same data order) with a 95% t interval; it counts only when the interval excludes zero. "
+        f"A diverged run counts as ln(vocab). Tie margin: {2:g} × the median seed standard deviation of a cell "
+        f"(loss: ±{claims[1].margin:.3f} nats; "
         f"log gradient ratio: ±{claims[0].margin:.3f}).\n\n" + criteria_text(claims)
-        + "\n## Results\n\n### Final validation loss (mean ± std over seeds; nD = diverged, nU = no better than unigram)\n\n"
+        + "\n## Results\n\n"
+        "### Final validation loss (mean ± std over seeds; nD = diverged, nU = no better than unigram)\n\n"
         + markdown_table(loss_table(rows, depths, n_layers, limits["init"]))
         + "\n![final loss vs depth](final_loss_vs_depth.png)\n\n![loss curves](loss_curves.png)\n\n"
-        "### Xiong's gradient at initialization\n\n||dL/dW^{2,l}||_F, the feed-forward output matrix of layer l, averaged over "
-        f"{GRAD_BATCHES} fixed batches before any update; table: top layer / bottom layer (geometric mean over seeds).\n\n"
+        "### Xiong's gradient at initialization\n\n||dL/dW^{2,l}||_F, the feed-forward output matrix of layer l, "
+        f"averaged over {GRAD_BATCHES} fixed batches before any update; "
+        "table: top layer / bottom layer (geometric mean over seeds).\n\n"
         + markdown_table(grad_table(rows, depths, n_layers)) + "\n![gradient per layer](grad_norm_init.png)\n\n"
-        "![update size](update_size.png)\n\n## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims)
+        "![update size](update_size.png)\n\n## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n"
+        + paper_note(claims)
     )
     return text
 
@@ -395,7 +404,8 @@ def tune_text(tune: dict | None) -> str:
         return ""
     at = ", ".join(tune.get("at", {}).values())
     return (
-        f"Learning rate per arch, chosen from {tune['values']} by the lowest mean final loss of its tuning runs (at {at}; "
+        f"Learning rate per arch, chosen from {tune['values']} by the lowest mean final loss of its tuning runs "
+        f"(at {at}; "
         f"seed {tune['seeds']}, which no main run reuses): "
         + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items())
         + ". "
@@ -415,9 +425,9 @@ def paper_note(claims: list[Claim]) -> str:
         )
     if v.get("warmup-post-normal") != "reproduced" or v.get("warmup-post-xavier") != "reproduced":
         notes.append(
-            "Where post-norm does not need warmup here, note the scale: Xiong et al. trained 6-layer 512-wide models for "
-            "tens of thousands of steps with lr up to 1e-3 × sqrt-decay; these runs are 64 wide and a few hundred steps "
-            "long, and each arch uses the lr its own tuning chose, which is lower where an arch is fragile."
+            "Where post-norm does not need warmup here, note the scale: Xiong et al. trained 6-layer 512-wide models "
+            "for tens of thousands of steps with lr up to 1e-3 × sqrt-decay; these runs are 64 wide and a few hundred "
+            "steps long, and each arch uses the lr its own tuning chose, which is lower where an arch is fragile."
         )
     return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 
