@@ -246,13 +246,15 @@ def positions_claims(rows: list[dict], *, L: int) -> list[Claim]:
     for method in ("yarn", "pi"):
         ra, rb = seeds_of(rows, f"rope-ft-{method}"), seeds_of(rows, "rope-ft-none")
         effects = [extension_effect(ra[s], rb[s], None) for s in sorted(set(ra) & set(rb))]
+        gain_beyond = [ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb]
+        gain_in = [ft_value(ra[s], None, 'in_8x') - ft_value(rb[s], None, 'in_8x') for s in ra if s in rb]
         claims.append(Claim("positions", f"ft-extension-{method}",
                             f"fine-tuning with {DISPLAY[method]} helps beyond the training length more than within it",
-                            "At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range positions minus the "
-                            "same on in-range positions, per seed, below 0 (an extension effect, not a general gain).",
+                            "At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range "
+                            "positions minus the same on in-range positions, per seed, below 0 "
+                            "(an extension effect, not a general gain).",
                             mean_interval(effects) if effects else None, margin, "lower",
-                            detail=f"Gain beyond {_m([ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb])}, "
-                                   f"in range {_m([ft_value(ra[s], None, 'in_8x') - ft_value(rb[s], None, 'in_8x') for s in ra if s in rb])} nats."))
+                            detail=f"Gain beyond {_m(gain_beyond)}, in range {_m(gain_in)} nats."))
     copy_margin = tie_margin([[num(r.get("copy_8x_far")) for r in seeds_of(rows, n).values()] for n in schemes])
     iv, a, b = paired(rows, "rope-ft-yarn", "rope-ft-none", lambda r: ft_value(r, None, "copy_8x_far"))
     in_range = [num(r.get("copy_1x")) for r in seeds_of(rows, "rope").values()]
@@ -430,20 +432,26 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
         "## What was measured\n\n"
         f"Schemes {', '.join(schemes)}, each a {cfg.model.n_layers}-layer, d_model {cfg.model.d_model} {cfg.model.ffn}/"
         f"{cfg.model.activation} model (vocab {cfg.model.vocab_size}) trained at context {L} for {t.steps} steps of "
-        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). Each is evaluated on ~{eval_tokens(spec):,} "
-        f"validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, in windows spread over the split; "
+        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). "
+        f"Each is evaluated on ~{eval_tokens(spec):,} "
+        f"validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, "
+        "in windows spread over the split; "
         f"in range = positions < {L}, beyond range = positions >= {L}. Rope is then fine-tuned at {ft.seq_len} tokens "
         f"({ft.train.steps} steps of {ft.train.batch_size}×{ft.seq_len}, constant lr {ft.optim.lr:g} after "
         f"{ft.optim.warmup_steps} warmup steps) with no scaling, PI (linear) and YaRN at factor {ft.seq_len // L}; the "
         f"snapshots after fewer steps are the fine-tune-steps sweep. {eval_slice_text(spec)}.\n\n"
-        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, data order "
-        f"and, for fine-tunes, the same rope model they start from), 95% t intervals; tie margin 2 × the median seed std "
+        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, "
+        "data order "
+        f"and, for fine-tunes, the same rope model they start from), 95% t intervals; "
+        "tie margin 2 × the median seed std "
         f"(loss ±{claims[0].margin:.3f} nats, copy accuracy ±{claims[-2].margin:.3f}).\n\n" + criteria_text(claims)
-        + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n" + markdown_table(scheme_table(rows, schemes))
+        + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n"
+        + markdown_table(scheme_table(rows, schemes))
         + "\n![loss by length](loss_by_length.png)\n\n![per-position loss at 16x](per_position.png)\n\n"
         "### Rope zero-shot (factor = length / training length)\n\n" + markdown_table(zero_shot_table(rows))
         + "\n### Rope fine-tuned at 8×: the steps sweep\n\n" + markdown_table(finetune_table(rows))
-        + "\n![fine-tune steps](finetune_steps.png)\n\n![rope extension per position](rope_extension_per_position.png)\n\n"
+        + "\n![fine-tune steps](finetune_steps.png)\n\n"
+          "![rope extension per position](rope_extension_per_position.png)\n\n"
         "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg, rows)
     )
     return text
@@ -476,7 +484,8 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
     sin, scaled = _mean_loss(rows, "sinusoidal"), _mean_loss(rows, "sinusoidal-scaled")
     if sin - scaled > 0.05:  # False when either is missing (nan)
         notes.append(
-            f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, {sin - scaled:.2f} nats "
+            f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, "
+            f"{sin - scaled:.2f} nats "
             f"worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): the unit-amplitude "
             "encoding swamps the token embeddings unless they are scaled up. The scale also makes the residual "
             f"stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train "
@@ -493,11 +502,15 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
         r = cfg.model.rope
         full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
         notes.append(
-            f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 (4,096 training "
+            f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 "
+            "(4,096 training "
             f"positions, head_dim 128), where many frequency pairs complete more than {r.beta_fast:g} rotations in "
-            f"training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} and {cfg.seq_len} training positions, "
-            f"{full} of {cfg.model.head_dim // 2} pairs complete less than {r.beta_slow:g} rotation (YaRN interpolates them "
-            f"fully), {ramp} are on its ramp and {kept} are left unchanged: YaRN acts close to plain interpolation here."
+            f"training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} and {cfg.seq_len} training "
+            "positions, "
+            f"{full} of {cfg.model.head_dim // 2} pairs complete less than {r.beta_slow:g} rotation "
+            "(YaRN interpolates them "
+            f"fully), {ramp} are on its ramp and {kept} are left unchanged: "
+            "YaRN acts close to plain interpolation here."
         )
     if any(v.get(f"ft-extension-{m}") not in ("reproduced", None) for m in ("yarn", "pi")):
         notes.append(
@@ -509,8 +522,10 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
         t = cfg.train
         notes.append(
             f"Peng et al. show passkey retrieval on 7B models that already retrieve within their training length. "
-            f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M "
-            "training tokens) do not copy a repeated segment even in range, so the probe has nothing for an extension to "
+            f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+            f"{t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M "
+            "training tokens) do not copy a repeated segment even in range, so the probe has nothing "
+            "for an extension to "
             "carry further. Random-token segments are off-distribution, and Olsson et al. (2022) saw induction heads "
             "appear in a phase change well into training, which runs this short have not reached; a test of the "
             "claim needs a model that copies in range first, which the --profile gpu size is meant to reach."
