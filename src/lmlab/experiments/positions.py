@@ -432,17 +432,15 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
         "## What was measured\n\n"
         f"Schemes {', '.join(schemes)}, each a {cfg.model.n_layers}-layer, d_model {cfg.model.d_model} {cfg.model.ffn}/"
         f"{cfg.model.activation} model (vocab {cfg.model.vocab_size}) trained at context {L} for {t.steps} steps of "
-        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). "
-        f"Each is evaluated on ~{eval_tokens(spec):,} "
-        f"validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, "
+        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). Each is evaluated on "
+        f"~{eval_tokens(spec):,} validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, "
         "in windows spread over the split; "
         f"in range = positions < {L}, beyond range = positions >= {L}. Rope is then fine-tuned at {ft.seq_len} tokens "
         f"({ft.train.steps} steps of {ft.train.batch_size}×{ft.seq_len}, constant lr {ft.optim.lr:g} after "
         f"{ft.optim.warmup_steps} warmup steps) with no scaling, PI (linear) and YaRN at factor {ft.seq_len // L}; the "
         f"snapshots after fewer steps are the fine-tune-steps sweep. {eval_slice_text(spec)}.\n\n"
         "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, "
-        "data order "
-        f"and, for fine-tunes, the same rope model they start from), 95% t intervals; "
+        "data order and, for fine-tunes, the same rope model they start from), 95% t intervals; "
         "tie margin 2 × the median seed std "
         f"(loss ±{claims[0].margin:.3f} nats, copy accuracy ±{claims[-2].margin:.3f}).\n\n" + criteria_text(claims)
         + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n"
@@ -485,9 +483,9 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
     if sin - scaled > 0.05:  # False when either is missing (nan)
         notes.append(
             f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, "
-            f"{sin - scaled:.2f} nats "
-            f"worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): the unit-amplitude "
-            "encoding swamps the token embeddings unless they are scaled up. The scale also makes the residual "
+            f"{sin - scaled:.2f} nats worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): "
+            "the unit-amplitude encoding swamps the token embeddings unless they are scaled up. The scale also "
+            "makes the residual "
             f"stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train "
             "unscaled, so the scaled arm's gap to them mixes a positions effect with an embedding-scale effect."
         )
@@ -503,14 +501,11 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
         full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
         notes.append(
             f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 "
-            "(4,096 training "
-            f"positions, head_dim 128), where many frequency pairs complete more than {r.beta_fast:g} rotations in "
-            f"training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} and {cfg.seq_len} training "
-            "positions, "
-            f"{full} of {cfg.model.head_dim // 2} pairs complete less than {r.beta_slow:g} rotation "
-            "(YaRN interpolates them "
-            f"fully), {ramp} are on its ramp and {kept} are left unchanged: "
-            "YaRN acts close to plain interpolation here."
+            f"(4,096 training positions, head_dim 128), where many frequency pairs complete more than "
+            f"{r.beta_fast:g} rotations in training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} "
+            f"and {cfg.seq_len} training positions, {full} of {cfg.model.head_dim // 2} pairs complete less than "
+            f"{r.beta_slow:g} rotation (YaRN interpolates them fully), {ramp} are on its ramp and {kept} are left "
+            "unchanged: YaRN acts close to plain interpolation here."
         )
     if any(v.get(f"ft-extension-{m}") not in ("reproduced", None) for m in ("yarn", "pi")):
         notes.append(
@@ -523,9 +518,8 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
         notes.append(
             f"Peng et al. show passkey retrieval on 7B models that already retrieve within their training length. "
             f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
-            f"{t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M "
-            "training tokens) do not copy a repeated segment even in range, so the probe has nothing "
-            "for an extension to "
+            f"{t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M training tokens) do not copy a repeated segment "
+            "even in range, so the probe has nothing for an extension to "
             "carry further. Random-token segments are off-distribution, and Olsson et al. (2022) saw induction heads "
             "appear in a phase change well into training, which runs this short have not reached; a test of the "
             "claim needs a model that copies in range first, which the --profile gpu size is meant to reach."
