@@ -485,9 +485,9 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
             f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, "
             f"{sin - scaled:.2f} nats worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): "
             "the unit-amplitude encoding swamps the token embeddings unless they are scaled up. The scale also "
-            "makes the residual "
-            f"stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train "
-            "unscaled, so the scaled arm's gap to them mixes a positions effect with an embedding-scale effect."
+            f"makes the residual stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the "
+            "other schemes train unscaled, so the scaled arm's gap to them mixes a positions effect with an "
+            "embedding-scale effect."
         )
         rs = _mean_loss(rows, "rope-scaled")
         if math.isfinite(rs):
