@@ -271,7 +271,20 @@ def resumable(env: Env, before: dict, after: dict) -> None:
 
 
 def new_run(env: Env, *extra: str) -> list:
-    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *TINY, *FAST, *extra]
+    """A new run of the tiny model; ``extra`` replaces its fields (a field given twice is refused)."""
+    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *replaced(extra), *extra]
+
+
+def replaced(extra: tuple[str, ...] | list[str]) -> list[str]:
+    """TINY and FAST without the ``--SECTION.FIELD VALUE`` pairs that ``extra`` gives."""
+    given, out, args = {str(a).split("=")[0] for a in extra}, [], [*TINY, *FAST]
+    i = 0
+    while i < len(args):
+        dotted = args[i].startswith("--") and "." in args[i]
+        if not (dotted and args[i] in given):
+            out += args[i:i + 1 + dotted]
+        i += 1 + dotted
+    return out
 
 
 def resume(env: Env, *extra: str) -> list:
@@ -640,7 +653,8 @@ CASES = [
                                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("is not valid YAML at line",)),
     Case("resume where nothing is", lambda env: ["train", "--run-dir", env.tmp / "nothing", "--resume"], 2, ("nothing to resume",)),
-    Case("run directory holding another run", lambda env: ["train", "--run-dir", env.run(), *TINY, *FAST, "--model.n_layers", "3"],
+    Case("run directory holding another run", lambda env: ["train", "--run-dir", env.run(), *replaced(["--model.n_layers", "3"]),
+                                                         "--model.n_layers", "3"],
          2, ("already holds a different run",)),
     Case("a checkpoint step that does not exist", lambda env: ["eval", env.run(), "--checkpoint", "3"], 2,
          ("no checkpoint at step 3",)),
