@@ -475,6 +475,7 @@ def next_steps(run_dir: Path, task: str) -> str:
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.data.meta import DataMeta
+    from .run.data.shards import verify_shards
     from .run.parallel.group import resolve_device
     from .run.load import is_hf_dir, load_run
     from .run.tasks import TASKS
@@ -498,9 +499,10 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
     data_dir = Path(args.data) if args.data else run.data_dir
     given = tokenizer_from_path(args.tokenizer).fingerprint() if args.tokenizer is not None else None
-    DataMeta.open(data_dir).check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
-                                            tokenizer_path=args.tokenizer,
-                                            model_vocab=task.body(run.model).config.vocab_size)
+    meta = DataMeta.open(data_dir)
+    verify_shards(data_dir, meta.shard_hashes)
+    meta.check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
+                         tokenizer_path=args.tokenizer, model_vocab=task.body(run.model).config.vocab_size)
     data = task.open(data_dir, args.split)
     start = time.perf_counter()
     result = task.evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len,

@@ -160,6 +160,7 @@ def prepare_unlocked(
         existing = _reuse(out, request, cfg, overwrite)
         if existing is not None:
             _check_context(existing, seq_len, repr(cfg.source))
+            sh.verify_shards(out, existing.shard_hashes)  # reused as they are: they must be what was written
             return existing
         split = _split(survey, cfg, task, source_spec)
         to_val = survey.to_val(cfg.val_fraction)
@@ -244,8 +245,9 @@ def _write(
             raise ValueError(f"corpus {cfg.source!r} has fewer than 2 tokens; it needs at least 2 to split; use more text")
         _check_context(meta, seq_len, repr(cfg.source))
         files = _final_names(task)
-        data_hash = sh.files_hash([shards[name].path for name in files], [tokenizer.fingerprint()])
-        return _commit(out, shards, files, tokenizer, dataclasses.replace(meta, data_hash=data_hash))
+        data_hash, each = sh.hash_files([shards[name].path for name in files], [tokenizer.fingerprint()])
+        meta = dataclasses.replace(meta, data_hash=data_hash, shard_hashes=dict(zip(files.values(), each)))
+        return _commit(out, shards, files, tokenizer, meta)
     except BaseException:
         shards.discard()
         if created:
