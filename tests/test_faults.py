@@ -31,6 +31,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,6 +57,8 @@ def digest(root: Path) -> dict[str, str]:
                 out[rel] = "link:" + os.readlink(p)
             elif p.is_dir():
                 out[rel] = "dir"
+            elif not p.is_file():  # a FIFO or device: reading it would block
+                out[rel] = "special"
             else:
                 out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
@@ -398,6 +401,69 @@ def setup_huge_hf(env: Env) -> list:
     return ["generate", env.tmp / "hf"]
 
 
+def edit_one_token(shard: Path) -> None:
+    """Change one token of a shard to its neighbour's id: still in the vocabulary, so only a hash can tell."""
+    dtype = json.loads((shard.parent / "meta.json").read_text())["dtype"]
+    tokens = np.fromfile(shard, dtype=dtype)
+    i = int(np.flatnonzero(tokens[:-1] != tokens[1:])[0])
+    tokens[i] = tokens[i + 1]
+    tokens.tofile(shard)
+
+
+def prepared(env: Env, name: str = "data", *args: str) -> Path:
+    """``lmlab prepare`` of the corpus into tmp/``name``."""
+    assert cli.main(["prepare", str(env.corpus()), "--out", str(env.tmp / name), "--quiet", *args]) == 0
+    return env.tmp / name
+
+
+def setup_source_changes_while_encoding(env: Env) -> list:
+    """The corpus is rewritten after prepare's first pass (survey) and before it encodes."""
+    from lmlab.run.data import shards
+
+    source, real = env.corpus(), shards.survey
+
+    def survey(*args, **kwargs):
+        result = real(*args, **kwargs)
+        source.write_text(source.read_text().replace(WORDS[0], WORDS[1], 1))
+        return result
+
+    env.monkeypatch.setattr(shards, "survey", survey)
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def only_the_source_changed(env: Env, before: dict, after: dict) -> None:
+    """The source was edited by the case itself; nothing else may have changed (no data/ left behind)."""
+    assert {k: v for k, v in after.items() if k != "corpus.txt"} == {k: v for k, v in before.items()
+                                                                      if k != "corpus.txt"}
+
+
+def setup_unlistable_folder(env: Env) -> list:
+    """A source directory with a subfolder that cannot be listed (EACCES): chmod 000, or at the system
+    call where root ignores file modes."""
+    source = env.tmp / "notes"
+    (source / "secret").mkdir(parents=True)
+    corpus(source / "a.txt")
+    corpus(source / "secret" / "b.txt", 100)
+    if not ROOT:
+        (source / "secret").chmod(0)  # fault_env's teardown restores the mode
+    else:
+        real = os.scandir
+
+        def scandir(path="."):
+            if not isinstance(path, int) and os.path.abspath(os.fspath(path)) == str(source / "secret"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return real(path)
+
+        env.monkeypatch.setattr(os, "scandir", scandir)
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def setup_missing_tokenizer_file(env: Env, tokenizer: str, name: str) -> list:
+    data = prepared(env, tokenizer, "--tokenizer", tokenizer, *(["--vocab-size", "280"] if tokenizer == "bpe" else []))
+    (data / name).unlink()
+    return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
+
+
 CASES = [
     # ---- item 1: one process per run directory
     Case("run directory locked by another process", setup_lock_held, 2, ("is in use by process", "run/.lock")),
@@ -550,6 +616,40 @@ CASES = [
     # ---- item 9: never write through a link that leaves the run
     Case("dangling metrics.jsonl link", setup_dangling_metrics, 2,
          ("run/metrics.jsonl' is a symbolic link to", "outside the run directory")),
+    # ---- issue 20 item 3: shards that changed after prepare, and prepare's own reads
+    Case("one token of a run's train.bin edited, then --resume",
+         lambda env: (edit_one_token(env.run() / "data" / "train.bin"), resume(env))[1], 3,
+         ("run/data/train.bin' does not match the sha256 meta.json recorded", "prepare the data again")),
+    Case("one token of a run's val.bin edited, then eval",
+         lambda env: (edit_one_token(env.run() / "data" / "val.bin"), ["eval", env.run()])[1], 3,
+         ("run/data/val.bin' does not match the sha256",)),
+    Case("one token of prepared val.bin edited, then train --data",
+         lambda env: (edit_one_token(prepared(env) / "val.bin"),
+                      ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
+         ("data/val.bin' does not match the sha256",)),
+    Case("one token of train.bin edited, then prepare reuses the shards",
+         lambda env: (edit_one_token(prepared(env) / "train.bin"),
+                      ["prepare", env.corpus(), "--out", env.tmp / "data"])[1], 3,
+         ("data/train.bin' does not match the sha256", "--overwrite")),
+    Case("a prepared shard deleted, then train --data",
+         lambda env: ((prepared(env) / "val.bin").unlink(),
+                      ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
+         ("data/val.bin",)),
+    Case("source rewritten while prepare encodes it", setup_source_changes_while_encoding, 3,
+         ("corpus.txt' changed while prepare read it",), after=only_the_source_changed),
+    Case("a subfolder of the source that cannot be listed (EACCES)", setup_unlistable_folder, 3,
+         ("permission denied for", "notes/secret'")),
+    Case("a FIFO as the source", lambda env: (os.mkfifo(env.tmp / "pipe.txt"), ["prepare", env.tmp / "pipe.txt",
+                                                                             "--out", env.tmp / "data"])[1], 2,
+         ("pipe.txt' is a named pipe (FIFO), not a regular file or a directory",), seconds=20),
+    Case("a symbolic link loop as the source",
+         lambda env: ((env.tmp / "loop").symlink_to(env.tmp / "loop"), ["prepare", env.tmp / "loop", "--out",
+                                                                       env.tmp / "data"])[1], 2,
+         ("loop' is a loop of symbolic links",)),
+    Case("chars.json missing from prepared data", lambda env: setup_missing_tokenizer_file(env, "char", "chars.json"),
+         3, ("char/chars.json is missing",)),
+    Case("tokenizer.json missing from prepared data",
+         lambda env: setup_missing_tokenizer_file(env, "bpe", "tokenizer.json"), 3, ("bpe/tokenizer.json is missing",)),
     # ---- bad input that was already handled, kept in the corpus
     Case("missing data source", lambda env: ["train", "--run-dir", env.tmp / "r", "--data.source", env.tmp / "nope.txt"], 2,
          ("nope.txt",)),

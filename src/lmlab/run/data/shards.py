@@ -386,8 +386,9 @@ def verify_shards(data_dir: str | Path, recorded: dict[str, str] | None) -> None
                               f"{data_dir} --overwrite`)")
         if hash_files([path])[1][0] != want:
             raise CorruptFile(
-                f"{str(path)!r} does not match the sha256 meta.json recorded when it was prepared: it was changed or damaged "
-                f"since; restore it, or prepare the data again (`lmlab prepare SOURCE --out {data_dir} --overwrite`)")
+                f"{str(path)!r} does not match the sha256 meta.json recorded when it was prepared: it was changed "
+                f"or damaged since; restore it, or prepare the data again "
+                f"(`lmlab prepare SOURCE --out {data_dir} --overwrite`)")
 
 
 def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float | None:
