@@ -11,7 +11,9 @@ reads the source again. A run may also prepare its own ``data.source`` into ``<r
 ``prepare`` streams the source (sources.py) in three passes (shards.py): a survey (hash, duplicate
 documents, each document's split), the tokenizer's training (char: every document; bpe: a
 uniform sample of about ``bpe_sample_mb`` MB of the training documents, so its memory is bounded),
-and the encoding, written shard by shard as it goes. Documents end with the tokenizer's
+and the encoding, written shard by shard as it goes. The encoding pass hashes the text it reads:
+if it differs from the survey's, the source changed meanwhile and ``prepare`` refuses (exit 3),
+leaving no shards whose text meta.json's ``input_hash`` would misstate. Documents end with the tokenizer's
 end-of-document id (tokenizer.py). Duplicate documents (equal after collapsing whitespace) are
 dropped, the first one kept, so no document is on both sides of the split; each document goes to
 validation by a hash of its text (or, for too few documents, the last ``val_fraction`` of the
@@ -19,7 +21,8 @@ token stream is validation; ``meta.split`` says which and why).
 
 ``meta.json`` (meta.py) is written last and is the commit marker: shards without it are an
 unfinished ``prepare`` and are never read. It records the data's identity (``data_hash``: sha256
-of the shards and the tokenizer), which runs record and check on resume.
+of the shards and the tokenizer), which runs record and check on resume, and each shard's sha256
+(``shard_hashes``), which is checked whenever the shards are opened to train, evaluate or reuse.
 """
 
 from __future__ import annotations
