@@ -378,7 +378,8 @@ def hash_files(paths: Iterable[Path], extra: Iterable[str] = ()) -> tuple[str, l
 def verify_shards(data_dir: str | Path, recorded: dict[str, str] | None) -> None:
     """Each shard in ``data_dir`` must hash to what meta.json recorded when ``prepare`` wrote it
     (``shard_hashes``; data prepared before they were recorded is not checked). A shard edited,
-    truncated or damaged since is a one-line CorruptFile naming it. About 0.2-0.7 s per 100 MB (sha256, measured)."""
+    truncated or damaged since is a one-line CorruptFile naming it. About 0.2-0.7 s per 100 MB
+    (sha256, measured on a shared 2-core machine)."""
     for name, want in (recorded or {}).items():
         path = Path(data_dir) / name
         if not path.is_file():
