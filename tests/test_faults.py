@@ -31,6 +31,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,6 +57,8 @@ def digest(root: Path) -> dict[str, str]:
                 out[rel] = "link:" + os.readlink(p)
             elif p.is_dir():
                 out[rel] = "dir"
+            elif not p.is_file():  # a FIFO or device: reading it would block
+                out[rel] = "special"
             else:
                 out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
@@ -271,7 +274,20 @@ def resumable(env: Env, before: dict, after: dict) -> None:
 
 
 def new_run(env: Env, *extra: str) -> list:
-    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *TINY, *FAST, *extra]
+    """A new run of the tiny model; ``extra`` replaces its fields (a field given twice is refused)."""
+    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *replaced(extra), *extra]
+
+
+def replaced(extra: tuple[str, ...] | list[str]) -> list[str]:
+    """TINY and FAST without the ``--SECTION.FIELD VALUE`` pairs that ``extra`` gives."""
+    given, out, args = {str(a).split("=")[0] for a in extra}, [], [*TINY, *FAST]
+    i = 0
+    while i < len(args):
+        dotted = args[i].startswith("--") and "." in args[i]
+        if not (dotted and args[i] in given):
+            out += args[i:i + 1 + dotted]
+        i += 1 + dotted
+    return out
 
 
 def resume(env: Env, *extra: str) -> list:
@@ -420,6 +436,111 @@ def setup_hf_long_context(env: Env) -> list:
 def setup_huge_hf(env: Env) -> list:
     hf_dir(env.tmp / "hf", hidden_size=1e9, intermediate_size=4e9)
     return ["generate", env.tmp / "hf"]
+
+
+# ---- issue 20 item 2: an output never destroys an input; a refused start leaves nothing behind
+def setup_prepare_onto_user_file(env: Env, name: str, *extra: str) -> list:
+    """``prepare --out mine`` where mine/ holds the user's own ``name`` (no meta.json: lmlab did not write it)."""
+    (env.tmp / "mine").mkdir()
+    (env.tmp / "mine" / name).write_text("the user's own file")
+    return ["prepare", env.corpus(), "--out", env.tmp / "mine", *extra]
+
+
+def source_dir(env: Env) -> Path:
+    """A directory source: src/ holding one text file."""
+    (env.tmp / "src").mkdir(exist_ok=True)
+    shutil.copy(env.corpus(), env.tmp / "src" / "a.txt")
+    return env.tmp / "src"
+
+
+def setup_data_link(env: Env) -> list:
+    """A new run whose data/ is a symbolic link to another directory."""
+    (env.tmp / "other").mkdir()
+    (env.tmp / "other" / "tokenizer.json").write_text("someone else's")
+    (env.tmp / "new").mkdir()
+    (env.tmp / "new" / "data").symlink_to(env.tmp / "other")
+    return new_run(env)
+
+
+def setup_wrong_type(env: Env, name: str) -> list:
+    """A run whose ``name`` is a directory where a file belongs, or a file where a directory belongs."""
+    path = env.run() / name
+    if path.is_dir():
+        shutil.rmtree(path)
+        path.write_text("not a directory")
+    else:
+        path.unlink()
+        (path / "inner").mkdir(parents=True)
+    return resume(env)
+
+
+def sweep_spec(env: Env, head: str) -> list:
+    """``lmlab sweep`` of a one-variant spec that starts with ``head`` (name:, base:)."""
+    env.tmp.joinpath("s.yaml").write_text(head + "variants:\n  - {name: a, overrides: {}}\n")
+    return ["sweep", env.tmp / "s.yaml"]
+
+
+def edit_one_token(shard: Path) -> None:
+    """Change one token of a shard to its neighbour's id: still in the vocabulary, so only a hash can tell."""
+    dtype = json.loads((shard.parent / "meta.json").read_text())["dtype"]
+    tokens = np.fromfile(shard, dtype=dtype)
+    i = int(np.flatnonzero(tokens[:-1] != tokens[1:])[0])
+    tokens[i] = tokens[i + 1]
+    tokens.tofile(shard)
+
+
+def prepared(env: Env, name: str = "data", *args: str) -> Path:
+    """``lmlab prepare`` of the corpus into tmp/``name``."""
+    assert cli.main(["prepare", str(env.corpus()), "--out", str(env.tmp / name), "--quiet", *args]) == 0
+    return env.tmp / name
+
+
+def setup_source_changes_while_encoding(env: Env) -> list:
+    """The corpus is rewritten after prepare's first pass (survey) and before it encodes."""
+    from lmlab.run.data import shards
+
+    source, real = env.corpus(), shards.survey
+
+    def survey(*args, **kwargs):
+        result = real(*args, **kwargs)
+        source.write_text(source.read_text().replace(WORDS[0], WORDS[1], 1))
+        return result
+
+    env.monkeypatch.setattr(shards, "survey", survey)
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def only_the_source_changed(env: Env, before: dict, after: dict) -> None:
+    """The source was edited by the case itself; nothing else may have changed (no data/ left behind)."""
+    assert {k: v for k, v in after.items() if k != "corpus.txt"} == {k: v for k, v in before.items()
+                                                                      if k != "corpus.txt"}
+
+
+def setup_unlistable_folder(env: Env) -> list:
+    """A source directory with a subfolder that cannot be listed (EACCES): chmod 000, or at the system
+    call where root ignores file modes."""
+    source = env.tmp / "notes"
+    (source / "secret").mkdir(parents=True)
+    corpus(source / "a.txt")
+    corpus(source / "secret" / "b.txt", 100)
+    if not ROOT:
+        (source / "secret").chmod(0)  # fault_env's teardown restores the mode
+    else:
+        real = os.scandir
+
+        def scandir(path="."):
+            if not isinstance(path, int) and os.path.abspath(os.fspath(path)) == str(source / "secret"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return real(path)
+
+        env.monkeypatch.setattr(os, "scandir", scandir)
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def setup_missing_tokenizer_file(env: Env, tokenizer: str, name: str) -> list:
+    data = prepared(env, tokenizer, "--tokenizer", tokenizer, *(["--vocab-size", "280"] if tokenizer == "bpe" else []))
+    (data / name).unlink()
+    return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
 
 
 CASES = [
@@ -580,6 +701,45 @@ CASES = [
     Case("--train.device cuda:99 with one GPU", lambda env: no_cuda(env, "cuda:99", gpus=1), 3,
          ("device 'cuda:99' does not exist: this machine has 1 GPU(s)",)),
     Case("--train.device mps without MPS", lambda env: no_cuda(env, "mps"), 3, ("MPS is not available here",)),
+    # ---- issue 20 item 2: prepare never replaces files lmlab did not write, nor its own source
+    *[Case(f"prepare --out DIR holding the user's {name}{' '.join(['', *extra])}",
+           lambda env, name=name, extra=extra: setup_prepare_onto_user_file(env, name, *extra), 2,
+           (f"mine' holds {name}, which lmlab did not prepare (no meta.json)",))
+      for name in ("tokenizer.json", "chars.json", "train.bin") for extra in ((), ("--overwrite",))],
+    Case("prepare --out the source directory --overwrite",
+         lambda env: ["prepare", source_dir(env), "--out", source_dir(env), "--overwrite"], 2,
+         ("data dir '", "src' is the source '",)),
+    Case("prepare --out inside the source directory",
+         lambda env: ["prepare", source_dir(env), "--out", source_dir(env) / "data"], 2,
+         ("src/data' is inside the source",)),
+    Case("prepare --out the directory holding the source file",
+         lambda env: ["prepare", env.corpus(), "--out", env.tmp], 2, ("holds the source",)),
+    Case("a new run whose data/ links to another directory", setup_data_link, 2,
+         ("new/data' is a symbolic link to", "data.dir")),
+    Case("resume with metrics.jsonl a directory", lambda env: setup_wrong_type(env, "metrics.jsonl"), 2,
+         ("run/metrics.jsonl' is a directory, not a file",)),
+    Case("resume with checkpoints/ a file", lambda env: setup_wrong_type(env, "checkpoints"), 2,
+         ("run/checkpoints' is a file, not a directory",)),
+    Case("resume with config.yaml a directory", lambda env: setup_wrong_type(env, "config.yaml"), 2,
+         ("config.yaml",)),
+    Case("--train.seed -1 (and no new/ left behind)", lambda env: new_run(env, "--train.seed", "-1"), 2,
+         ("seed",)),
+    Case("sweep refused for size (and no out/data left behind)",
+         lambda env: [*sweep_spec(env, "name: t\nbase:\n  model: {d_model: 1073741824}\n"), "--out", env.tmp / "out"],
+         2, ("needs at least",)),
+    Case("sweep spec named ../../escaped",
+         lambda env: (env.monkeypatch.chdir(env.tmp), sweep_spec(env, "name: ../../escaped\n"))[1], 2,
+         ("sweep name '../../escaped' is not valid",)),
+    Case("sweep spec named by an absolute path",
+         lambda env: (env.monkeypatch.chdir(env.tmp), sweep_spec(env, f"name: {env.tmp / 'abs'}\n"))[1], 2,
+         ("is not valid; give a plain name",)),
+    Case("--optim.lr given twice", lambda env: new_run(env, "--optim.lr", "0.1", "--optim.lr=0.2"), 2,
+         ("--optim.lr is given twice (0.1 and 0.2); give it once",)),
+    Case("--train.lr given twice (an old name)", lambda env: new_run(env, "--train.lr", "0.1", "--train.lr", "0.2"), 2,
+         ("--train.lr is given twice",)),
+    Case("--train.lr and --optim.lr (old and new names of one field)",
+         lambda env: new_run(env, "--train.lr", "0.1", "--optim.lr", "0.2"), 2,
+         ("'train.lr' and 'optim.lr' are the same field given twice",)),
     # ---- item 5: a failing resume overwrites nothing (the state.pt rows above check config.yaml too)
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
@@ -604,6 +764,40 @@ CASES = [
     # ---- item 9: never write through a link that leaves the run
     Case("dangling metrics.jsonl link", setup_dangling_metrics, 2,
          ("run/metrics.jsonl' is a symbolic link to", "outside the run directory")),
+    # ---- issue 20 item 3: shards that changed after prepare, and prepare's own reads
+    Case("one token of a run's train.bin edited, then --resume",
+         lambda env: (edit_one_token(env.run() / "data" / "train.bin"), resume(env))[1], 3,
+         ("run/data/train.bin' does not match the sha256 meta.json recorded", "prepare the data again")),
+    Case("one token of a run's val.bin edited, then eval",
+         lambda env: (edit_one_token(env.run() / "data" / "val.bin"), ["eval", env.run()])[1], 3,
+         ("run/data/val.bin' does not match the sha256",)),
+    Case("one token of prepared val.bin edited, then train --data",
+         lambda env: (edit_one_token(prepared(env) / "val.bin"),
+                      ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
+         ("data/val.bin' does not match the sha256",)),
+    Case("one token of train.bin edited, then prepare reuses the shards",
+         lambda env: (edit_one_token(prepared(env) / "train.bin"),
+                      ["prepare", env.corpus(), "--out", env.tmp / "data"])[1], 3,
+         ("data/train.bin' does not match the sha256", "--overwrite")),
+    Case("a prepared shard deleted, then train --data",
+         lambda env: ((prepared(env) / "val.bin").unlink(),
+                      ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
+         ("data/val.bin",)),
+    Case("source rewritten while prepare encodes it", setup_source_changes_while_encoding, 3,
+         ("corpus.txt' changed while prepare read it",), after=only_the_source_changed),
+    Case("a subfolder of the source that cannot be listed (EACCES)", setup_unlistable_folder, 3,
+         ("permission denied for", "notes/secret'")),
+    Case("a FIFO as the source", lambda env: (os.mkfifo(env.tmp / "pipe.txt"), ["prepare", env.tmp / "pipe.txt",
+                                                                             "--out", env.tmp / "data"])[1], 2,
+         ("pipe.txt' is a named pipe (FIFO), not a regular file or a directory",), seconds=20),
+    Case("a symbolic link loop as the source",
+         lambda env: ((env.tmp / "loop").symlink_to(env.tmp / "loop"), ["prepare", env.tmp / "loop", "--out",
+                                                                       env.tmp / "data"])[1], 2,
+         ("loop' is a loop of symbolic links",)),
+    Case("chars.json missing from prepared data", lambda env: setup_missing_tokenizer_file(env, "char", "chars.json"),
+         3, ("char/chars.json is missing",)),
+    Case("tokenizer.json missing from prepared data",
+         lambda env: setup_missing_tokenizer_file(env, "bpe", "tokenizer.json"), 3, ("bpe/tokenizer.json is missing",)),
     # ---- bad input that was already handled, kept in the corpus
     Case("missing data source", lambda env: ["train", "--run-dir", env.tmp / "r", "--data.source", env.tmp / "nope.txt"], 2,
          ("nope.txt",)),
@@ -613,7 +807,8 @@ CASES = [
                                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("is not valid YAML at line",)),
     Case("resume where nothing is", lambda env: ["train", "--run-dir", env.tmp / "nothing", "--resume"], 2, ("nothing to resume",)),
-    Case("run directory holding another run", lambda env: ["train", "--run-dir", env.run(), *TINY, *FAST, "--model.n_layers", "3"],
+    Case("run directory holding another run",
+         lambda env: ["train", "--run-dir", env.run(), *replaced(["--model.n_layers", "3"]), "--model.n_layers", "3"],
          2, ("already holds a different run",)),
     Case("a checkpoint step that does not exist", lambda env: ["eval", env.run(), "--checkpoint", "3"], 2,
          ("no checkpoint at step 3",)),
@@ -989,3 +1184,22 @@ def test_ctrl_c_with_stdout_to_a_closed_pipe_saves_a_checkpoint_and_exits_130(tm
     assert "Traceback" not in err and "Broken pipe" not in err and "BrokenPipeError" not in err, err
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [last]  # saved at the step it stopped after
+
+
+def test_sweep_jobs_never_exceed_the_runs_nor_four_per_core(tmp_path, monkeypatch, capsys):
+    """``--jobs 100000`` for a one-run sweep trains it in this process, with a note; no worker is spawned."""
+    from lmlab.experiments.sweep.workers import worker_count
+
+    assert worker_count(100_000, 1) == 1 and worker_count(3, 10) == 3
+    assert worker_count(100_000, 10**6) == 4 * (os.cpu_count() or 1)
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: pytest.fail("a worker process was spawned"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: t\nbase:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
+                    "  train: {steps: 2, batch_size: 2, device: cpu}\n  eval: {every: 2}\n"
+                    f"  data: {{source: {corpus(tmp_path / 'c.txt')}}}\n"
+                    "variants:\n  - {name: a, overrides: {}}\n")
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "out"), "--jobs", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --jobs 100000 is more than needed for 1 runs" in out and "processes)" not in out

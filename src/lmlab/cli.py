@@ -161,7 +161,8 @@ def config_help() -> str:
 
 
 def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Separate dotted ``--section.field VALUE`` overrides from the other arguments."""
+    """Separate dotted ``--section.field VALUE`` overrides from the other arguments; a field given twice
+    is refused (an old and a new name of one field are refused where the names are upgraded)."""
     rest, overrides = [], {}
     args = list(argv)
     i = 0
@@ -186,6 +187,8 @@ def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[
                 f"unknown config section {section!r} in {arg}{suggest(section, sections)}; "
                 f"fields here start with {', '.join(s + '.' for s in sections)}"
             )
+        if name in overrides:  # as a YAML file that gives a key twice is refused
+            raise UsageError(f"--{name} is given twice ({overrides[name]} and {value}); give it once")
         overrides[name] = value
     return rest, overrides
 
@@ -475,6 +478,7 @@ def next_steps(run_dir: Path, task: str) -> str:
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.data.meta import DataMeta
+    from .run.data.shards import verify_shards
     from .run.parallel.group import resolve_device
     from .run.load import is_hf_dir, load_run
     from .run.tasks import TASKS
@@ -498,10 +502,11 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
     data_dir = Path(args.data) if args.data else run.data_dir
     given = tokenizer_from_path(args.tokenizer).fingerprint() if args.tokenizer is not None else None
-    DataMeta.open(data_dir).check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
-                                            tokenizer_path=args.tokenizer,
-                                            model_vocab=task.body(run.model).config.vocab_size)
+    meta = DataMeta.open(data_dir)
+    meta.check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
+                         tokenizer_path=args.tokenizer, model_vocab=task.body(run.model).config.vocab_size)
     check_evaluation_memory(task.body(run.model), seq_len, args.run)
+    verify_shards(data_dir, meta.shard_hashes)  # bad input first (exit 2), then the files' integrity (exit 3)
     data = task.open(data_dir, args.split)
     start = time.perf_counter()
     result = task.evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len,
@@ -658,6 +663,7 @@ def set_threads(n: int | None) -> None:
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
+    from .experiments.sweep.workers import worker_count
     from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
@@ -666,8 +672,9 @@ def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     out = Path(args.out or Path("sweeps") / spec.name)
     try:
         with locked(out, "sweep directory"):
+            jobs = worker_count(args.jobs, len(spec.tasks()))
             print(f"sweep {spec.name}: {len(spec.variants)} variants, {len(spec.tasks())} runs -> {out}"
-                  + (f" ({args.jobs} processes)" if args.jobs > 1 else ""), flush=True)
+                  + (f" ({jobs} processes)" if jobs > 1 else ""), flush=True)
             run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True), jobs=args.jobs, threads=args.threads)
     except (SweepInterrupted, SweepFailed) as e:
         return sweep_stopped(e)
