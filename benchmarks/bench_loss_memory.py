@@ -31,7 +31,6 @@ import sys
 import time
 
 import torch
-
 from harness import Setup, add_device_args
 
 

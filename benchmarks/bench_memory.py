@@ -99,8 +99,8 @@ def distinct_bytes(tensors) -> int:
 
 # ============================================================== part 1: DDP vs FSDP, 2 processes
 def static_worker() -> None:
-    from lmlab.run.parallel.group import Dist
     from lmlab.run.optim import build_optimizer
+    from lmlab.run.parallel.group import Dist
     from lmlab.run.parallel.plan import parallelize
     from lmlab.run.trainer import forward_backward
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
 
 import lmlab
-from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
 from lmlab import ModelConfig, Transformer
 from lmlab.hf import state_dict_from_hf
 

@@ -25,9 +25,9 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
+from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
 
 import lmlab
-from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
 
 SIZES = {  # d_model, n_layers, vocab, batch, seq_len
     "cpu": (256, 4, 256, 8, 256),

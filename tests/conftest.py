@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import tiny_config
 
 # Tiny models are dominated by per-op overhead; extra intra-op threads only add contention.

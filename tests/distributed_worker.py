@@ -29,8 +29,8 @@ import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.checkpoint import sharded as dcp
 from lmlab.run.config import ParallelConfig, load_config
-from lmlab.run.parallel.group import Dist
 from lmlab.run.optim import build_optimizer
+from lmlab.run.parallel.group import Dist
 from lmlab.run.parallel.plan import parallelize
 
 CPU = torch.device("cpu")

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_config, tokens
 from torch import nn
 from torch.testing import assert_close
 
@@ -16,7 +17,6 @@ from lmlab import IGNORE_INDEX, ModelConfig, SequenceClassifier, Transformer
 from lmlab.attention import expand_kv
 from lmlab.init import Init, init_module
 from lmlab.model import deepnorm_alpha, deepnorm_beta
-from helpers import tiny_config, tokens
 
 
 # ================================================================ attention paths

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from lmlab.run.checkpoint import local as ckpt
-from lmlab import cli
-from lmlab.run.load import load_run
 from helpers import TINY_ARGS, WORDS, corpus, fast_args
+
+from lmlab import cli
+from lmlab.run.checkpoint import local as ckpt
+from lmlab.run.load import load_run
 
 TINY = TINY_ARGS
 FAST = fast_args(sample_tokens=16)
@@ -79,7 +79,9 @@ def test_prepare_train_eval_generate(trained, capsys):
     for b in report["buckets"]:
         assert b["loss"] == pytest.approx(sum(report["per_position"][b["start"]:b["end"]]) / 4)
 
-    code, text, _ = run(capsys, "eval", root / "run", "--checkpoint", "latest", "--batch-size", "4", "--max-batches", "2")
+    code, text, _ = run(
+        capsys, "eval", root / "run", "--checkpoint", "latest", "--batch-size", "4", "--max-batches", "2"
+    )
     assert code == 0 and text.splitlines()[0] == (
         f"{root / 'run'} @ step_0000012: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f} "
         "(8 sequences x 32 tokens)")
@@ -87,10 +89,18 @@ def test_prepare_train_eval_generate(trained, capsys):
     assert whole["sequences"] == (meta["val_tokens"] - 1) // 32  # every full window of the split
     assert whole["checkpoint"].endswith("step_0000012")  # "best" is the lowest val loss: step 12 here
 
-    code, first, _ = run(capsys, "generate", root / "run", "--prompt", "the model", "--max-new-tokens", "30", "--seed", "3")
-    code2, second, _ = run(capsys, "generate", root / "run", "--prompt", "the model", "--max-new-tokens", "30", "--seed", "3")
-    assert code == code2 == 0 and first == second and first.startswith("the model") and len(first) > len("the model") + 5
-    code, greedy, _ = run(capsys, "generate", root / "run", "--prompt", "the", "--max-new-tokens", "20", "--temperature", "0")
+    code, first, _ = run(
+        capsys, "generate", root / "run", "--prompt", "the model", "--max-new-tokens", "30", "--seed", "3"
+    )
+    code2, second, _ = run(
+        capsys, "generate", root / "run", "--prompt", "the model", "--max-new-tokens", "30", "--seed", "3"
+    )
+    assert (
+        code == code2 == 0 and first == second and first.startswith("the model") and len(first) > len("the model") + 5
+    )
+    code, greedy, _ = run(
+        capsys, "generate", root / "run", "--prompt", "the", "--max-new-tokens", "20", "--temperature", "0"
+    )
     loaded = load_run(root / "run")  # greedy decoding by full recomputation, without the CLI or a KV cache
     ids = loaded.tokenizer.encode("the")
     with torch.no_grad():
@@ -289,7 +299,10 @@ def test_unknown_config_keys_suggest_the_closest(capsys, tmp_path):
 def test_checkpoint_not_matching_the_config(trained, capsys):
     before = snapshot(trained / "run")
     err = bad_input(capsys, "eval", trained / "run", "--model.n_kv_heads", "4")
-    assert "does not match the model: tensor 'blocks.0.attn.qkv.weight' has shape (64, 32) in the checkpoint but (96, 32)" in err
+    assert (
+        "does not match the model: tensor 'blocks.0.attn.qkv.weight' has shape (64, 32) in the checkpoint but (96, 32)"
+        in err
+    )
     assert "model.n_kv_heads is 2 in the checkpoint but 4 here" in err
     err = bad_input(capsys, "train", "--run-dir", trained / "run", "--resume", "--model.n_layers", "3")
     assert "tensor 'blocks.2.attn.qkv.weight' is missing from the checkpoint" in err and "model.n_layers is 2" in err
@@ -397,11 +410,21 @@ def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())  # GPT-2 style byte-level BPE: spaces live in the tokens
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      eos_token_id=None, bos_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "hf")

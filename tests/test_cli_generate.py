@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import WORDS
 
 from lmlab import cli
-from helpers import WORDS
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 import yaml
+from helpers import TINY, tiny_config
 
 from lmlab import ModelConfig, Transformer
-from helpers import TINY, tiny_config
 
 # ---------------------------------------------------------------- bad configurations
 # (fields, text the message must contain: field=value and what would be valid)

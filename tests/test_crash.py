@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_ARGS, corpus
 
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
-from helpers import TINY_ARGS, corpus
 
 TINY = TINY_ARGS
 RUN = [*TINY, "--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",

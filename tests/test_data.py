@@ -12,15 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from lmlab.run.data import prepare as data_mod
-from lmlab.run.data.meta import DataMeta
-from lmlab.run.data import shards as shards_mod
 from lmlab.run.checkpoint.atomic import write_atomic
+from lmlab.run.data import prepare as data_mod
+from lmlab.run.data import shards as shards_mod
 from lmlab.run.data.batches import RowData, TokenData
 from lmlab.run.data.config import DataConfig
-from lmlab.run.data.meta import token_dtype
+from lmlab.run.data.meta import DataMeta, token_dtype
 from lmlab.run.data.prepare import prepare
-from lmlab.run.errors import CorruptFile
 from lmlab.run.data.sources import open_source, read_text_file
 from lmlab.run.data.tokenizer import (
     BPETokenizer,
@@ -30,6 +28,7 @@ from lmlab.run.data.tokenizer import (
     tokenizer_from_path,
     train_tokenizer,
 )
+from lmlab.run.errors import CorruptFile
 
 TEXT = "Hello, wörld! 日本語 ✓ emoji 😀 tab\tnull\x00 end.\n" * 3
 DOCS = [

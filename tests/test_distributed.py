@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_train import losses, run_config, train
 
 import lmlab
 from lmlab.cli import main as cli
@@ -30,7 +31,6 @@ from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.checkpoint import sharded as dcp
 from lmlab.run.errors import CorruptFile
 from lmlab.run.trainer import Trainer
-from test_train import losses, run_config, train
 
 HERE = Path(__file__).parent
 MOE = {"moe": {"n_experts": 4, "top_k": 2, "n_shared": 1, "bias_update_rate": 0.01, "load_balance_coef": 0.01},

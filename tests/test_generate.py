@@ -11,8 +11,8 @@ from torch import nn
 
 import lmlab
 from lmlab.generate import Completion, complete, generate, sample_text
-from lmlab.sampling import candidates, make_sampler, top_k_filter, top_p_filter
 from lmlab.run.data.tokenizer import ByteTokenizer, CharTokenizer
+from lmlab.sampling import candidates, make_sampler, top_k_filter, top_p_filter
 
 V = 64
 

@@ -17,7 +17,12 @@ from lmlab.positions import rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 

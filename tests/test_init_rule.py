@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_config
 
 from lmlab import Transformer
-from helpers import tiny_config
 
 
 def _std(w: torch.Tensor) -> float:

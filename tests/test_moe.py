@@ -14,8 +14,16 @@ from lmlab.config import MOE_PRESETS
 from lmlab.feedforward import GLU, MLP
 from lmlab.init import Init
 from lmlab.moe import (
-    MoE, Routing, device_balance_loss, expert_balance_loss, grouped_mm, grouped_mm_kernel_ok, grouped_mm_split,
-    load_balance_loss, probe_grouped_mm, z_loss,
+    MoE,
+    Routing,
+    device_balance_loss,
+    expert_balance_loss,
+    grouped_mm,
+    grouped_mm_kernel_ok,
+    grouped_mm_split,
+    load_balance_loss,
+    probe_grouped_mm,
+    z_loss,
 )
 
 D = 32  # d_model of the block-level tests
@@ -304,7 +312,9 @@ def test_grouped_mm_kernel_and_fallback_agree():
         gx, gw = torch.autograd.grad((y * y).sum(), (x, w))
         torch.testing.assert_close(gx, gx_want)
         torch.testing.assert_close(gw, gw_want)
-    assert not grouped_mm_kernel_ok(x[:, :6].contiguous(), w[:, :, :6].contiguous())  # 24-byte strides: the kernel refuses
+    assert not grouped_mm_kernel_ok(
+        x[:, :6].contiguous(), w[:, :, :6].contiguous()
+    )  # 24-byte strides: the kernel refuses
     with torch.inference_mode():  # a first call during generation must not record "no kernel" for good
         assert probe_grouped_mm.__wrapped__("cpu", torch.float32) == probe_grouped_mm("cpu", torch.float32)
 
@@ -468,7 +478,9 @@ def test_router_logits_are_fp32_under_autocast():
         y = layer(x)
     assert r.logits_TE.dtype == torch.float32 and r.weight_TK.dtype == torch.float32
     want = layer(x)
-    assert y.dtype == torch.float32 and float((y - want).detach().norm() / want.detach().norm()) < 0.02  # bf16 experts, fp32 routing
+    assert (
+        y.dtype == torch.float32 and float((y - want).detach().norm() / want.detach().norm()) < 0.02
+    )  # bf16 experts, fp32 routing
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
@@ -499,7 +511,9 @@ def test_every_moe_preset_trains_with_its_aux_losses(preset):
     counts = model.num_params()
     moe, width = cfg.moe, cfg.moe.expert_width(cfg.d_ff)
     per_expert = (3 if cfg.ffn == "glu" else 2) * 64 * width
-    assert counts["total"] - counts["active"] == cfg.n_moe_layers * (moe.routed_experts - moe.active_experts) * per_expert
+    assert (
+        counts["total"] - counts["active"] == cfg.n_moe_layers * (moe.routed_experts - moe.active_experts) * per_expert
+    )
     stats = model.moe_stats()
     assert len(stats) == cfg.n_moe_layers
     assert sum(stats[0]["tokens_per_expert"]) == 32 * moe.active_experts or moe.second_expert == "random"

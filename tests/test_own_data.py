@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import TINY_ARGS, fast_args
 
 from lmlab import cli
 from lmlab.generate import sample_text
 from lmlab.run.load import load_run
-from helpers import TINY_ARGS, fast_args
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 TINY = TINY_ARGS

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_config, tokens
 from torch.testing import assert_close
 
 from lmlab import Transformer
 from lmlab.positions import RelativeTerm, alibi_slopes, build_positions
-from helpers import tiny_config, tokens
 
 # ---------------------------------------------------------------- rotary
 ROPE_CASES = {

@@ -12,10 +12,10 @@ import itertools
 
 import pytest
 import torch
+from helpers import tiny_config, tokens
 from torch.testing import assert_close
 
 from lmlab import Transformer
-from helpers import tiny_config, tokens
 
 T = 12  # sequence length; > relative_clip + 1 so every relative offset bucket is used
 GRID_AXES = dict(

@@ -15,8 +15,19 @@ import yaml
 from lmlab import cli
 from lmlab.experiments.spec import parse_spec
 from lmlab.run import config as run_config
-from lmlab.run.config import (RENAMED, CheckpointConfig, EvalConfig, LogConfig, OptimConfig, ParallelConfig, RunConfig,
-                              TrainConfig, build_config, load_config, one_section_dict)
+from lmlab.run.config import (
+    RENAMED,
+    CheckpointConfig,
+    EvalConfig,
+    LogConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    build_config,
+    load_config,
+    one_section_dict,
+)
 
 OLD_RUN = Path(__file__).resolve().parent / "fixtures" / "old_layout_run"
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from helpers import FAST_RUN, TINY_MODEL, corpus
 
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import RunConfig, build_config, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.trainer import Trainer
-from helpers import FAST_RUN, TINY_MODEL, corpus
 
 TINY = TINY_MODEL
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_config, tokens
 from torch.profiler import ProfilerActivity, profile
 from torch.testing import assert_close
 
@@ -23,7 +24,6 @@ from lmlab.loss import linear_cross_entropy, linear_cross_entropy_reference
 from lmlab.moe import MoE, grouped_mm, grouped_mm_split
 from lmlab.norm import rms_norm_reference, rms_normalize
 from lmlab.run.parallel.compile import compile_blocks
-from helpers import tiny_config, tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -314,6 +314,7 @@ def test_compiled_blocks_are_full_graphs_equal_to_eager(preset):
 
 def test_trainer_compile_option_compiles_each_block_and_still_samples(tmp_path, monkeypatch):
     from test_train import run_config, train
+
     import lmlab.run.trainer as trainer_module
 
     compiled = []

@@ -8,7 +8,14 @@ import statistics
 import pytest
 
 from lmlab.experiments.stats import (
-    Interval, betainc, decide, mean_interval, paired_interval, t_cdf, t_quantile, tie_margin,
+    Interval,
+    betainc,
+    decide,
+    mean_interval,
+    paired_interval,
+    t_cdf,
+    t_quantile,
+    tie_margin,
 )
 
 # two-sided 95% critical values t_{0.975, df} from standard tables (e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2)

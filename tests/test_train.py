@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import FAST_RUN, TINY_MODEL, corpus
 
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
@@ -21,7 +22,6 @@ from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
-from helpers import FAST_RUN, TINY_MODEL, corpus
 
 TINY = TINY_MODEL
 

@@ -122,7 +122,8 @@ def config_lines(cfg: Any, prefix: str = "") -> list[str]:
         elif value is not None:
             nested += config_lines(value, f"{prefix}{f.name}.")
         else:
-            off = f"    {prefix}{f.name}.* is off ({f.name}=None); setting any of its fields turns it on with these defaults:"
+            off = (f"    {prefix}{f.name}.* is off ({f.name}=None); "
+                   "setting any of its fields turns it on with these defaults:")
             nested += [off, *config_lines(sub(), f"{prefix}{f.name}.")]
     return wrap_items(plain) + nested
 
@@ -233,20 +234,31 @@ def build_prepare(p: argparse.ArgumentParser) -> None:
     from .run.data.config import DataConfig
 
     d = DataConfig()
-    p.description = paragraphs("Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
-                       "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards, streaming "
-                       "(memory does not grow with the corpus). Documents end with an end-of-document token; duplicate "
-                       "documents are dropped; each document goes to train or val by a hash of its text (a source with "
-                       "too few documents is split by token stream instead). Train on the result with "
-                       "`lmlab train --data OUT`.")
+    p.description = paragraphs(
+        "Tokenize a text file, a directory of .txt/.md files, a JSONL file, a local "
+        "Hugging Face dataset (hf:PATH) or the built-in corpus into train.bin / val.bin shards, streaming "
+        "(memory does not grow with the corpus). Documents end with an end-of-document token; duplicate "
+        "documents are dropped; each document goes to train or val by a hash of its text (a source with "
+        "too few documents is split by token stream instead). Train on the result with "
+        "`lmlab train --data OUT`."
+    )
     p.add_argument("source", nargs="?", default=d.source, help="text file, directory, JSONL file, hf:PATH or 'builtin'")
     p.add_argument("--out", default="data", help="output directory")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="byte, char, bpe, or a path: a Hugging Face tokenizer.json, a "
-                   "checkpoint directory holding one, or prepared data whose tokenizer to reuse")
+    p.add_argument(
+        "--tokenizer",
+        default=d.tokenizer,
+        help="byte, char, bpe, or a path: a Hugging Face tokenizer.json, a "
+        "checkpoint directory holding one, or prepared data whose tokenizer to reuse",
+    )
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="vocabulary size (bpe only)")
     p.add_argument("--bpe-sample-mb", type=float, default=d.bpe_sample_mb,
                    help="bpe: train the tokenizer on a uniform sample of about this many MB of training text")
-    p.add_argument("--val-fraction", type=finite_float, default=d.val_fraction, help="share of documents (or tokens) held out for validation")
+    p.add_argument(
+        "--val-fraction",
+        type=finite_float,
+        default=d.val_fraction,
+        help="share of documents (or tokens) held out for validation",
+    )
     p.add_argument("--task", default="lm", help="lm, or classify: JSONL rows with a text and a label field")
     p.add_argument("--label-field", default=d.label_field, help="classify: JSONL / dataset field holding the label")
     p.add_argument("--text-field", default=d.text_field, help="JSONL / dataset field holding the text")
@@ -257,17 +269,30 @@ def build_prepare(p: argparse.ArgumentParser) -> None:
 
 
 def build_train(t: argparse.ArgumentParser) -> None:
-    t.description = paragraphs("Train the model of a run config. With no arguments, trains a small llama-style "
-                       "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains on every "
-                       "process with parallel.strategy (ddp: DistributedDataParallel, the default; fsdp: FSDP2 sharding), "
-                       "parallel.experts and parallel.activation_checkpointing; the global batch stays batch_size x "
-                       "grad_accum whatever the number of processes.", OVERRIDES)
+    t.description = paragraphs(
+        "Train the model of a run config. With no arguments, trains a small llama-style "
+        "model on the built-in corpus in a few minutes on a laptop CPU. Under torchrun it trains on every "
+        "process with parallel.strategy (ddp: DistributedDataParallel, the default; fsdp: FSDP2 sharding), "
+        "parallel.experts and parallel.activation_checkpointing; the global batch stays batch_size x "
+        "grad_accum whatever the number of processes.",
+        OVERRIDES,
+    )
     t.epilog = config_help() + "\n\n" + EXIT_CODES
-    t.add_argument("--config", default=None, help="run config YAML (model:, data:, train:, optim:, ...); omitted fields keep "
-                   "their defaults")
-    t.add_argument("--data", default=None, metavar="DIR", help="prepared data (`lmlab prepare ... --out DIR`) to train on; "
-                   "without it, data.source (the built-in corpus unless named) is prepared into the run directory")
-    t.add_argument("--task", default=None, help="lm (default) or classify (prepared rows with labels; SequenceClassifier)")
+    t.add_argument(
+        "--config",
+        default=None,
+        help="run config YAML (model:, data:, train:, optim:, ...); omitted fields keep their defaults",
+    )
+    t.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="prepared data (`lmlab prepare ... --out DIR`) to train on; "
+        "without it, data.source (the built-in corpus unless named) is prepared into the run directory",
+    )
+    t.add_argument(
+        "--task", default=None, help="lm (default) or classify (prepared rows with labels; SequenceClassifier)"
+    )
     t.add_argument("--run-dir", default="runs/default", help="where config, metrics and checkpoints go")
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
@@ -287,8 +312,11 @@ def build_eval(e: argparse.ArgumentParser) -> None:
     e.add_argument("--max-batches", type=int, default=50, help="batches to evaluate (0 = the whole split)")
     e.add_argument("--split", default="val", help="train or val")
     e.add_argument("--data", default=None, help="prepared data directory (default: the run's own)")
-    e.add_argument("--tokenizer", default=None, help="check that --data was tokenized with this tokenizer (a tokenizer.json "
-                   "or a directory holding one)")
+    e.add_argument(
+        "--tokenizer",
+        default=None,
+        help="check that --data was tokenized with this tokenizer (a tokenizer.json or a directory holding one)",
+    )
     e.add_argument("--buckets", type=int, default=8, help="position ranges to report")
     e.add_argument("--json", action="store_true", help="print JSON, including the loss at every position")
 
@@ -299,13 +327,19 @@ def build_generate(g: argparse.ArgumentParser) -> None:
     add_run_args(g)
     g.add_argument("--prompt", action="append", default=None,
                    help="text to continue; repeat for several prompts, generated together (default: 'The ')")
-    g.add_argument("--prompts-file", default=None, help="a UTF-8 text file of prompts, one per line (blank lines skipped)")
+    g.add_argument(
+        "--prompts-file", default=None, help="a UTF-8 text file of prompts, one per line (blank lines skipped)"
+    )
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     g.add_argument("--temperature", type=finite_float, default=0.8, help="softmax temperature; 0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    g.add_argument("--top-p", type=finite_float, default=None, help="sample within the smallest set of probability >= p")
+    g.add_argument(
+        "--top-p", type=finite_float, default=None, help="sample within the smallest set of probability >= p"
+    )
     g.add_argument("--seed", type=int, default=None, help="random seed (default: different every time)")
-    g.add_argument("--tokenizer", default=None, help="a tokenizer.json, or a directory holding one, instead of the model's own")
+    g.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json, or a directory holding one, instead of the model's own"
+    )
     g.add_argument("--stop", action="append", default=[],
                    help="end a text before this string; repeatable (the tokenizer's end-of-text ids always stop)")
     g.add_argument("--decoder", default="auto", choices=["auto", "eager", "static", "compiled", "graph"],
@@ -323,11 +357,16 @@ def build_export(x: argparse.ArgumentParser) -> None:
                            "The architecture (llama, mistral, qwen2, gpt2, mixtral, qwen2_moe, glm4_moe) is the first "
                            "that computes the model exactly; a model none computes exactly is refused, naming the "
                            "config field. The directory appears whole or not at all.")
-    x.add_argument("run", metavar="RUN_OR_CHECKPOINT",
-                   help="run directory, one of its checkpoints/step_N directories, or a Hugging Face checkpoint directory")
+    x.add_argument(
+        "run",
+        metavar="RUN_OR_CHECKPOINT",
+        help="run directory, one of its checkpoints/step_N directories, or a Hugging Face checkpoint directory",
+    )
     x.add_argument("--out", required=True, help="output directory; must not exist or be empty, unless --overwrite")
     x.add_argument("--checkpoint", default="best", help="best, latest or a step number (for a run directory)")
-    x.add_argument("--architecture", default=None, help="the transformers model_type to write; default: the first that fits")
+    x.add_argument(
+        "--architecture", default=None, help="the transformers model_type to write; default: the first that fits"
+    )
     x.add_argument("--dtype", default=None, help="stored dtype (float32, bfloat16, float16); default: as trained")
     x.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest weights file, e.g. 500MB or 5GB")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that an earlier export wrote")
@@ -399,7 +438,10 @@ def exit_status(e: Exception) -> tuple[int, str] | None:
         return EXIT_ENVIRONMENT, (f"out of memory ({one_line(e)[:200]}); make the model, the batch or the sequence "
                                   "length smaller, or free memory")
     if isinstance(e, getattr(torch, "AcceleratorError", ())):
-        return EXIT_ENVIRONMENT, f"the device failed ({one_line(e)[:200]}); check it (nvidia-smi) or use another --device"
+        return (
+            EXIT_ENVIRONMENT,
+            f"the device failed ({one_line(e)[:200]}); check it (nvidia-smi) or use another --device",
+        )
     return None
 
 
@@ -418,8 +460,8 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
 
 
 def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .run.config import load_config
     from .run.checkpoint.directory import CONFIG_FILE
+    from .run.config import load_config
     from .run.trainer import Trainer
 
     set_threads(args.threads)
@@ -479,10 +521,10 @@ def next_steps(run_dir: Path, task: str) -> str:
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.data.meta import DataMeta
     from .run.data.shards import verify_shards
-    from .run.parallel.group import resolve_device
-    from .run.load import is_hf_dir, load_run
-    from .run.tasks import TASKS
     from .run.data.tokenizer import tokenizer_from_path
+    from .run.load import is_hf_dir, load_run
+    from .run.parallel.group import resolve_device
+    from .run.tasks import TASKS
 
     set_threads(args.threads)
     if args.split not in ("train", "val"):
@@ -490,7 +532,9 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     if args.buckets < 1:
         raise UsageError(f"--buckets {args.buckets} is not valid; give 1 or more position ranges")
     if args.data is None and is_hf_dir(args.run):
-        raise UsageError(f"{args.run!r} is a Hugging Face checkpoint; give prepared data to evaluate on with --data DIR")
+        raise UsageError(
+            f"{args.run!r} is a Hugging Face checkpoint; give prepared data to evaluate on with --data DIR"
+        )
     if args.buckets <= 0:
         raise UsageError(f"--buckets {args.buckets} is not valid; give a number >= 1")
     run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device),
@@ -523,8 +567,11 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f} "
-          f"({r.sequences} sequences x {seq_len} tokens{', trained at ' + str(train_len) if seq_len != train_len else ''})")
+    print(
+        f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f} "
+        f"({r.sequences} sequences x {seq_len} tokens"
+        f"{', trained at ' + str(train_len) if seq_len != train_len else ''})"
+    )
     if seq_len != train_len or args.buckets > 1:
         print("loss by position:")
         for b in buckets:
@@ -572,7 +619,9 @@ def generate_prompts(args: argparse.Namespace) -> list[str]:
         try:
             lines = path.read_bytes().decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
-            raise UsageError(f"--prompts-file {str(path)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+            raise UsageError(
+                f"--prompts-file {str(path)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+            ) from None
         from_file = [line for line in lines if line.strip()]
         if not from_file:
             raise UsageError(f"--prompts-file {str(path)!r} holds no prompts; write one prompt per line")
@@ -582,8 +631,8 @@ def generate_prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .generate import complete, sample_text
-    from .run.parallel.group import resolve_device
     from .run.load import load_run
+    from .run.parallel.group import resolve_device
 
     set_threads(args.threads)
     if args.max_new_tokens < 0:
@@ -604,14 +653,19 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
             raise UsageError(f"{which} encodes to no tokens; give some text with --prompt")
         unknown = sum(t == unk for t in ids) if unk is not None else 0
         if unknown:
-            print(f"note: {unknown} of {which}'s {len(ids)} tokens are unknown to the tokenizer (<unk>)", file=sys.stderr)
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=args.decoder)
+            print(
+                f"note: {unknown} of {which}'s {len(ids)} tokens are unknown to the tokenizer (<unk>)", file=sys.stderr
+            )
+    sampling = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=args.decoder
+    )
     out = sys.stdout
     try:
         if len(prompts) == 1 and not args.json:  # stream it
             out.write(prompts[0])
             out.flush()
-            for piece in sample_text(run.model, run.tokenizer, prompts[0], args.max_new_tokens, stop=args.stop, **sampling):
+            pieces = sample_text(run.model, run.tokenizer, prompts[0], args.max_new_tokens, stop=args.stop, **sampling)
+            for piece in pieces:
                 out.write(piece)
                 out.flush()
             out.write("\n")
@@ -646,8 +700,11 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
                  max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     print(f"exported {args.run} ({run.checkpoint.name}) as {done.model_type} to {done.path}: {', '.join(done.files)}")
     kind = getattr(run.tokenizer, "kind", "") or "the checkpoint's"
-    print(f"tokenizer: {kind} tokenizer as tokenizer.json; transformers.AutoTokenizer.from_pretrained({str(done.path)!r}) "
-          "encodes and decodes as lmlab does")
+    print(
+        f"tokenizer: {kind} tokenizer as tokenizer.json; "
+        f"transformers.AutoTokenizer.from_pretrained({str(done.path)!r}) "
+        "encodes and decodes as lmlab does"
+    )
     return 0
 
 
@@ -718,7 +775,9 @@ def build_sweep(s: argparse.ArgumentParser) -> None:
     s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
     s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1; the spec's seeds when not given")
     s.add_argument("--profile", default=None, help="a named size from the spec's profiles: (e.g. gpu)")
-    s.add_argument("--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)")
+    s.add_argument(
+        "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
+    )
     s.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
 
@@ -732,8 +791,12 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
     e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
-    e.add_argument("--profile", default=None, help="a named size: gpu sizes the experiment for one modern GPU (~15 min)")
-    e.add_argument("--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)")
+    e.add_argument(
+        "--profile", default=None, help="a named size: gpu sizes the experiment for one modern GPU (~15 min)"
+    )
+    e.add_argument(
+        "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
+    )
     e.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

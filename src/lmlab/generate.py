@@ -151,7 +151,9 @@ def _as_batch(prompt_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | 
         return idx.long(), None
     mask = torch.as_tensor(attention_mask)
     if mask.shape != idx.shape or not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(f"attention_mask must be 0/1 with the prompt's shape {tuple(idx.shape)}, got {tuple(mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be 0/1 with the prompt's shape {tuple(idx.shape)}, got {tuple(mask.shape)}"
+        )
     mask = mask.long().to(idx.device)
     if (mask[:, 1:] < mask[:, :-1]).any() or not mask[:, -1].all():
         raise ValueError("attention_mask must pad on the left (0s, then 1s, in every row) so that each row ends "
@@ -185,18 +187,40 @@ def _is_int(x) -> bool:
 
 def _check_arguments(vocab, max_new_tokens, temperature, top_k, top_p, seed, eos_id, decoder, sync_every) -> list[int]:
     """Each bad argument raises a one-line ValueError naming it; returns the EOS ids as a list."""
-    _check("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 0, "it must be an integer >= 0")
+    _check(
+        "max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 0, "it must be an integer >= 0"
+    )
     _check("temperature", temperature, isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
            and math.isfinite(temperature) and temperature >= 0, "it must be a finite number >= 0 (0 = greedy)")
-    _check("top_k", top_k, top_k is None or (_is_int(top_k) and top_k >= 1), "it must be an integer >= 1, or None for no limit")
-    _check("top_p", top_p, top_p is None or (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1),
-           "it must be in (0, 1], or None for no limit")
+    _check(
+        "top_k",
+        top_k,
+        top_k is None or (_is_int(top_k) and top_k >= 1),
+        "it must be an integer >= 1, or None for no limit",
+    )
+    _check(
+        "top_p",
+        top_p,
+        top_p is None or (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1),
+        "it must be in (0, 1], or None for no limit",
+    )
     _check("seed", seed, seed is None or _is_int(seed), "it must be an integer, or None")
-    eos = [eos_id] if eos_id is None or _is_int(eos_id) else list(eos_id) if isinstance(eos_id, (list, tuple)) else [eos_id]
+    eos = (
+        [eos_id]
+        if eos_id is None or _is_int(eos_id)
+        else list(eos_id)
+        if isinstance(eos_id, (list, tuple))
+        else [eos_id]
+    )
     _check("eos_id", eos_id, all(e is None or (_is_int(e) and 0 <= e < vocab) for e in eos),
            f"it must be a token id in [0, {vocab}), a list of them, or None")
     _check("decoder", decoder, decoder in DECODERS or decoder == "auto", f"choose one of {['auto', *DECODERS]}")
-    _check("sync_every", sync_every, sync_every is None or (_is_int(sync_every) and sync_every >= 1), "it must be an integer >= 1")
+    _check(
+        "sync_every",
+        sync_every,
+        sync_every is None or (_is_int(sync_every) and sync_every >= 1),
+        "it must be an integer >= 1",
+    )
     return [e for e in eos if e is not None]
 
 
@@ -458,8 +482,10 @@ DECODERS: dict[str, Callable[[Request], Iterator[torch.Tensor]]] = {
 
 def check_graphable(model, device: torch.device) -> None:
     if device.type != "cuda":
-        raise ValueError(f"decoder='graph' captures CUDA graphs and needs a CUDA device; the model is on {device.type}. "
-                         "Use decoder='compiled' or 'static'")
+        raise ValueError(
+            f"decoder='graph' captures CUDA graphs and needs a CUDA device; the model is on {device.type}. "
+            "Use decoder='compiled' or 'static'"
+        )
     if model.moe_layers:
         raise ValueError("decoder='graph' cannot capture a mixture-of-experts model: its expert dispatch reads "
                          "token counts on the host. Use decoder='static'")
@@ -570,7 +596,8 @@ def _rows(chunks: Iterator[torch.Tensor], rows: list[TextRow], eos: list[int] | 
                 return
 
 
-def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, *, stop: Sequence[str] = (), **kwargs) -> Iterator[str]:
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, *, stop: Sequence[str] = (),
+                **kwargs) -> Iterator[str]:
     """Stream the text that follows ``prompt`` (not the prompt itself), in complete characters,
     ending before the first of ``stop`` (strings), at an EOS id or after ``max_new_tokens``.
     ``kwargs`` go to :func:`generate`; ``eos_id`` defaults to the tokenizer's (:func:`eos_ids`)."""

@@ -537,7 +537,9 @@ class MoE(nn.Module):
             self.shared = NoSharedExperts()
         else:
             shared = GatedSharedExperts if moe.shared_gate == "sigmoid" else SharedExperts
-            self.shared = shared(moe.n_shared, cfg.d_model, moe.shared_width(cfg.d_ff), cfg.ffn, cfg.activation, cfg.bias)
+            self.shared = shared(
+                moe.n_shared, cfg.d_model, moe.shared_width(cfg.d_ff), cfg.ffn, cfg.activation, cfg.bias
+            )
         self.capacity_factor = moe.capacity_factor
         limited = moe.capacity_factor is not None or moe.second_expert == "random"
         self.assign = self.assign_limited if limited else self.assign_all

@@ -86,7 +86,9 @@ class SweepSpec:
     base: dict[str, Any]  # the base config's dotted changes (config_changes: model.preset, data.prepared included)
     variants: list[Variant]
     seeds: list[int]
-    quick: dict[str, Any]  # base overrides of the quick profile (kept for older specs; == profiles["quick"]["overrides"])
+    quick: dict[
+        str, Any
+    ]  # base overrides of the quick profile (kept for older specs; == profiles["quick"]["overrides"])
     diverged_above: float | str = "init"  # a final val loss above this counts as diverged; "init" = ln(vocab)
     match_active_params: dict[str, Any] | None = None
     description: str = ""
@@ -168,9 +170,16 @@ class SweepSpec:
         short = t.field.rsplit(".", 1)[-1]
         for g, v in groups.items():
             for value in t.values:
-                variants.append(Variant(f"tune-{g}-{short}{value:g}" if isinstance(value, float) else f"tune-{g}-{short}{value}",
-                                        {**v.overrides, t.field: value, **t.overrides}, None, v.quick,
-                                        {**v.labels, "tune_group": g, "tune_value": str(value)}, v.profiles))
+                variants.append(
+                    Variant(
+                        f"tune-{g}-{short}{value:g}" if isinstance(value, float) else f"tune-{g}-{short}{value}",
+                        {**v.overrides, t.field: value, **t.overrides},
+                        None,
+                        v.quick,
+                        {**v.labels, "tune_group": g, "tune_value": str(value)},
+                        v.profiles,
+                    )
+                )
         spec = dataclasses.replace(self, name=f"{self.name}-tune", variants=variants, tune=None, tuned={},
                                    match_active_params=None, configs={}).resolve(profile=self.profile)
         spec.seeds = list(t.seeds)  # after resolve, which would apply the profile's seeds
@@ -180,7 +189,9 @@ class SweepSpec:
 def _tune_for(tune: Tune | None, change: Mapping[str, Any] | None) -> Tune | None:
     if tune is None or not change:
         return tune
-    return dataclasses.replace(tune, **{k: (dict(tune.overrides, **v) if k == "overrides" else v) for k, v in change.items()})
+    return dataclasses.replace(
+        tune, **{k: (dict(tune.overrides, **v) if k == "overrides" else v) for k, v in change.items()}
+    )
 
 
 # ============================================================== parsing
@@ -197,22 +208,33 @@ def _changes(data: Any, where: str) -> dict[str, Any]:
 def _check_keys(raw: Mapping, allowed: tuple[str, ...], where: str) -> None:
     unknown = [k for k in raw if k not in allowed]
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r}{suggest(str(unknown[0]), allowed)}; valid keys: {', '.join(allowed)}")
+        raise ValueError(
+            f"{where}: unknown key {unknown[0]!r}{suggest(str(unknown[0]), allowed)}; valid keys: {', '.join(allowed)}"
+        )
 
 
 def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Variant:
     if not isinstance(raw, Mapping) or "name" not in raw:
-        raise ValueError(f"{where} must be a mapping with a name, e.g. {{name: deep, overrides: {{model.n_layers: 8}}}}")
+        raise ValueError(
+            f"{where} must be a mapping with a name, e.g. {{name: deep, overrides: {{model.n_layers: 8}}}}"
+        )
     _check_keys(raw, VARIANT_KEYS, f"{where} ({raw['name']!r})")
     name = str(raw["name"])
     if not name or any(c in name for c in "/\\ ") or name.startswith("."):
-        raise ValueError(f"{where}: variant name {name!r} must be non-empty, without spaces or slashes (it names a directory)")
+        raise ValueError(
+            f"{where}: variant name {name!r} must be non-empty, without spaces or slashes (it names a directory)"
+        )
     profiles = raw.get("profiles") or {}
     if not isinstance(profiles, Mapping):
-        raise ValueError(f"{where} ({name!r}): profiles must map a profile name to overrides, e.g. {{gpu: {{train.steps: 2000}}}}")
+        raise ValueError(
+            f"{where} ({name!r}): profiles must map a profile name to overrides, e.g. {{gpu: {{train.steps: 2000}}}}"
+        )
     max_seeds = raw.get("seeds")
     if max_seeds is not None and (not isinstance(max_seeds, int) or isinstance(max_seeds, bool) or max_seeds < 1):
-        raise ValueError(f"{where} ({name!r}): seeds={max_seeds!r} is not valid; give how many of the sweep's seeds it trains, e.g. 3")
+        raise ValueError(
+            f"{where} ({name!r}): seeds={max_seeds!r} is not valid; "
+            "give how many of the sweep's seeds it trains, e.g. 3"
+        )
     return Variant(name, _changes(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
                    _changes(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
                    {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds)
@@ -229,9 +251,16 @@ def _sweep_name(name: Any, source: str) -> str:
 
 def _grid(grid: Any, source: str) -> list[Variant]:
     if not isinstance(grid, list) or not all(isinstance(axis, Mapping) and "levels" in axis for axis in grid):
-        raise ValueError(f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}")
-    axes = [(str(a.get("axis", f"axis{i}")), [_variant(v, f"{source}: grid[{i}].levels[{j}]") for j, v in enumerate(a["levels"])])
-            for i, a in enumerate(grid)]
+        raise ValueError(
+            f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}"
+        )
+    axes = [
+        (
+            str(a.get("axis", f"axis{i}")),
+            [_variant(v, f"{source}: grid[{i}].levels[{j}]") for j, v in enumerate(a["levels"])],
+        )
+        for i, a in enumerate(grid)
+    ]
     variants = []
     for combo in itertools.product(*(levels for _, levels in axes)):
         overrides: dict[str, Any] = {}
@@ -250,7 +279,8 @@ def _grid(grid: Any, source: str) -> list[Variant]:
 def _seeds(seeds: Any, where: str) -> list[int]:
     if isinstance(seeds, int) and not isinstance(seeds, bool):
         seeds = seed_range(seeds, f"{where}: seeds")
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    integers = isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    if not integers or not seeds:
         raise ValueError(f"{where}: seeds={seeds!r} is not valid; give a count (3) or a list of integers ([0, 1, 2])")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"{where}: seeds={seeds!r} repeats a seed; each seed names one run")
@@ -303,21 +333,33 @@ def _options(data: Mapping, source: str, names: list[str]) -> dict[str, Any]:
     if diverged_above == "unigram":  # older specs: that label is now separate ("no better than unigram")
         diverged_above = "init"
     if diverged_above != "init" and (not isinstance(diverged_above, (int, float)) or isinstance(diverged_above, bool)):
-        raise ValueError(f"{source}: diverged_above={diverged_above!r} is not valid; give a loss in nats or 'init' (ln vocab)")
+        raise ValueError(
+            f"{source}: diverged_above={diverged_above!r} is not valid; give a loss in nats or 'init' (ln vocab)"
+        )
     match = data.get("match_active_params")
     if match is not None and (not isinstance(match, Mapping) or match.get("reference") not in names):
-        raise ValueError(f"{source}: match_active_params needs reference: <a variant name> (and tolerance: 0.05); variants: {names}")
+        raise ValueError(
+            f"{source}: match_active_params needs reference: <a variant name> (and tolerance: 0.05); variants: {names}"
+        )
     seed_fields = tuple(data.get("seed_fields", SEED_FIELDS))
     if not seed_fields or any(f not in SEED_FIELDS for f in seed_fields):
-        raise ValueError(f"{source}: seed_fields={list(seed_fields)} is not valid; choose a non-empty subset of {list(SEED_FIELDS)}")
+        raise ValueError(
+            f"{source}: seed_fields={list(seed_fields)} is not valid; choose a non-empty subset of {list(SEED_FIELDS)}"
+        )
     corpus, final_eval = data.get("corpus"), data.get("final_eval")
     if corpus is not None:
         if not isinstance(corpus, Mapping) or corpus.get("name") != "stdlib":
-            raise ValueError(f"{source}: corpus must be {{name: stdlib}} (optionally max_bytes: N), the one experiment corpus")
+            raise ValueError(
+                f"{source}: corpus must be {{name: stdlib}} (optionally max_bytes: N), the one experiment corpus"
+            )
         _check_keys(corpus, CORPUS_KEYS, f"{source}: corpus")
     if final_eval is not None:
-        if not isinstance(final_eval, Mapping) or not isinstance(final_eval.get("tokens"), int) or final_eval["tokens"] < 1:
-            raise ValueError(f"{source}: final_eval must be {{tokens: N}} with N >= 1: validation tokens, in windows spread over the split")
+        tokens = final_eval.get("tokens") if isinstance(final_eval, Mapping) else None
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(
+                f"{source}: final_eval must be {{tokens: N}} with N >= 1: "
+                "validation tokens, in windows spread over the split"
+            )
         _check_keys(final_eval, FINAL_EVAL_KEYS, f"{source}: final_eval")
     return {"diverged_above": diverged_above, "match_active_params": dict(match) if match else None,
             "seed_fields": seed_fields, "corpus": dict(corpus) if corpus else None,
@@ -350,7 +392,9 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
     profiles = _profiles(data, source)
     tune = _tune(data.get("tune"), source)
     if tune is not None and tune.by != ["variant"]:
-        missing = [a for a in tune.by + list(tune.at) if not all(a in v.labels for v in variants if v.init_from is None)]
+        missing = [
+            a for a in tune.by + list(tune.at) if not all(a in v.labels for v in variants if v.init_from is None)
+        ]
         if missing:
             raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
     return SweepSpec(

@@ -129,7 +129,9 @@ def detect_model_type(cfg: ModelConfig, hf_tensors: Tensors) -> str:
     else:
         why = "no registered family uses exactly these tensor names"
         why += f"; the closest, {closest[1]!r}, finds {_problems(closest[2])}" if closest else ""
-    raise ValueError(f"cannot tell the model_type from the tensor names: {why}. Pass model_type= one of {sorted(FAMILIES)}")
+    raise ValueError(
+        f"cannot tell the model_type from the tensor names: {why}. Pass model_type= one of {sorted(FAMILIES)}"
+    )
 
 
 def _problems(t: HFTensors) -> str:
@@ -213,13 +215,17 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 "arbitrary code. Convert it to model.safetensors first (for a checkpoint you trust: load it with "
                 "transformers and call save_pretrained, which writes safetensors)"
             )
-        raise ValueError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json; from_hf reads safetensors weights")
+        raise ValueError(
+            f"{str(path)!r} has no model.safetensors or model.safetensors.index.json; from_hf reads safetensors weights"
+        )
     weight_map = read_weight_map(index)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         file = path / shard
         if not isinstance(shard, str) or Path(shard).name != shard:
-            raise ValueError(f"shard {shard!r} listed in {str(index)!r} is not a file name inside the checkpoint directory")
+            raise ValueError(
+                f"shard {shard!r} listed in {str(index)!r} is not a file name inside the checkpoint directory"
+            )
         if not file.is_file():
             raise ValueError(f"shard {shard!r} listed in {str(index)!r} does not exist in {str(path)!r}")
         tensors.update(_load_shard(file))
@@ -259,7 +265,9 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
         return torch.float32
     resolved = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else dtype
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} is not valid; use None (float32), 'auto', or a floating torch dtype such as 'bfloat16'")
+        raise ValueError(
+            f"dtype={dtype!r} is not valid; use None (float32), 'auto', or a floating torch dtype such as 'bfloat16'"
+        )
     return resolved
 
 

@@ -12,10 +12,21 @@ import torch
 
 from ..config import ModelConfig
 from .registry import (
-    ACTIVATION_NAMES, Export, Family, HFTensors, Tensors, activation_from_hf, model_config, refusal, register,
-    rope_from_hf, rope_refusal, rope_to_hf, tied_head, with_defaults,
+    ACTIVATION_NAMES,
+    Export,
+    Family,
+    HFTensors,
+    Tensors,
+    activation_from_hf,
+    model_config,
+    refusal,
+    register,
+    rope_from_hf,
+    rope_refusal,
+    rope_to_hf,
+    tied_head,
+    with_defaults,
 )
-
 
 # ============================================================== Llama (and Mistral)
 # transformers' LlamaConfig / MistralConfig defaults, for keys an older config.json leaves out.
@@ -55,7 +66,8 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
             max_seq_len=hf["max_position_embeddings"],
             norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
             activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-            rope=rope_from_hf(hf, default_theta=default_theta), bias=False, tie_embeddings=bool(hf["tie_word_embeddings"]),
+            rope=rope_from_hf(hf, default_theta=default_theta), bias=False,
+            tie_embeddings=bool(hf["tie_word_embeddings"]),
             norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
         ),
         **fields,
@@ -161,7 +173,13 @@ def llama_glu_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[s
     out = {}
     for kind in ("weight", "bias") if cfg.bias else ("weight",):
         gate, up = sd[f"{ours}gate_up.{kind}"].chunk(2)
-        out.update({f"{hf}gate_proj.{kind}": gate, f"{hf}up_proj.{kind}": up, f"{hf}down_proj.{kind}": sd[f"{ours}down.{kind}"]})
+        out.update(
+            {
+                f"{hf}gate_proj.{kind}": gate,
+                f"{hf}up_proj.{kind}": up,
+                f"{hf}down_proj.{kind}": sd[f"{ours}down.{kind}"],
+            }
+        )
     return out
 
 

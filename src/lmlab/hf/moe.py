@@ -31,8 +31,14 @@ import torch
 
 from ..config import ModelConfig, MoEConfig
 from .dense import (
-    LLAMA_IGNORE, llama_glu, llama_glu_to_hf, llama_layout_config, llama_layout_refusal, llama_layout_to_hf,
-    llama_weights, llama_weights_to_hf,
+    LLAMA_IGNORE,
+    llama_glu,
+    llama_glu_to_hf,
+    llama_layout_config,
+    llama_layout_refusal,
+    llama_layout_to_hf,
+    llama_weights,
+    llama_weights_to_hf,
 )
 from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
 

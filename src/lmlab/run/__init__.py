@@ -49,8 +49,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real imports; at run time __getattr__ makes each on first use, so that
     # `lmlab --help` and the config modules load without torch
-    from .config import (CheckpointConfig, EvalConfig, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
-                         load_config)
+    from .config import (
+        CheckpointConfig,
+        EvalConfig,
+        LogConfig,
+        OptimConfig,
+        ParallelConfig,
+        RunConfig,
+        TrainConfig,
+        load_config,
+    )
     from .data.batches import TokenData
     from .data.config import DataConfig
     from .data.meta import DataMeta

@@ -71,7 +71,9 @@ class TrainConfig(Section):
     grad_accum: int = 1  # micro-batches per step over all processes: global batch = batch_size * grad_accum
     seed: int = 0  # data order and dropout; weights are seeded by model.init_seed
     device: str = "auto"  # auto = cuda if available, else cpu; or cpu, cuda, cuda:1, mps
-    compile: bool = False  # torch.compile each block, fullgraph (run/parallel/compile.py; slow to start, worth it on GPUs)
+    compile: bool = (
+        False  # torch.compile each block, fullgraph (run/parallel/compile.py; slow to start, worth it on GPUs)
+    )
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
     max_memory_gib: float | None = None  # refuse to start a run estimated to need more; None = the device's memory
@@ -80,7 +82,10 @@ class TrainConfig(Section):
         self.positive("steps", "batch_size", "grad_accum", "max_bad_steps", "seq_len", "max_memory_gib")
         self.positive("seed", allow_zero=True)  # a seed is mixed as unsigned (trainer.mixed_seed)
         if self.init_from is not None and not self.init_from.strip():
-            raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
+            raise ValueError(
+                "train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, "
+                "or leave it unset"
+            )
         try:
             if self.device != "auto":
                 import torch  # here, not at the top: the config (and `lmlab train --help`) loads without torch

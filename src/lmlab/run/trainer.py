@@ -51,18 +51,25 @@ from torch import nn
 
 from ..memory import check_fits, max_memory_bytes, training_memory
 from .checkpoint.checkpointer import Checkpointer, TrainState, build_checkpointer, layout_of
-from .parallel.compile import compile_blocks, eager
-from .config import RunConfig
 from .checkpoint.directory import RunDir
-from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .checkpoint.lock import DirLock
+from .config import RunConfig
+from .data.binding import (
+    RunData,
+    check_same_data,
+    check_tokenizer,
+    identity,
+    open_run_data,
+    resolve_data_config,
+    saved_provenance,
+)
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate
+from .parallel.compile import compile_blocks, eager
+from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
 from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
-from .data.binding import (RunData, check_same_data, check_tokenizer, identity, open_run_data, resolve_data_config,
-                      saved_provenance)
 from .tasks import TASKS, Loss, language_model_loss
 
 

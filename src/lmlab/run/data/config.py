@@ -24,7 +24,9 @@ from .tokenizer import TOKENIZERS, is_tokenizer_path
 class DataConfig(Config):
     """Which data a run trains on: prepared data (``prepared``), or a source the run prepares itself."""
 
-    prepared: str | None = None  # a directory `lmlab prepare` wrote: trained on as it is; the fields below then only check it
+    prepared: str | None = (
+        None  # a directory `lmlab prepare` wrote: trained on as it is; the fields below then only check it
+    )
     source: str = "builtin"  # builtin | a .txt/.md/.jsonl file | a directory | hf:<local dataset path>
     text_field: str = "text"  # the field holding the text, for .jsonl and hf: sources
     label_field: str = "label"  # classification: the field holding each row's label
@@ -37,7 +39,9 @@ class DataConfig(Config):
 
     def validate(self) -> None:
         if self.prepared is not None and not self.prepared.strip():
-            raise ValueError("data.prepared='' is not valid; name a directory written by `lmlab prepare`, or leave it unset")
+            raise ValueError(
+                "data.prepared='' is not valid; name a directory written by `lmlab prepare`, or leave it unset"
+            )
         if not self.source.strip():
             raise ValueError("source='' is not valid; use 'builtin', a .txt/.md/.jsonl file, a directory, or hf:<path>")
         if self.source.startswith("hf:") and not self.source[3:].strip():

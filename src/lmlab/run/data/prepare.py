@@ -39,10 +39,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ...schema import check_choice, check_positive
-from . import shards as sh
 from ..checkpoint.atomic import fsync_dir
-from ..errors import CorruptFile
 from ..checkpoint.lock import DirLock
+from ..errors import CorruptFile
+from . import shards as sh
 from .config import DataConfig, resolve_path
 from .meta import META, ROW_FILES, SPLITS, TASKS, DataMeta, Request, Split, differences, token_dtype
 from .sources import open_source
@@ -211,7 +211,9 @@ def _split(survey: sh.Survey, cfg: DataConfig, task: str, spec: str) -> tuple[st
     if task == "lm":
         return sh.choose_split(survey, cfg.val_fraction)
     if len(survey.labels or []) < 2:
-        raise ValueError(f"{spec}: every row has the label {survey.labels[0]!r}; classification needs at least two classes")
+        raise ValueError(
+            f"{spec}: every row has the label {survey.labels[0]!r}; classification needs at least two classes"
+        )
     n_val = int((survey.to_val(cfg.val_fraction) & survey.keep).sum())
     n_train = int(survey.keep.sum()) - n_val
     if n_val == 0 or n_train == 0:
@@ -268,7 +270,9 @@ def _write(
             if task == "classify":
                 stats = sh.encode_rows(src, tokenizer, survey, to_val, shards, bar)
             else:
-                stats = sh.encode_lm(src, tokenizer, survey, to_val if split[0] == sh.BY_DOCUMENT else None, shards, bar)
+                stats = sh.encode_lm(
+                    src, tokenizer, survey, to_val if split[0] == sh.BY_DOCUMENT else None, shards, bar
+                )
         if task == "lm" and split[0] == sh.BY_TOKENS:
             sh.split_stream(shards, cfg.val_fraction)
         shards.close()
@@ -278,7 +282,9 @@ def _write(
             raise ValueError(f"the tokenizer produced id {meta.max_token_id}, beyond its vocabulary of "
                              f"{tokenizer.vocab_size}; it is inconsistent, use another tokenizer file")
         if task == "lm" and meta.total_tokens < 2:
-            raise ValueError(f"corpus {cfg.source!r} has fewer than 2 tokens; it needs at least 2 to split; use more text")
+            raise ValueError(
+                f"corpus {cfg.source!r} has fewer than 2 tokens; it needs at least 2 to split; use more text"
+            )
         _check_context(meta, seq_len, repr(cfg.source))
         files = _final_names(task)
         data_hash, each = sh.hash_files([shards[name].path for name in files], [tokenizer.fingerprint()])
@@ -306,7 +312,9 @@ def _meta(cfg: DataConfig, survey: sh.Survey, tokenizer: Tokenizer, split: tuple
 
     train, val = shards["train"], shards["val"]
     n = max(len(train.counts), len(val.counts))  # longer than the vocabulary only if an id is out of range
-    used = np.flatnonzero(np.pad(train.counts, (0, n - len(train.counts))) + np.pad(val.counts, (0, n - len(val.counts))))
+    used = np.flatnonzero(
+        np.pad(train.counts, (0, n - len(train.counts))) + np.pad(val.counts, (0, n - len(val.counts)))
+    )
     to_val = survey.to_val(cfg.val_fraction) & survey.keep
     by_task = dict(unigram_loss=sh.unigram_loss(train.counts, val.counts)) if task == "lm" else dict(
         classes=survey.labels, train_rows=shards["train.labels"].n, val_rows=shards["val.labels"].n,

@@ -292,7 +292,11 @@ def encode_lm(
     separator's tokens), appended to "train" or "val" (``to_val``: a document split; None: all to
     "train", which :func:`split_stream` then cuts)."""
     dtype = shards["train"].dtype
-    end = np.array([tokenizer.eod_id], dtype) if tokenizer.eod_id is not None else tokenizer.encode_array(SEPARATOR, dtype)
+    end = (
+        np.array([tokenizer.eod_id], dtype)
+        if tokenizer.eod_id is not None
+        else tokenizer.encode_array(SEPARATOR, dtype)
+    )
     stats = EncodeStats()
     for batch in prefetch(batches(source, s)):
         ids = tokenizer.encode_batch([p.text for _, p in batch], dtype)
@@ -341,8 +345,11 @@ def split_stream(shards: ShardSet, val_fraction: float) -> tuple[int, int]:
     n = stream.n
     n_val = min(max(1, round(n * val_fraction)), n - 1) if n > 1 else 0
     n_train = n - n_val
-    tail = np.memmap(stream.path, dtype=stream.dtype, mode="r", offset=n_train * stream.dtype.itemsize, shape=(n_val,)) \
-        if n_val else np.zeros(0, stream.dtype)
+    tail = (
+        np.memmap(stream.path, dtype=stream.dtype, mode="r", offset=n_train * stream.dtype.itemsize, shape=(n_val,))
+        if n_val
+        else np.zeros(0, stream.dtype)
+    )
     for start in range(0, n_val, 1 << 24):
         val.write(np.asarray(tail[start:start + (1 << 24)]))
     del tail

@@ -73,10 +73,12 @@ class Source:
         self.close()
 
 
-def open_source(spec: str, *, text_field: str = "text", errors: str = "strict", label_field: str | None = None) -> Source:
+def open_source(spec: str, *, text_field: str = "text", errors: str = "strict",
+                label_field: str | None = None) -> Source:
     """The corpus named by ``spec`` (see the table above). ``label_field``: every row must also hold
     a label there (classification); only JSONL files and hf datasets have rows."""
-    if label_field is not None and (spec == "builtin" or not (spec.startswith("hf:") or spec.lower().endswith(".jsonl"))):
+    rows = spec.startswith("hf:") or spec.lower().endswith(".jsonl")
+    if label_field is not None and (spec == "builtin" or not rows):
         raise ValueError(
             f"data source {spec!r} has no labels; classification reads a .jsonl file (or hf:<dataset>) whose rows "
             f"hold a text field and a {label_field!r} field"
@@ -251,14 +253,18 @@ def clean_text(text: str) -> str:
 def check_label(value: Any, where: str, field: str) -> Any:
     """A label must be a string or an integer (JSON true/false, floats, lists and null are refused)."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError(f"{where}: label field {field!r} is {json.dumps(value)}; a label must be a string or an integer")
+        raise ValueError(
+            f"{where}: label field {field!r} is {json.dumps(value)}; a label must be a string or an integer"
+        )
     return value
 
 
 def _row(record: Any, where: str, field: str, label_field: str | None, name: str) -> Piece | None:
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{where}: no {field!r} field (found {keys}); set data.text_field to the field that holds the text")
+        raise ValueError(
+            f"{where}: no {field!r} field (found {keys}); set data.text_field to the field that holds the text"
+        )
     value = record[field]
     if not isinstance(value, str):
         raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, not a string; it must hold the text")
@@ -291,7 +297,8 @@ def read_jsonl(path: Path, field: str, errors: str, label_field: str | None = No
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object with a {field!r} field"
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); "
+                    f"each line must be one JSON object with a {field!r} field"
                 ) from None
             except RecursionError:  # json's C scanner stops near Python's recursion limit (about 1,000 levels)
                 raise ValueError(
@@ -358,9 +365,13 @@ def _read_hf_rows(ds, location: str, field: str, label_field: str | None, column
 def load_local_dataset(datasets, path: Path, stack: contextlib.ExitStack):
     """``save_to_disk`` output via ``load_from_disk`` (memory-mapped); otherwise a folder or file of
     data files via ``load_dataset``, its Arrow cache in a temporary directory that ``stack`` removes."""
-    saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    saved = path.is_dir() and any(
+        (path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
     # belt and braces: local paths need no network, and offline mode makes sure nothing is fetched
-    flags = {k: getattr(datasets.config, k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if hasattr(datasets.config, k)}
+    flags = {
+        k: getattr(datasets.config, k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if hasattr(datasets.config, k)
+    }
     for k in flags:
         setattr(datasets.config, k, True)
     try:

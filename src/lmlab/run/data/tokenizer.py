@@ -268,7 +268,9 @@ class CharTokenizer(ByteTableTokenizer):
         try:
             tok = cls(json.loads(raw.decode("utf-8"))["chars"])
         except (ValueError, KeyError, TypeError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise CorruptFile(f"{path} is damaged (not a chars.json lmlab wrote); run `lmlab prepare --overwrite`") from None
+            raise CorruptFile(
+                f"{path} is damaged (not a chars.json lmlab wrote); run `lmlab prepare --overwrite`"
+            ) from None
         tok.source_files = {cls.FILE: raw}
         return tok
 
@@ -430,7 +432,9 @@ def read_hf_tokenizer(path: Path, *, owner: str | None = None):
         if owner == "prepared":
             raise CorruptFile(
                 f"{path} is missing; run `lmlab prepare` again (with --overwrite) to rebuild the tokenizer")
-        raise ValueError(f"tokenizer file {str(path)!r} does not exist; give a tokenizer.json or a directory holding one")
+        raise ValueError(
+            f"tokenizer file {str(path)!r} does not exist; give a tokenizer.json or a directory holding one"
+        )
     raw = path.read_bytes()
     try:
         return tk.Tokenizer.from_str(raw.decode("utf-8")), raw
@@ -480,7 +484,9 @@ def generation_eos_ids(directory: Path, vocab_size: int) -> tuple[int, ...]:
             data = json.loads(path.read_text(encoding="utf-8"))
             eos = data.get("eos_token_id")
         except (ValueError, AttributeError, UnicodeDecodeError):
-            raise CorruptFile(f"{str(path)!r} is not a JSON object; restore it from the checkpoint or delete it") from None
+            raise CorruptFile(
+                f"{str(path)!r} is not a JSON object; restore it from the checkpoint or delete it"
+            ) from None
         ids = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else []
         found = tuple(int(i) for i in ids if isinstance(i, int) and 0 <= i < vocab_size)
         if found:

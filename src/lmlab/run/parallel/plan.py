@@ -40,8 +40,8 @@ from ...config import ModelConfig
 from ...model import Transformer
 from ...moe import Assignment, Experts, combine, dispatch, plan
 from ..config import ParallelConfig
-from .group import Dist
 from ..optim import clip_gradients
+from .group import Dist
 
 
 # ============================================================== expert parallelism
