@@ -750,9 +750,11 @@ def test_prepare_crash_midway_never_pairs_new_shards_with_old_meta(tmp_path, mon
     with pytest.raises(ValueError, match=r"meta\.json is missing\); run `lmlab prepare` first"):
         TokenData(tmp_path / "d", "train")
     assert not [p for p in (tmp_path / "d").iterdir() if p.name.endswith(".tmp")]  # temporaries removed
+    assert (tmp_path / "d" / data_mod.PREPARING).exists()  # marks the half-done directory as lmlab's own
     monkeypatch.setattr(shards_mod.os, "replace", real)
     meta = prepare(DataConfig(source=str(src), tokenizer="char"), tmp_path / "d")  # recovers without overwrite
     assert meta.tokenizer == "char" and len(TokenData(tmp_path / "d", "train")) == meta.train_tokens
+    assert not (tmp_path / "d" / data_mod.PREPARING).exists()
 
 
 def test_encoding_reads_batches_ahead_in_a_thread_and_reraises_its_errors():

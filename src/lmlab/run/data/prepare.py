@@ -137,6 +137,9 @@ def prepare(
     return meta
 
 
+PREPARING = ".lmlab-preparing"  # in a data dir while prepare swaps its files in: a crash there leaves it
+
+
 def check_out_dir(out_dir: str | Path, source_spec: str) -> None:
     """Refuse, whatever ``overwrite`` says, a data directory that is the source, lies inside it or holds it
     (symbolic links resolved), and one holding a file prepare writes (a shard, a tokenizer) without an lmlab
@@ -150,7 +153,7 @@ def check_out_dir(out_dir: str | Path, source_spec: str) -> None:
         if relation is not None:
             raise ValueError(f"data dir {str(out)!r} {relation} the source {str(src)!r}; preparing there would "
                              "replace or mix with the text it reads: choose an --out outside it")
-    if not out.is_dir() or _lmlab_meta(out):
+    if not out.is_dir() or _lmlab_meta(out) or (out / PREPARING).exists():
         return
     written = ["train.bin", "val.bin", "tokenizer.json", "chars.json",
                *(f"{s}.{f}.bin" for s in SPLITS for f in ROW_FILES)]
@@ -356,6 +359,7 @@ def _commit(out: Path, shards: sh.ShardSet, files: dict[str, str], tokenizer: To
     old = None
     with contextlib.suppress(CorruptFile, ValueError):
         old = DataMeta.read(out)
+    (out / PREPARING).touch()  # this directory is lmlab's own from here, even if meta.json never comes
     (out / META).unlink(missing_ok=True)
     fsync_dir(out)
     shards.commit(files)
@@ -366,4 +370,5 @@ def _commit(out: Path, shards: sh.ShardSet, files: dict[str, str], tokenizer: To
     for name in stale - keep:
         (out / name).unlink(missing_ok=True)
     meta.write(out)
+    (out / PREPARING).unlink()
     return meta
