@@ -420,7 +420,7 @@ def set_metadata(path: Path, **values: str | None) -> Path:
     def edit(header):
         meta = header.setdefault("__metadata__", {})
         for key, value in values.items():
-            meta.pop(key) if value is None else meta.__setitem__(key, value)
+            meta.pop(key, None) if value is None else meta.__setitem__(key, value)
     return edit_safetensors(path, edit)
 
 
