@@ -446,23 +446,20 @@ def setup_bit_flip(env: Env, command: str) -> list:
             "export": ["export", env.run(), "--checkpoint", "4", "--out", env.tmp / "hf"]}[command]
 
 
-def edit_state(env: Env, edit: Callable[[dict], object], source: str = "step_0000004", checksum: bool = False) -> list:
-    """Rewrite step 4's state.pt as ``edit`` makes ``source``'s (another step's, or another run's, file), and
-    drop the weights' record of it (as in a checkpoint written before checksums) unless ``checksum``."""
+def edit_state(env: Env, edit: Callable[[dict], object], source: str = "step_0000004") -> list:
+    """Rewrite step 4's state.pt as ``edit`` makes ``source``'s (another step's, or another run's, file)."""
     state = torch.load(env.run() / "checkpoints" / source / "state.pt", weights_only=True)
     edit(state)
     torch.save(state, step4(env) / "state.pt")
-    if not checksum:
-        set_metadata(step4(env) / "model.safetensors", state_sha256=None)
     return resume(env)
 
 
-def setup_foreign_state(env: Env, checksum: bool) -> list:
+def setup_foreign_state(env: Env) -> list:
     """state.pt of a run with another model size (its step 2), placed in step 4."""
     other = env.tmp / "other"
     assert cli.main(["train", "--run-dir", str(other), "--data.source", str(env.corpus()), *TINY, *FAST,
                      "--model.d_model", "48", "--train.steps", "2", "--checkpoint.every", "2"]) == 0
-    return edit_state(env, lambda state: None, source=str(other / "checkpoints" / "step_0000002"), checksum=checksum)
+    return edit_state(env, lambda state: None, source=str(other / "checkpoints" / "step_0000002"))
 
 
 def reshape_moment(state: dict) -> None:
@@ -516,9 +513,8 @@ CASES = [
     Case("garbage state.pt (and no provenance appended)",
          lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "state.pt"), resume(env))[1],
          3, ("step_0000004/state.pt' cannot be read", "delete its step_* directory")),
-    Case("state.pt of another program (in a checkpoint written before checksums)",
-         lambda env: (torch.save({"epoch": 3}, env.run() / "checkpoints" / "step_0000004" / "state.pt"),
-                      set_metadata(step4(env) / "model.safetensors", state_sha256=None), resume(env))[2],
+    Case("state.pt of another program",
+         lambda env: (torch.save({"epoch": 3}, env.run() / "checkpoints" / "step_0000004" / "state.pt"), resume(env))[1],
          3, ("state.pt' lacks ['step', 'optimizer'",)),
     Case("garbage model.safetensors of a run",
          lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "model.safetensors"), ["eval", env.run(), "--checkpoint", "4"])[1],
@@ -633,14 +629,11 @@ CASES = [
          ("does not match the checksum recorded when it was saved",)),
     Case("bit flip in a tensor, export", lambda env: setup_bit_flip(env, "export"), 3,
          ("does not match the checksum recorded when it was saved",)),
-    Case("state.pt of another checkpoint (checksum recorded)",
-         lambda env: edit_state(env, lambda state: None, source="step_0000002", checksum=True), 3,
-         ("step_0000004/state.pt' does not match the checksum its model.safetensors recorded", "another checkpoint")),
-    Case("state.pt of a run with another model size, in a later step (no checksum)",
-         lambda env: setup_foreign_state(env, checksum=False), 3,
+    Case("state.pt of an earlier checkpoint, in a later step",
+         lambda env: edit_state(env, lambda state: None, source="step_0000002"), 3,
+         ("step_0000004/state.pt' is at step 2, but its directory says step 4", "another checkpoint")),
+    Case("state.pt of a run with another model size, in a later step", setup_foreign_state, 3,
          ("step_0000004/state.pt' is at step 2, but its directory says step 4",)),
-    Case("state.pt of a run with another model size, in a later step (checksum recorded)",
-         lambda env: setup_foreign_state(env, checksum=True), 3, ("state.pt' does not match the checksum",)),
     Case("AdamW moment of another shape in state.pt", lambda env: edit_state(env, reshape_moment), 3,
          ("state.pt': the optimizer's exp_avg for '", "has shape (3, 5), but the parameter (",
           "from another run")),

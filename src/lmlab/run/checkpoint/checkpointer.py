@@ -206,8 +206,8 @@ class LocalCheckpointer(Checkpointer):
     def restore(self, path: Path) -> TrainState:
         if sharded.is_distributed(path):  # written by a sharded run
             return self.reshard(path)
-        metadata = ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
-        raw = ckpt.load_state(path, metadata.get(ckpt.STATE_CHECKSUM))
+        ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
+        raw = ckpt.load_state(path)
         state = TrainState.from_dict(raw, path / ckpt.STATE, also=("optimizer",))
         check_optimizer_state(raw["optimizer"], self.optimizer, state.step, path / ckpt.STATE)
         self.optimizer.load_state_dict(raw["optimizer"])

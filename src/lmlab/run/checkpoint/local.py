@@ -6,9 +6,10 @@ weights-only torch file. checkpointer.py's LocalCheckpointer writes it; every re
       step_0000200/state.pt            TrainState's counters and the optimizer's state dict (weights_only=True)
       best.json                        {"step": 200, "val_loss": 1.83} (:class:`Best`): never pruned
 
-Each safetensors file records, in its metadata, the sha256 of every tensor's bytes (``sha256``) and, in a
-checkpoint, of its state.pt (``state_sha256``); every reader checks them (:func:`read_weights`,
-:func:`load_state`), so a bit flip is refused as a damaged file rather than trained on. Files written
+Each safetensors file records, in its metadata, the sha256 of every tensor's bytes (``sha256``); every
+reader checks them (:func:`read_weights`), so a bit flip is refused as a damaged file rather than trained
+on. state.pt is checked by what it must agree with: its step with its directory's name, its optimizer
+moments with the parameters (checkpointer.py). Files written
 before the checksums existed load unchecked. Hashing takes 0.15-0.45 s per 100 MB on one core (measured),
 well under the second per 100 MB at which a switch to skip it would pay, so there is none.
 
@@ -43,22 +44,12 @@ BEST = "best.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 REMEDY = "delete its step_* directory to fall back to the checkpoint before it"
 CHECKSUMS = "sha256"  # weights metadata: {stored tensor name: sha256 of its bytes}
-STATE_CHECKSUM = "state_sha256"  # a checkpoint's weights metadata: sha256 of its state.pt
 
 
 def tensor_digest(t: torch.Tensor) -> str:
     """The sha256 of a tensor's bytes as safetensors stores them (contiguous, this machine's byte order)."""
     data = t.detach().cpu().contiguous().reshape(-1)
     return hashlib.sha256(data.view(torch.uint8).numpy() if data.numel() else b"").hexdigest()
-
-
-def file_digest(path: str | Path) -> str:
-    """The sha256 of a file's bytes, read in 1 MiB pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def missing(path: Path, what: str) -> Exception:
@@ -87,17 +78,14 @@ def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return stored, aliases
 
 
-def save_weights(model: nn.Module, path: str | Path, model_config: dict[str, Any] | None = None,
-                 state_sha256: str | None = None) -> None:
+def save_weights(model: nn.Module, path: str | Path, model_config: dict[str, Any] | None = None) -> None:
     """``model``'s state dict as safetensors, each tied tensor once; metadata records the ties, the
-    config, each tensor's sha256 and (``state_sha256``) that of the checkpoint's state.pt."""
+    config and each tensor's sha256."""
     from safetensors.torch import save_file
 
     tensors, aliases = _unique_tensors(model.state_dict())
     metadata = {"format": "pt", "aliases": json.dumps(aliases),
                 CHECKSUMS: json.dumps({name: tensor_digest(t) for name, t in tensors.items()})}
-    if state_sha256 is not None:
-        metadata[STATE_CHECKSUM] = state_sha256
     if model_config is not None:
         metadata["model_config"] = json.dumps(model_config)
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
@@ -223,8 +211,8 @@ def save_checkpoint(
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir()
+        save_weights(model, tmp / WEIGHTS, model_config)
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
-        save_weights(model, tmp / WEIGHTS, model_config, state_sha256=file_digest(tmp / STATE))
         os.replace(tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -237,9 +225,8 @@ def save_checkpoint(
     return final
 
 
-def load_state(path: str | Path, sha256: str | None = None) -> dict[str, Any]:
-    """A checkpoint's training state, read with ``weights_only=True`` (no arbitrary code runs);
-    ``sha256``: the file's checksum as the weights file records it (CorruptFile if it differs)."""
+def load_state(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's training state, read with ``weights_only=True`` (no arbitrary code runs)."""
     path = Path(path)
     if path.is_dir():
         path = path / STATE
@@ -252,9 +239,6 @@ def load_state(path: str | Path, sha256: str | None = None) -> dict[str, Any]:
     except Exception as e:  # a damaged zip, a foreign pickle refused by weights_only, a truncated file
         raise CorruptFile(f"checkpoint state {str(path)!r} cannot be read ({one_line(e)[:160]}); the file is damaged: "
                           f"{REMEDY}") from None
-    if sha256 is not None and file_digest(path) != sha256:
-        raise CorruptFile(f"checkpoint state {str(path)!r} does not match the checksum its {WEIGHTS} recorded when "
-                          f"it was saved: it is damaged or from another checkpoint; {REMEDY}")
     if not isinstance(state, dict):
         raise CorruptFile(f"checkpoint state {str(path)!r} holds a {type(state).__name__}, not lmlab's training state: "
                           f"{REMEDY}")

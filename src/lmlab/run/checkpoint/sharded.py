@@ -205,7 +205,7 @@ def load_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     path = Path(path)
     weights = None if is_distributed(path) else ckpt.read_weights(path / ckpt.WEIGHTS)  # checked against its sha256
-    state = ckpt.load_state(path, weights[1].get(ckpt.STATE_CHECKSUM) if weights else None)
+    state = ckpt.load_state(path)
     names = [g.get("names") for g in optimizer.param_groups]
     if weights is None:
         load_distributed(path, model, optimizer, plan, state.get("model_config"))
