@@ -3,6 +3,7 @@ all of them: starting processes is the slow part). Rank 0 writes the measurement
 file given; the test asserts on them.
 
     torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT.json [RUN_DIR SHARDED_RUN_DIR]
+    torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT.json skewed
 
 - expert parallelism (2 processes split 4 experts) under DDP and under FSDP, with the fast and the
   reference expert computation, capacity dropping and a shared expert: each process's logits and
@@ -11,6 +12,8 @@ file given; the test asserts on them.
   gathered back whole, compared with the files bit for bit;
 - SHARDED_RUN_DIR: its first (DCP) checkpoint loaded into a model with one more layer: every
   process must refuse it with the same message, and none may hang.
+- skewed: a router forced to send every token to ep rank 0's experts (dropless), so rank 0 sends
+  nothing and rank 1 receives nothing; outputs and gradients against the single-process layer.
 """
 
 from __future__ import annotations
@@ -67,6 +70,38 @@ def expert_parallel_errors(d: Dist, parallel: str, impl: str) -> dict[str, float
             "max_grad": max(float(p.grad.abs().max()) for p in ref.parameters())}
 
 
+def expert_parallel_skewed_errors(d: Dist, impl: str) -> dict[str, float]:
+    """Max abs differences between expert parallelism and one process when every token goes to
+    experts 0 and 1 (ep rank 0's): the selection bias picks them, the gate weights are unchanged."""
+    cfg = lmlab.ModelConfig.from_preset("llama", **{**MOE, "moe": {"n_experts": 4, "top_k": 2}})
+    ref, model = lmlab.Transformer(cfg), lmlab.Transformer(cfg)
+    for m in (ref, model):
+        for layer in m.moe_layers:
+            layer.set_impl(impl)
+            layer.router.score_bias.copy_(torch.tensor([1e4, 1e4, 0.0, 0.0]))
+    plan = parallelize(model, ParallelConfig(strategy="ddp", experts=2), d, CPU)
+    trained = plan.wrap(model)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 + d.rank))
+    out, want = trained(x, x), ref(x, x)
+    out.loss.backward()
+    plan.sync_gradients()
+    want.loss.backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= d.world
+    reference = dict(ref.named_parameters())
+    grad = 0.0
+    for name, p in model.named_parameters():
+        expected = reference[name].grad
+        if name in plan.expert_names:
+            expected = expected.narrow(0, 2 * d.rank, 2)
+        grad = max(grad, float((p.grad - expected).abs().max()))
+    loads = [s["tokens_per_expert"] for s in ref.moe_stats()]
+    return {"logits": float((out.logits - want.logits).abs().max()), "loss": abs(float(out.loss) - float(want.loss)),
+            "grad": grad, "max_grad": max(float(p.grad.abs().max()) for p in ref.parameters()),
+            "unchosen": sum(load[2] + load[3] for load in loads), "chosen": sum(load[0] + load[1] for load in loads)}
+
+
 def load_single_process_checkpoint(d: Dist, run_dir: Path) -> dict[str, int]:
     """Load the run's latest checkpoint (safetensors) into FSDP; count mismatches with the files."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -111,6 +146,12 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
     d = Dist.from_env(CPU, timeout=120)
+    if sys.argv[2:] == ["skewed"]:
+        results = {impl: expert_parallel_skewed_errors(d, impl) for impl in ("fast", "reference")}
+        if d.main:
+            out.write_text(json.dumps(results, indent=1))
+        d.close()
+        return
     results = {f"{parallel}/{impl}": expert_parallel_errors(d, parallel, impl)
                for parallel in ("ddp", "fsdp") for impl in ("fast", "reference")}
     if len(sys.argv) > 3:

@@ -67,6 +67,26 @@ def test_an_older_meta_without_newer_keys_still_loads(tmp_path):
     assert load_tokenizer(d).kind == "byte"
 
 
+def test_each_shard_is_hashed_at_prepare_and_checked_by_the_binding_while_older_meta_is_not(tmp_path):
+    import hashlib
+
+    from lmlab.run.data.shards import verify_shards
+
+    d = prepared(tmp_path, "classify")
+    meta = DataMeta.read(d)
+    names = ["train.bin", "val.bin"] + [f"{s}.{f}.bin" for s in ("train", "val") for f in ("ends", "labels")]
+    assert sorted(meta.shard_hashes) == sorted(names)
+    for name in names:  # the sha256 of each file's bytes, as written
+        assert meta.shard_hashes[name] == "sha256:" + hashlib.sha256((d / name).read_bytes()).hexdigest()
+    verify_shards(d, meta.shard_hashes)
+    (d / "val.labels.bin").write_bytes((d / "val.labels.bin").read_bytes()[::-1])
+    with pytest.raises(CorruptFile, match=r"val\.labels\.bin' does not match the sha256 meta\.json recorded"):
+        binding.RunData.verified(d)
+    edit_meta(d, shard_hashes=...)  # meta.json from before shard hashes: loads, nothing to check against
+    assert DataMeta.read(d).shard_hashes is None
+    binding.RunData.verified(d)
+
+
 @pytest.mark.parametrize("field, value, expected", [
     ("train_tokens", "many", r"field 'train_tokens' is 'many' \(str\), not int"),
     ("vocab_size", True, r"field 'vocab_size' is True \(bool\), not int"),

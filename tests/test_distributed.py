@@ -180,6 +180,19 @@ def test_expert_parallel_layer_matches_one_process_and_fsdp_loads_a_single_proce
 
 
 @pytest.mark.slow
+def test_expert_parallel_with_every_token_sent_to_one_rank_matches_one_process(tmp_path):
+    """Rank 0's experts take every token: rank 0 sends nothing, rank 1 receives nothing (it crashed
+    in sum_per_token). Both processes' logits, loss and gradients equal the single-process layer's."""
+    out = torchrun(str(HERE / "distributed_worker.py"), str(tmp_path / "out.json"), "skewed")
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    for impl in ("fast", "reference"):
+        r = results[impl]
+        assert r["unchosen"] == 0 and r["chosen"] == 2 * 16 * 2 * 2, (impl, r)  # 2 layers x 32 tokens x top-2
+        assert r["logits"] <= 1e-6 and r["loss"] <= 1e-6 and r["grad"] <= 1e-6 * r["max_grad"], (impl, r)
+
+
+@pytest.mark.slow
 def test_expert_parallel_with_fsdp_trains_like_one_process(tmp_path):
     cfg = run_config(tmp_path, {"train.steps": 4, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 4,
                                 "eval.batches": 1}, model=MOE)

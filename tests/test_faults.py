@@ -31,6 +31,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,6 +57,8 @@ def digest(root: Path) -> dict[str, str]:
                 out[rel] = "link:" + os.readlink(p)
             elif p.is_dir():
                 out[rel] = "dir"
+            elif not p.is_file():  # a FIFO or device: reading it would block
+                out[rel] = "special"
             else:
                 out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
@@ -393,6 +396,30 @@ def no_cuda(env: Env, device: str, gpus: int = 0) -> list:
     return new_run(env, "--train.device", device)
 
 
+def sized_run(env: Env, field: str, value: int, *extra: str) -> list:
+    """A new tiny run with one size of TINY or FAST replaced (never given twice on the command line)."""
+    args = [*TINY, *FAST]
+    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(),
+            *[str(value) if i and args[i - 1] == field else a for i, a in enumerate(args)], *extra]
+
+
+def setup_hf_index(env: Env, weight_map) -> list:
+    """A Hugging Face directory whose one shard is listed by a model.safetensors.index.json holding ``weight_map``."""
+    hf = hf_dir(env.tmp / "hf")
+    (hf / "model.safetensors").rename(hf / "model-00001-of-00001.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return ["generate", hf]
+
+
+def setup_hf_long_context(env: Env) -> list:
+    """Evaluating a Hugging Face model whose config.json claims 10**12 positions, on character data
+    its 64-id vocabulary covers: the first forward would build rotary tables for every position."""
+    data = env.tmp / "chars"
+    assert cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "char", "--quiet"]) == 0
+    hf_dir(env.tmp / "hf", max_position_embeddings=1e12)
+    return ["eval", env.tmp / "hf", "--data", data, "--seq-len", "32", "--max-batches", "1"]
+
+
 def setup_huge_hf(env: Env) -> list:
     hf_dir(env.tmp / "hf", hidden_size=1e9, intermediate_size=4e9)
     return ["generate", env.tmp / "hf"]
@@ -464,6 +491,67 @@ def setup_foreign_state(env: Env) -> list:
 
 def reshape_moment(state: dict) -> None:
     state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 5)
+def edit_one_token(shard: Path) -> None:
+    """Change one token of a shard to its neighbour's id: still in the vocabulary, so only a hash can tell."""
+    dtype = json.loads((shard.parent / "meta.json").read_text())["dtype"]
+    tokens = np.fromfile(shard, dtype=dtype)
+    i = int(np.flatnonzero(tokens[:-1] != tokens[1:])[0])
+    tokens[i] = tokens[i + 1]
+    tokens.tofile(shard)
+
+
+def prepared(env: Env, name: str = "data", *args: str) -> Path:
+    """``lmlab prepare`` of the corpus into tmp/``name``."""
+    assert cli.main(["prepare", str(env.corpus()), "--out", str(env.tmp / name), "--quiet", *args]) == 0
+    return env.tmp / name
+
+
+def setup_source_changes_while_encoding(env: Env) -> list:
+    """The corpus is rewritten after prepare's first pass (survey) and before it encodes."""
+    from lmlab.run.data import shards
+
+    source, real = env.corpus(), shards.survey
+
+    def survey(*args, **kwargs):
+        result = real(*args, **kwargs)
+        source.write_text(source.read_text().replace(WORDS[0], WORDS[1], 1))
+        return result
+
+    env.monkeypatch.setattr(shards, "survey", survey)
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def only_the_source_changed(env: Env, before: dict, after: dict) -> None:
+    """The source was edited by the case itself; nothing else may have changed (no data/ left behind)."""
+    assert {k: v for k, v in after.items() if k != "corpus.txt"} == {k: v for k, v in before.items()
+                                                                      if k != "corpus.txt"}
+
+
+def setup_unlistable_folder(env: Env) -> list:
+    """A source directory with a subfolder that cannot be listed (EACCES): chmod 000, or at the system
+    call where root ignores file modes."""
+    source = env.tmp / "notes"
+    (source / "secret").mkdir(parents=True)
+    corpus(source / "a.txt")
+    corpus(source / "secret" / "b.txt", 100)
+    if not ROOT:
+        (source / "secret").chmod(0)  # fault_env's teardown restores the mode
+    else:
+        real = os.scandir
+
+        def scandir(path="."):
+            if not isinstance(path, int) and os.path.abspath(os.fspath(path)) == str(source / "secret"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return real(path)
+
+        env.monkeypatch.setattr(os, "scandir", scandir)
+    return ["prepare", source, "--out", env.tmp / "data"]
+
+
+def setup_missing_tokenizer_file(env: Env, tokenizer: str, name: str) -> list:
+    data = prepared(env, tokenizer, "--tokenizer", tokenizer, *(["--vocab-size", "280"] if tokenizer == "bpe" else []))
+    (data / name).unlink()
+    return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
 
 
 CASES = [
@@ -553,6 +641,36 @@ CASES = [
          ("moe.n_groups=2 does not divide the 1000000000001 routed experts", "choose n_groups in [1, 73,"), seconds=20),
     Case("--model.d_model 10**400", lambda env: new_run(env, "--model.d_model", "1" + "0" * 400), 2,
          ("it must be at most 2**40 (1,099,511,627,776)",), seconds=20),
+    # ---- issue 20 item 6: lengths are counted before allocating (rotary tables, KV cache, seeds)
+    Case("eval --seq-len 10**9", lambda env: ["eval", env.run(), "--seq-len", "1000000000"], 2,
+         ("evaluating '", "at --seq-len 1000000000 needs at least", "rotary tables", "give a smaller --seq-len")),
+    Case("--model.max_seq_len 10**9 --train.seq_len 32",
+         lambda env: sized_run(env, "--model.max_seq_len", 10**9, "--train.seq_len", "32"), 2,
+         ("training this model needs at least", "rotary tables")),
+    Case("eval --model.max_seq_len 10**9", lambda env: ["eval", env.run(), "--model.max_seq_len", "1000000000"], 2,
+         ("the model of '", "needs at least", "rotary tables")),
+    Case("--log.sample_tokens 10**12 (written after training)",
+         lambda env: sized_run(env, "--log.sample_tokens", 10**12), 2,
+         ("training this model needs at least", "KV cache", "log.sample_tokens smaller")),
+    Case("generate --max-new-tokens 10**12",
+         lambda env: ["generate", env.run(), "--max-new-tokens", "1000000000000"], 2,
+         ("generating up to 1,000,000,000,", "KV cache", "ask for fewer new tokens")),
+    Case("sweep spec seeds: 10**12",
+         lambda env: (env.spec().write_text(env.spec().read_text() + "seeds: 1000000000000\n"),
+                      ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
+         2, ("spec.yaml: seeds=1000000000000 is not valid; give a count from 1 to 10,000",), seconds=20),
+    Case("eval of a config.json with max_position_embeddings 1e12", setup_hf_long_context, 2,
+         ("config.json' needs at least", "rotary tables")),
+    # ---- issue 20 item 5: Hugging Face files that raised tracebacks
+    Case("config.json with num_attention_heads 0",
+         lambda env: (hf_dir(env.tmp / "hf", num_attention_heads=0), ["generate", env.tmp / "hf"])[1], 2,
+         ("config.json (model_type 'llama')", "n_heads=0 is not valid")),
+    Case("safetensors index whose weight_map is a list", lambda env: setup_hf_index(env, ["model.norm.weight"]), 3,
+         ("model.safetensors.index.json' is not a safetensors index",)),
+    Case("safetensors index whose weight_map is null", lambda env: setup_hf_index(env, None), 3,
+         ("model.safetensors.index.json' is not a safetensors index",)),
+    Case("safetensors index whose weight_map has numbers", lambda env: setup_hf_index(env, {"model.norm.weight": 1}), 3,
+         ("model.safetensors.index.json' is not a safetensors index",)),
     Case("YAML alias bomb (9 levels of 9 aliases)", lambda env: config_file(env, alias_bomb()), 2,
          ("c.yaml' expands to more than 10,000 values", "through its aliases"), seconds=20),
     Case("YAML alias to the list that holds it", lambda env: config_file(env, "optim: {lr: &a [1, *a]}\n"), 2,
@@ -667,6 +785,40 @@ CASES = [
     Case("eval of a checkpoint without model.safetensors",
          lambda env: ((step4(env) / "model.safetensors").unlink(), ["eval", env.run(), "--checkpoint", "4"])[1], 3,
          ("step_0000004/model.safetensors' is missing",)),
+    # ---- issue 20 item 3: shards that changed after prepare, and prepare's own reads
+    Case("one token of a run's train.bin edited, then --resume",
+         lambda env: (edit_one_token(env.run() / "data" / "train.bin"), resume(env))[1], 3,
+         ("run/data/train.bin' does not match the sha256 meta.json recorded", "prepare the data again")),
+    Case("one token of a run's val.bin edited, then eval",
+         lambda env: (edit_one_token(env.run() / "data" / "val.bin"), ["eval", env.run()])[1], 3,
+         ("run/data/val.bin' does not match the sha256",)),
+    Case("one token of prepared val.bin edited, then train --data",
+         lambda env: (edit_one_token(prepared(env) / "val.bin"),
+                      ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
+         ("data/val.bin' does not match the sha256",)),
+    Case("one token of train.bin edited, then prepare reuses the shards",
+         lambda env: (edit_one_token(prepared(env) / "train.bin"),
+                      ["prepare", env.corpus(), "--out", env.tmp / "data"])[1], 3,
+         ("data/train.bin' does not match the sha256", "--overwrite")),
+    Case("a prepared shard deleted, then train --data",
+         lambda env: ((prepared(env) / "val.bin").unlink(),
+                      ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
+         ("data/val.bin",)),
+    Case("source rewritten while prepare encodes it", setup_source_changes_while_encoding, 3,
+         ("corpus.txt' changed while prepare read it",), after=only_the_source_changed),
+    Case("a subfolder of the source that cannot be listed (EACCES)", setup_unlistable_folder, 3,
+         ("permission denied for", "notes/secret'")),
+    Case("a FIFO as the source", lambda env: (os.mkfifo(env.tmp / "pipe.txt"), ["prepare", env.tmp / "pipe.txt",
+                                                                             "--out", env.tmp / "data"])[1], 2,
+         ("pipe.txt' is a named pipe (FIFO), not a regular file or a directory",), seconds=20),
+    Case("a symbolic link loop as the source",
+         lambda env: ((env.tmp / "loop").symlink_to(env.tmp / "loop"), ["prepare", env.tmp / "loop", "--out",
+                                                                       env.tmp / "data"])[1], 2,
+         ("loop' is a loop of symbolic links",)),
+    Case("chars.json missing from prepared data", lambda env: setup_missing_tokenizer_file(env, "char", "chars.json"),
+         3, ("char/chars.json is missing",)),
+    Case("tokenizer.json missing from prepared data",
+         lambda env: setup_missing_tokenizer_file(env, "bpe", "tokenizer.json"), 3, ("bpe/tokenizer.json is missing",)),
     # ---- bad input that was already handled, kept in the corpus
     Case("missing data source", lambda env: ["train", "--run-dir", env.tmp / "r", "--data.source", env.tmp / "nope.txt"], 2,
          ("nope.txt",)),
@@ -924,9 +1076,33 @@ def test_size_check_refuses_before_allocating_and_names_the_sizes():
     need = check_fits(lambda n: loading_memory(small, parameters=n), small, torch.device("cpu"), what="x")
     assert need.weights == 4 * n == 4 * 20_576
     # a limit above the floor (64 x 32 embedding + 2 x 32 x 32 projections: 16 KiB) but below the exact count
-    with pytest.raises(ValueError, match=r"^x needs about 80\.4 KiB \(20,576 parameters: weights 80\.4 KiB\), more than "
-                                         r"the limit of 20\.0 KiB; make the model smaller$"):
+    with pytest.raises(ValueError, match=r"^x needs about 83\.4 KiB \(20,576 parameters: weights 80\.4 KiB, "
+                                         r"rotary tables 3\.0 KiB\), more than the limit of 20\.0 KiB; "
+                                         r"make the model smaller$"):
         check_fits(lambda n: loading_memory(small, parameters=n), small, torch.device("cpu"), what="x", limit_bytes=20 * 1024)
+
+
+def test_lengths_are_counted_as_the_model_allocates_them():
+    """Rotary tables and the KV cache grow with a length, not with the parameters: the estimate
+    equals what the model builds, so an absurd length is refused instead of dying in the allocator."""
+    from lmlab.memory import evaluation_memory, kv_cache_bytes, loading_memory, rotary_table_bytes, training_memory
+
+    cfg = lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    model = lmlab.Transformer(cfg)
+    cache = model.new_cache(3, 100)
+    assert kv_cache_bytes(cfg, 3, 100) == 4 * (cache.k.numel() + cache.v.numel()) == 4 * 2 * 2 * 3 * 2 * 100 * 8
+    for n in (10, 32, 100):  # at least max_seq_len rows are built, whatever is asked
+        assert rotary_table_bytes(cfg, n) == 4 * model.positions.tables(model.positions.inv_freq,
+                                                                         torch.arange(max(n, 32))).numel()
+    assert rotary_table_bytes(cfg.override({"positions": "alibi"}), 10**12) == 0  # no table
+    assert rotary_table_bytes(cfg.override({"rope.scaling": "dynamic", "rope.factor": 2.0}), 10**12) == 0  # per forward
+    n = model.num_params()["total"]
+    assert loading_memory(cfg, parameters=n).tables == rotary_table_bytes(cfg, 32)
+    train = training_memory(cfg, batch_size=4, seq_len=16, parameters=n, sample_tokens=10**12)
+    assert train.cache == kv_cache_bytes(cfg, 1, 10**12) and train.tables == rotary_table_bytes(cfg, 10**12)
+    assert train.total > 10**14 and "KV cache" in train.describe()
+    evaluate = evaluation_memory(cfg, batch_size=2, seq_len=10**9, parameters=n)
+    assert evaluate.activations == 2 * 10**9 * (4 * 64 + 16) + 8 * 10**9  # logits, ids and targets, sums per position
 
 
 def test_from_hf_refuses_an_absurd_config_before_reading_or_allocating(tmp_path):

@@ -268,6 +268,27 @@ def test_fast_path_equals_reference_in_outputs_and_gradients(name):
         assert s_r["dropped"] > 0
 
 
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_experts_given_no_rows_return_none_and_zero_gradients(impl):
+    """An expert-parallel rank whose experts no token chose receives zero rows and must still
+    compute (nothing) for the backward's collectives: the fast path's sum per token once failed
+    with "cannot reshape tensor of 0 elements into shape [-1, 0]"."""
+    from lmlab.moe import IMPLS, Assignment, Plan, sum_per_token
+
+    no_rows = Plan(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(4, dtype=torch.int32),
+                   torch.zeros(0, dtype=torch.long), padded=False)
+    assert sum_per_token(torch.zeros(0, D), no_rows, 0).shape == (0, D)
+    experts = make_moe({"n_experts": 4, "top_k": 2}).experts
+    empty = torch.zeros(0, dtype=torch.long)
+    a = Assignment(empty, empty, torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.zeros(4, dtype=torch.long),
+                   torch.tensor(0))
+    x = torch.zeros(0, D, requires_grad=True)
+    y = getattr(experts, IMPLS[impl])(x, a, x.new_zeros(0, D))
+    assert y.shape == (0, D)
+    (y.sum() + sum(p.sum() for p in experts.parameters()) * 0).backward()
+    assert x.grad.shape == (0, D) and all(torch.equal(p.grad, torch.zeros_like(p)) for p in experts.parameters())
+
 def test_grouped_mm_kernel_and_fallback_agree():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10, 8, generator=g, requires_grad=True)

@@ -475,6 +475,7 @@ def next_steps(run_dir: Path, task: str) -> str:
 
 def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.data.meta import DataMeta
+    from .run.data.shards import verify_shards
     from .run.parallel.group import resolve_device
     from .run.load import is_hf_dir, load_run
     from .run.tasks import TASKS
@@ -498,9 +499,11 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         raise UsageError(f"--seq-len and --batch-size must be positive, got {seq_len} and {args.batch_size}")
     data_dir = Path(args.data) if args.data else run.data_dir
     given = tokenizer_from_path(args.tokenizer).fingerprint() if args.tokenizer is not None else None
-    DataMeta.open(data_dir).check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
-                                            tokenizer_path=args.tokenizer,
-                                            model_vocab=task.body(run.model).config.vocab_size)
+    meta = DataMeta.open(data_dir)
+    meta.check_tokenizer(data_dir, f"the model {str(args.run)!r}", tokenizer_hash=given,
+                         tokenizer_path=args.tokenizer, model_vocab=task.body(run.model).config.vocab_size)
+    check_evaluation_memory(task.body(run.model), seq_len, args.run)
+    verify_shards(data_dir, meta.shard_hashes)  # bad input first (exit 2), then the files' integrity (exit 3)
     data = task.open(data_dir, args.split)
     start = time.perf_counter()
     result = task.evaluate(run.model, data, batch_size=args.batch_size, seq_len=seq_len,
@@ -525,6 +528,16 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
             mark = "  (beyond training length)" if b["start"] >= train_len else ""
             print(f"  {b['start']:>6}-{b['end'] - 1:<6} {b['loss']:.4f}{mark}")
     return 0
+
+
+def check_evaluation_memory(model, seq_len: int, run: str) -> None:
+    """Refuse, before evaluating, a --seq-len whose rotary tables, logits and per-position sums
+    cannot fit (counted for one sequence: a split may hold fewer than --batch-size)."""
+    from .memory import check_fits, evaluation_memory
+
+    device = next(model.parameters()).device
+    check_fits(lambda n: evaluation_memory(model.config, batch_size=1, seq_len=seq_len, parameters=n), model.config,
+               device, what=f"evaluating {str(run)!r} at --seq-len {seq_len}", fix="give a smaller --seq-len")
 
 
 def _report_classifier(args: argparse.Namespace, run, report: dict, result, seconds: float) -> int:

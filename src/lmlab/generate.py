@@ -54,6 +54,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .attention import StaticKVCache
+from .memory import check_generation_fits
 from .sampling import Noise, Picker, make_picker, make_sampler, noise_width, top_k_filter, top_p_filter
 
 __all__ = [
@@ -218,19 +219,21 @@ def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} exceeds "
             f"max_seq_len={limit}, the size of the learned position table; shorten the prompt or ask "
             f"for at most {max(limit - T, 0)} new tokens")
+    weights = model.head.weight.dtype
+    cache_dtype = torch.bfloat16 if device.type == "cuda" and weights == torch.float32 else weights
+    check_generation_fits(model.config, B, T + max_new_tokens, device, cache_dtype.itemsize)
     decoder = auto_decoder(model, device) if decoder == "auto" else decoder
     if decoder == "graph":
         check_graphable(model, device)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     sampling = temperature != 0 and max_new_tokens > 0
-    weights = model.head.weight.dtype
     return Request(
         model, idx, None if mask is None else mask.to(device), max_new_tokens,
         make_picker(float(temperature), top_k, top_p, vocab),
         Noise(B, noise_width(top_k, top_p, vocab), generator, device) if sampling else None,
         torch.tensor(eos, device=device) if eos else None, eos[0] if eos else 0,
         sync_every or (SYNC_EVERY_CUDA if device.type == "cuda" else 1), _contexts(device),
-        torch.bfloat16 if device.type == "cuda" and weights == torch.float32 else weights,
+        cache_dtype,
     ), decoder
 
 

@@ -14,6 +14,11 @@ initialization) and counts exactly, with the model's own code.
 Training holds, per parameter, fp32 weights, gradients and AdamW's two moments (16 bytes), plus
 the activations kept for the backward pass (:func:`activation_bytes`: a deliberately low count,
 so a refusal is never a false alarm; fused attention is assumed, no T x T scores).
+
+Memory that grows with a length rather than with the parameters is counted too, or an absurd
+length would get past the check and die in the allocator: rotary's cos/sin tables, built for at
+least ``max_seq_len`` positions (:func:`rotary_table_bytes`), the KV cache of generated samples
+(:func:`kv_cache_bytes`), and evaluation's logits and per-position sums.
 """
 
 from __future__ import annotations
@@ -37,17 +42,21 @@ class MemoryEstimate:
     weights: int  # bytes, fp32
     gradients: int = 0
     optimizer: int = 0  # AdamW: two fp32 moments per parameter
-    activations: int = 0  # kept for the backward pass of one micro-batch
+    activations: int = 0  # kept for the backward pass of one micro-batch (evaluation: one batch's logits)
+    tables: int = 0  # rotary cos/sin tables, one row per position
+    cache: int = 0  # the KV cache of a generated sample
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.tables + self.cache
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}"]
         parts += [f"gradients {gib(self.gradients)}"] if self.gradients else []
         parts += [f"AdamW state {gib(self.optimizer)}"] if self.optimizer else []
         parts += [f"activations {gib(self.activations)}"] if self.activations else []
+        parts += [f"rotary tables {gib(self.tables)}"] if self.tables else []
+        parts += [f"KV cache {gib(self.cache)}"] if self.cache else []
         return f"{self.parameters:,} parameters: {', '.join(parts)}"
 
 
@@ -88,18 +97,60 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, bytes_per_
     return tokens * (cfg.n_layers * per_layer + 2 * cfg.vocab_size) * bytes_per_value
 
 
+def rotary_table_bytes(cfg: ModelConfig, positions: int) -> int:
+    """Rotary's fp32 [cos, sin, sin_half] rows (3 x head_dim values each) for ``positions``
+    positions, or ``max_seq_len`` if more: the first forward builds at least that many
+    (``positions.Rotary.table``). Dynamic NTK computes its angles per forward and keeps no table;
+    the other schemes' tables are parameters, counted as such."""
+    if cfg.positions != "rope" or cfg.rope.scaling == "dynamic":
+        return 0
+    return max(positions, cfg.max_seq_len) * 3 * cfg.head_dim * 4
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch_size: int, length: int, bytes_per_value: int = 4) -> int:
+    """Keys and values of every layer for ``batch_size`` rows of ``length`` tokens (``attention.KVCache``)."""
+    return 2 * cfg.n_layers * batch_size * cfg.n_kv_heads * length * cfg.head_dim * bytes_per_value
+
+
 def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, parameters: int | None = None,
-                    bytes_per_activation: int = 4) -> MemoryEstimate:
-    """What training ``cfg`` with AdamW in fp32 needs (``parameters``: a count already made)."""
+                    bytes_per_activation: int = 4, sample_tokens: int = 0) -> MemoryEstimate:
+    """What training ``cfg`` with AdamW in fp32 needs (``parameters``: a count already made), and
+    writing a sample of ``sample_tokens`` tokens with the training state still held (log.sample_tokens)."""
     n = parameter_count(cfg) if parameters is None else parameters
     return MemoryEstimate(n, weights=4 * n, gradients=4 * n, optimizer=8 * n,
-                          activations=activation_bytes(cfg, batch_size, seq_len, bytes_per_activation))
+                          activations=activation_bytes(cfg, batch_size, seq_len, bytes_per_activation),
+                          tables=rotary_table_bytes(cfg, max(seq_len, sample_tokens)),
+                          cache=kv_cache_bytes(cfg, 1, sample_tokens, bytes_per_activation))
 
 
 def loading_memory(cfg: ModelConfig, *, parameters: int | None = None) -> MemoryEstimate:
-    """What holding ``cfg``'s model in fp32 needs (evaluation, generation, conversion)."""
+    """What holding ``cfg``'s model in fp32 and running it needs (generation, conversion): the
+    weights and the rotary tables its first forward builds."""
     n = parameter_count(cfg) if parameters is None else parameters
-    return MemoryEstimate(n, weights=4 * n)
+    return MemoryEstimate(n, weights=4 * n, tables=rotary_table_bytes(cfg, cfg.max_seq_len))
+
+
+def evaluation_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
+                      parameters: int | None = None) -> MemoryEstimate:
+    """What evaluating ``batch_size`` windows of ``seq_len`` tokens needs (``run.evaluate``): the
+    weights, rotary tables for ``seq_len`` positions, and per batch the fp32 logits and token ids,
+    plus an fp64 loss sum per position."""
+    n = parameter_count(cfg) if parameters is None else parameters
+    tokens = batch_size * seq_len
+    return MemoryEstimate(n, weights=4 * n, tables=rotary_table_bytes(cfg, seq_len),
+                          activations=tokens * (4 * cfg.vocab_size + 2 * 8) + 8 * seq_len)
+
+
+def check_generation_fits(cfg: ModelConfig, batch_size: int, length: int, device: torch.device,
+                          bytes_per_value: int) -> None:
+    """Refuse, before the cache is allocated, a generation whose KV cache and rotary tables for
+    ``length`` positions (prompt + new tokens) exceed the device's memory (the weights are already held)."""
+    limit, where = device_memory(device)
+    cache, tables = kv_cache_bytes(cfg, batch_size, length, bytes_per_value), rotary_table_bytes(cfg, length)
+    if limit is not None and cache + tables > limit:
+        raise ValueError(f"generating up to {length:,} positions for {batch_size} prompt(s) needs at least "
+                         f"{gib(cache + tables)} (KV cache {gib(cache)}, rotary tables {gib(tables)}), more than "
+                         f"{where}; ask for fewer new tokens")
 
 
 # ============================================================== the device

@@ -329,7 +329,10 @@ def capacity_plan(a: Assignment) -> Plan:
 def sum_per_token(y_AD: torch.Tensor, plan: Plan, T: int) -> torch.Tensor:
     """(T, D): the sum of each token's K rows of y_AD (dropped assignments add nothing), as one
     ``embedding_bag``, a bag of K rows per token: a single pass, ten times faster on CPU than a
-    gather of the (K*T, D) rows and a sum over K, and than autograd's scatter-add."""
+    gather of the (K*T, D) rows and a sum over K, and than autograd's scatter-add. With no tokens
+    (an expert-parallel rank that received no rows) K cannot be read from the plan: (0, D)."""
+    if T == 0:
+        return y_AD.new_zeros(0, y_AD.shape[1])
     row_TK = plan.row_KT.view(-1, T).t()
     if not plan.padded:
         return F.embedding_bag(row_TK, y_AD, mode="sum")

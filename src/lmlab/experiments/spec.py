@@ -32,6 +32,15 @@ PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
 TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides")
 CORPUS_KEYS = ("name", "max_bytes")
 FINAL_EVAL_KEYS = ("tokens", "batch_size")
+MAX_SEEDS = 10_000  # one run per seed and variant: more than this is a typo, and listing them would exhaust memory
+
+
+def seed_range(count: int, name: str) -> list[int]:
+    """Seeds 0 .. count-1, the count (given as ``name``) checked by arithmetic before any list is built."""
+    if count < 1 or count > MAX_SEEDS:
+        raise ValueError(f"{name}={count} is not valid; give a count from 1 to {MAX_SEEDS:,} "
+                         "(each seed trains one run per variant)")
+    return list(range(count))
 
 
 # ============================================================== the parts
@@ -231,7 +240,7 @@ def _grid(grid: Any, source: str) -> list[Variant]:
 
 def _seeds(seeds: Any, where: str) -> list[int]:
     if isinstance(seeds, int) and not isinstance(seeds, bool):
-        seeds = list(range(seeds))
+        seeds = seed_range(seeds, f"{where}: seeds")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ValueError(f"{where}: seeds={seeds!r} is not valid; give a count (3) or a list of integers ([0, 1, 2])")
     if len(set(seeds)) != len(seeds):

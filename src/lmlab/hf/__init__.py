@@ -76,7 +76,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"config_from_hf expects config.json as a dict, got {type(hf).__name__}")
     if "model_type" not in hf:
         raise ValueError("config.json has no 'model_type'; it must name the architecture, e.g. \"llama\" or \"gpt2\"")
-    return family_for(hf["model_type"]).config(hf)
+    family = family_for(hf["model_type"])
+    try:
+        return family.config(hf)
+    except (ZeroDivisionError, TypeError) as e:  # a size of 0, or a value of the wrong kind
+        raise ValueError(f"config.json (model_type {hf['model_type']!r}) holds a value lmlab cannot convert "
+                         f"({one_line(e)}); check its sizes") from None
 
 
 def state_dict_from_hf(
@@ -209,10 +214,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 "transformers and call save_pretrained, which writes safetensors)"
             )
         raise ValueError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json; from_hf reads safetensors weights")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{str(index)!r} is not a safetensors index: it needs a JSON object with a 'weight_map'") from None
+    weight_map = read_weight_map(index)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         file = path / shard
@@ -225,6 +227,19 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if absent:
         raise ValueError(f"{str(index)!r} lists tensors that its shards do not hold: {_names(absent)}")
     return tensors
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's ``weight_map``: tensor name -> shard file name. Anything else
+    (not JSON, no mapping, names or files that are not strings) raises :class:`CorruptFile`."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptFile(f"{str(index)!r} is not a safetensors index: it needs a JSON object whose 'weight_map' maps "
+                          "each tensor name to a shard file name; download the checkpoint again")
+    return weight_map
 
 
 def _load_shard(file: Path) -> dict[str, torch.Tensor]:

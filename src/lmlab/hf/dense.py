@@ -46,11 +46,12 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
     """The fields every Llama-layout family (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) maps the
     same way: sizes, pre-norm RMSNorm, rotary, SwiGLU. ``fields`` add or override (bias, moe, ...)."""
     heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None)
     return model_config(hf, **{
         **dict(
             vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
             n_heads=heads, n_kv_heads=hf["num_key_value_heads"] or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
+            head_dim=head_dim, d_ff=hf["intermediate_size"],
             max_seq_len=hf["max_position_embeddings"],
             norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
             activation=activation_from_hf(hf["hidden_act"], "hidden_act"),

@@ -130,15 +130,21 @@ def check_processes(cfg: RunConfig, world: int) -> None:
 
 
 def check_training_memory(cfg: RunConfig, device: torch.device) -> None:
-    """Refuse, before allocating, a run estimated to need more than the device has (or train.max_memory_gib)."""
+    """Refuse, before allocating, a run estimated to need more than the device has (or train.max_memory_gib),
+    the samples of log.sample_tokens included: they are written at the end, long after a late refusal."""
     t = cfg.train
     bf16 = device.type == "cuda"
+    sample = cfg.log.sample_tokens if TASKS[cfg.task].writes_text else 0
+    if cfg.model.positions == "learned":  # sample_from stops at the end of the table
+        sample = min(sample, cfg.model.max_seq_len)
     fix = "make the model, train.batch_size or the sequence length smaller"
+    if sample:
+        fix = "make the model, train.batch_size, the sequence length or log.sample_tokens smaller"
     if t.max_memory_gib is None:
         fix += " (or set train.max_memory_gib if the estimate is wrong for this machine)"
     check_fits(
         lambda n: training_memory(cfg.model, batch_size=t.batch_size, seq_len=cfg.seq_len, parameters=n,
-                                  bytes_per_activation=2 if bf16 else 4),
+                                  bytes_per_activation=2 if bf16 else 4, sample_tokens=sample),
         cfg.model, device, what="training this model", limit_bytes=max_memory_bytes(t.max_memory_gib), fix=fix,
     )
 

@@ -78,7 +78,7 @@ from typing import Any, Callable
 
 from ...run.trainer import Trainer
 from ...schema import read_yaml
-from ..spec import SweepSpec, parse_spec
+from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
@@ -100,9 +100,7 @@ def load_spec(
     data = read_yaml(p, f"sweep spec {str(p)!r}")  # duplicate keys refused, naming key and lines
     spec = parse_spec(data, str(p))
     if seeds is not None:
-        if seeds < 1:
-            raise ValueError(f"--seeds={seeds} is not valid; give at least 1")
-        spec.seeds = list(range(seeds))
+        spec.seeds = seed_range(seeds, "--seeds")
         for prof in spec.profiles.values():
             prof.pop("seeds", None)
     return spec.resolve(quick=quick, profile=profile)

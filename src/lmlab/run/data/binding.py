@@ -10,7 +10,8 @@ with how they were prepared, and the saved config records how that was. Without 
 prepares ``data.source`` into ``<run>/data`` (or an absolute ``data.dir``); the built-in corpus is
 the source only when none is named. A resumed run opens the data it has, whatever the working
 directory, and refuses data whose content hash changed since the run started (``data_hash`` in
-meta.json, recorded in each session's provenance).
+meta.json, recorded in each session's provenance). Shards that exist are hashed again against
+meta.json's ``shard_hashes`` before a run uses them, so an edited ``train.bin`` is refused too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..config import RunConfig
 from .config import DataConfig, resolve_path, run_data_dir
 from .meta import DataMeta
 from .prepare import prepare
+from .shards import verify_shards
 from .tokenizer import Tokenizer, load_tokenizer
 
 # data fields that say how data was prepared: with data.prepared they must agree with its meta.json
@@ -41,6 +43,13 @@ class RunData:
     def open(cls, where: Path, prepared_now: bool = False) -> "RunData":
         """Prepared data that exists, with its tokenizer."""
         return cls(where, DataMeta.open(where), load_tokenizer(where), prepared_now)
+
+    @classmethod
+    def verified(cls, where: Path) -> "RunData":
+        """:meth:`open`, and every shard hashed against meta.json (a CorruptFile names one that changed)."""
+        data = cls.open(where)
+        verify_shards(where, data.meta.shard_hashes)
+        return data
 
     def describe(self) -> str:
         return f"{self.dir} ({self.meta.describe()}; {self.meta.data_hash[:19]})"
@@ -107,12 +116,12 @@ def open_run_data(cfg: RunConfig, run_dir: Path, *, resume: bool, overwrite: boo
     """The run's data: ``data.prepared`` as it is; else the run's own (``<run>/data``), reused when
     resuming, else prepared from ``data.source`` (reused if already prepared from the same text)."""
     if cfg.data.prepared is not None:
-        return RunData.open(Path(cfg.data.prepared))
+        return RunData.verified(Path(cfg.data.prepared))
     where = run_data_dir(run_dir, cfg.data)
     own = where.resolve().is_relative_to(Path(run_dir).resolve())
     existing = DataMeta.read(where)
     if resume and existing is not None:  # never re-read the source of a run that exists
-        return RunData.open(where)
+        return RunData.verified(where)
     before = existing is not None or where.exists()
     try:
         meta = prepare(cfg.data, where, seq_len=cfg.seq_len if cfg.task == "lm" else None,

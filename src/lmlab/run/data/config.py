@@ -67,9 +67,12 @@ def resolve_path(spec: str) -> str:
     """A source or tokenizer setting with its path made absolute (``builtin``, kinds and ``hf:`` kept)."""
     if spec in ("builtin", *TOKENIZERS):
         return spec
-    if spec.startswith("hf:"):
-        return "hf:" + str(Path(spec[3:]).expanduser().resolve())
-    return str(Path(spec).expanduser().resolve())
+    try:
+        if spec.startswith("hf:"):
+            return "hf:" + str(Path(spec[3:]).expanduser().resolve())
+        return str(Path(spec).expanduser().resolve())
+    except RuntimeError:  # Python < 3.13: "Symlink loop from ..."
+        raise ValueError(f"{spec!r} is a loop of symbolic links; point at the file or directory itself") from None
 
 
 def run_data_dir(run_dir: str | Path, cfg: DataConfig) -> Path:

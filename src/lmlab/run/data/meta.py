@@ -102,6 +102,9 @@ class DataMeta:
     pad_id: int | None = None  # classify: what rows are right-padded with
     tokenizer_trained_on: dict[str, int] | None = None  # char/bpe: the documents and bytes it was trained on
     data_hash: str  # sha256 of the shards and the tokenizer: the data's identity, which runs record
+    # sha256 of each shard file ({"train.bin": "sha256:..."}), checked whenever a run or eval opens the data;
+    # None in meta.json written before lmlab recorded them (such data is not checked)
+    shard_hashes: dict[str, str] | None = None
 
     # ---------------------------------------------------------------- reading and writing
     @classmethod

@@ -11,7 +11,9 @@ reads the source again. A run may also prepare its own ``data.source`` into ``<r
 ``prepare`` streams the source (sources.py) in three passes (shards.py): a survey (hash, duplicate
 documents, each document's split), the tokenizer's training (char: every document; bpe: a
 uniform sample of about ``bpe_sample_mb`` MB of the training documents, so its memory is bounded),
-and the encoding, written shard by shard as it goes. Documents end with the tokenizer's
+and the encoding, written shard by shard as it goes. The encoding pass hashes the text it reads:
+if it differs from the survey's, the source changed meanwhile and ``prepare`` refuses (exit 3),
+leaving no shards whose text meta.json's ``input_hash`` would misstate. Documents end with the tokenizer's
 end-of-document id (tokenizer.py). Duplicate documents (equal after collapsing whitespace) are
 dropped, the first one kept, so no document is on both sides of the split; each document goes to
 validation by a hash of its text (or, for too few documents, the last ``val_fraction`` of the
@@ -19,7 +21,8 @@ token stream is validation; ``meta.split`` says which and why).
 
 ``meta.json`` (meta.py) is written last and is the commit marker: shards without it are an
 unfinished ``prepare`` and are never read. It records the data's identity (``data_hash``: sha256
-of the shards and the tokenizer), which runs record and check on resume.
+of the shards and the tokenizer), which runs record and check on resume, and each shard's sha256
+(``shard_hashes``), which is checked whenever the shards are opened to train, evaluate or reuse.
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def prepare_unlocked(
         existing = _reuse(out, request, cfg, overwrite)
         if existing is not None:
             _check_context(existing, seq_len, repr(cfg.source))
+            sh.verify_shards(out, existing.shard_hashes)  # reused as they are: they must be what was written
             return existing
         split = _split(survey, cfg, task, source_spec)
         to_val = survey.to_val(cfg.val_fraction)
@@ -244,8 +248,9 @@ def _write(
             raise ValueError(f"corpus {cfg.source!r} has fewer than 2 tokens; it needs at least 2 to split; use more text")
         _check_context(meta, seq_len, repr(cfg.source))
         files = _final_names(task)
-        data_hash = sh.files_hash([shards[name].path for name in files], [tokenizer.fingerprint()])
-        return _commit(out, shards, files, tokenizer, dataclasses.replace(meta, data_hash=data_hash))
+        data_hash, each = sh.hash_files([shards[name].path for name in files], [tokenizer.fingerprint()])
+        meta = dataclasses.replace(meta, data_hash=data_hash, shard_hashes=dict(zip(files.values(), each)))
+        return _commit(out, shards, files, tokenizer, meta)
     except BaseException:
         shards.discard()
         if created:

@@ -32,7 +32,9 @@ import codecs
 import contextlib
 import dataclasses
 import json
+import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -89,6 +91,11 @@ def open_source(spec: str, *, text_field: str = "text", errors: str = "strict", 
             f"data source {spec!r} does not exist; give a .txt/.md/.jsonl file, a directory of "
             ".txt/.md files, 'builtin', or hf:<path>"
         )
+    if not path.is_dir() and not path.is_file():  # a FIFO would block the first read, a device never end
+        raise ValueError(
+            f"data source {spec!r} is {_kind(path)}, not a regular file or a directory; give a .txt/.md/.jsonl "
+            "file or a directory of .txt/.md files"
+        )
     if path.is_dir():
         files = _text_files(path)
         return Source(spec, lambda: _read_files(path, files, errors))
@@ -98,12 +105,26 @@ def open_source(spec: str, *, text_field: str = "text", errors: str = "strict", 
 
 
 # ============================================================== text files
+def _kind(path: Path) -> str:
+    """What a path that is neither a regular file nor a directory is, in words."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((words for test, words in kinds if test(mode)), "not a regular file")
+
+
 def _text_files(root: Path) -> list[Path]:
-    files = sorted(
-        (p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file()
-         and not any(part.startswith(".") for part in p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )  # hidden files and folders (.git, ...) are skipped
+    """The .txt/.md files below ``root``; hidden files and folders (.git, ...) are skipped. A folder
+    that cannot be listed (no permission) is an error naming it, never silently left out."""
+    def fail(e: OSError) -> None:
+        raise e
+
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        files += [p for name in filenames if not name.startswith(".")
+                  and (p := Path(dirpath) / name).suffix.lower() in TEXT_SUFFIXES and p.is_file()]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
     if not files:
         raise ValueError(
             f"{root} holds no .txt or .md files; add some, or point data.source at a file, a .jsonl file or 'builtin'"

@@ -262,7 +262,8 @@ class CharTokenizer(ByteTableTokenizer):
     def load(cls, directory: str | Path) -> "CharTokenizer":
         path = Path(directory) / cls.FILE
         if not path.is_file():
-            raise ValueError(f"{path} is missing; run `lmlab prepare` again (with --overwrite) to rebuild the tokenizer")
+            raise CorruptFile(
+                f"{path} is missing; run `lmlab prepare` again (with --overwrite) to rebuild the tokenizer")
         raw = path.read_bytes()
         try:
             tok = cls(json.loads(raw.decode("utf-8"))["chars"])
@@ -427,7 +428,8 @@ def read_hf_tokenizer(path: Path, *, owner: str | None = None):
     tk = hf_tokenizers()
     if not path.is_file():
         if owner == "prepared":
-            raise ValueError(f"{path} is missing; run `lmlab prepare` again (with --overwrite) to rebuild the tokenizer")
+            raise CorruptFile(
+                f"{path} is missing; run `lmlab prepare` again (with --overwrite) to rebuild the tokenizer")
         raise ValueError(f"tokenizer file {str(path)!r} does not exist; give a tokenizer.json or a directory holding one")
     raw = path.read_bytes()
     try:
