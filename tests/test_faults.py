@@ -274,7 +274,20 @@ def resumable(env: Env, before: dict, after: dict) -> None:
 
 
 def new_run(env: Env, *extra: str) -> list:
-    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *TINY, *FAST, *extra]
+    """A new run of the tiny model; ``extra`` replaces its fields (a field given twice is refused)."""
+    return ["train", "--run-dir", env.tmp / "new", "--data.source", env.corpus(), *replaced(extra), *extra]
+
+
+def replaced(extra: tuple[str, ...] | list[str]) -> list[str]:
+    """TINY and FAST without the ``--SECTION.FIELD VALUE`` pairs that ``extra`` gives."""
+    given, out, args = {str(a).split("=")[0] for a in extra}, [], [*TINY, *FAST]
+    i = 0
+    while i < len(args):
+        dotted = args[i].startswith("--") and "." in args[i]
+        if not (dotted and args[i] in given):
+            out += args[i:i + 1 + dotted]
+        i += 1 + dotted
+    return out
 
 
 def resume(env: Env, *extra: str) -> list:
@@ -484,13 +497,56 @@ def edit_state(env: Env, edit: Callable[[dict], object], source: str = "step_000
 def setup_foreign_state(env: Env) -> list:
     """state.pt of a run with another model size (its step 2), placed in step 4."""
     other = env.tmp / "other"
-    assert cli.main(["train", "--run-dir", str(other), "--data.source", str(env.corpus()), *TINY, *FAST,
-                     "--model.d_model", "48", "--train.steps", "2", "--checkpoint.every", "2"]) == 0
+    assert TINY[:2] == ["--model.d_model", "32"]
+    assert cli.main(["train", "--run-dir", str(other), "--data.source", str(env.corpus()), "--model.d_model", "48",
+                     *TINY[2:], *FAST, "--train.steps", "2", "--checkpoint.every", "2"]) == 0
     return edit_state(env, lambda state: None, source=str(other / "checkpoints" / "step_0000002"))
 
 
 def reshape_moment(state: dict) -> None:
     state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 5)
+# ---- issue 20 item 2: an output never destroys an input; a refused start leaves nothing behind
+def setup_prepare_onto_user_file(env: Env, name: str, *extra: str) -> list:
+    """``prepare --out mine`` where mine/ holds the user's own ``name`` (no meta.json: lmlab did not write it)."""
+    (env.tmp / "mine").mkdir()
+    (env.tmp / "mine" / name).write_text("the user's own file")
+    return ["prepare", env.corpus(), "--out", env.tmp / "mine", *extra]
+
+
+def source_dir(env: Env) -> Path:
+    """A directory source: src/ holding one text file."""
+    (env.tmp / "src").mkdir(exist_ok=True)
+    shutil.copy(env.corpus(), env.tmp / "src" / "a.txt")
+    return env.tmp / "src"
+
+
+def setup_data_link(env: Env) -> list:
+    """A new run whose data/ is a symbolic link to another directory."""
+    (env.tmp / "other").mkdir()
+    (env.tmp / "other" / "tokenizer.json").write_text("someone else's")
+    (env.tmp / "new").mkdir()
+    (env.tmp / "new" / "data").symlink_to(env.tmp / "other")
+    return new_run(env)
+
+
+def setup_wrong_type(env: Env, name: str) -> list:
+    """A run whose ``name`` is a directory where a file belongs, or a file where a directory belongs."""
+    path = env.run() / name
+    if path.is_dir():
+        shutil.rmtree(path)
+        path.write_text("not a directory")
+    else:
+        path.unlink()
+        (path / "inner").mkdir(parents=True)
+    return resume(env)
+
+
+def sweep_spec(env: Env, head: str) -> list:
+    """``lmlab sweep`` of a one-variant spec that starts with ``head`` (name:, base:)."""
+    env.tmp.joinpath("s.yaml").write_text(head + "variants:\n  - {name: a, overrides: {}}\n")
+    return ["sweep", env.tmp / "s.yaml"]
+
+
 def edit_one_token(shard: Path) -> None:
     """Change one token of a shard to its neighbour's id: still in the vocabulary, so only a hash can tell."""
     dtype = json.loads((shard.parent / "meta.json").read_text())["dtype"]
@@ -712,6 +768,45 @@ CASES = [
     Case("--train.device cuda:99 with one GPU", lambda env: no_cuda(env, "cuda:99", gpus=1), 3,
          ("device 'cuda:99' does not exist: this machine has 1 GPU(s)",)),
     Case("--train.device mps without MPS", lambda env: no_cuda(env, "mps"), 3, ("MPS is not available here",)),
+    # ---- issue 20 item 2: prepare never replaces files lmlab did not write, nor its own source
+    *[Case(f"prepare --out DIR holding the user's {name}{' '.join(['', *extra])}",
+           lambda env, name=name, extra=extra: setup_prepare_onto_user_file(env, name, *extra), 2,
+           (f"mine' holds {name}, which lmlab did not prepare (no meta.json)",))
+      for name in ("tokenizer.json", "chars.json", "train.bin") for extra in ((), ("--overwrite",))],
+    Case("prepare --out the source directory --overwrite",
+         lambda env: ["prepare", source_dir(env), "--out", source_dir(env), "--overwrite"], 2,
+         ("data dir '", "src' is the source '",)),
+    Case("prepare --out inside the source directory",
+         lambda env: ["prepare", source_dir(env), "--out", source_dir(env) / "data"], 2,
+         ("src/data' is inside the source",)),
+    Case("prepare --out the directory holding the source file",
+         lambda env: ["prepare", env.corpus(), "--out", env.tmp], 2, ("holds the source",)),
+    Case("a new run whose data/ links to another directory", setup_data_link, 2,
+         ("new/data' is a symbolic link to", "data.dir")),
+    Case("resume with metrics.jsonl a directory", lambda env: setup_wrong_type(env, "metrics.jsonl"), 2,
+         ("run/metrics.jsonl' is a directory, not a file",)),
+    Case("resume with checkpoints/ a file", lambda env: setup_wrong_type(env, "checkpoints"), 2,
+         ("run/checkpoints' is a file, not a directory",)),
+    Case("resume with config.yaml a directory", lambda env: setup_wrong_type(env, "config.yaml"), 2,
+         ("config.yaml",)),
+    Case("--train.seed -1 (and no new/ left behind)", lambda env: new_run(env, "--train.seed", "-1"), 2,
+         ("seed",)),
+    Case("sweep refused for size (and no out/data left behind)",
+         lambda env: [*sweep_spec(env, "name: t\nbase:\n  model: {d_model: 1073741824}\n"), "--out", env.tmp / "out"],
+         2, ("needs at least",)),
+    Case("sweep spec named ../../escaped",
+         lambda env: (env.monkeypatch.chdir(env.tmp), sweep_spec(env, "name: ../../escaped\n"))[1], 2,
+         ("sweep name '../../escaped' is not valid",)),
+    Case("sweep spec named by an absolute path",
+         lambda env: (env.monkeypatch.chdir(env.tmp), sweep_spec(env, f"name: {env.tmp / 'abs'}\n"))[1], 2,
+         ("is not valid; give a plain name",)),
+    Case("--optim.lr given twice", lambda env: new_run(env, "--optim.lr", "0.1", "--optim.lr=0.2"), 2,
+         ("--optim.lr is given twice (0.1 and 0.2); give it once",)),
+    Case("--train.lr given twice (an old name)", lambda env: new_run(env, "--train.lr", "0.1", "--train.lr", "0.2"), 2,
+         ("--train.lr is given twice",)),
+    Case("--train.lr and --optim.lr (old and new names of one field)",
+         lambda env: new_run(env, "--train.lr", "0.1", "--optim.lr", "0.2"), 2,
+         ("'train.lr' and 'optim.lr' are the same field given twice",)),
     # ---- item 5: a failing resume overwrites nothing (the state.pt rows above check config.yaml too)
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
@@ -828,7 +923,8 @@ CASES = [
                                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("is not valid YAML at line",)),
     Case("resume where nothing is", lambda env: ["train", "--run-dir", env.tmp / "nothing", "--resume"], 2, ("nothing to resume",)),
-    Case("run directory holding another run", lambda env: ["train", "--run-dir", env.run(), *TINY, *FAST, "--model.n_layers", "3"],
+    Case("run directory holding another run",
+         lambda env: ["train", "--run-dir", env.run(), *replaced(["--model.n_layers", "3"]), "--model.n_layers", "3"],
          2, ("already holds a different run",)),
     Case("a checkpoint step that does not exist", lambda env: ["eval", env.run(), "--checkpoint", "3"], 2,
          ("no checkpoint at step 3",)),
@@ -1204,3 +1300,22 @@ def test_ctrl_c_with_stdout_to_a_closed_pipe_saves_a_checkpoint_and_exits_130(tm
     assert "Traceback" not in err and "Broken pipe" not in err and "BrokenPipeError" not in err, err
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [last]  # saved at the step it stopped after
+
+
+def test_sweep_jobs_never_exceed_the_runs_nor_four_per_core(tmp_path, monkeypatch, capsys):
+    """``--jobs 100000`` for a one-run sweep trains it in this process, with a note; no worker is spawned."""
+    from lmlab.experiments.sweep.workers import worker_count
+
+    assert worker_count(100_000, 1) == 1 and worker_count(3, 10) == 3
+    assert worker_count(100_000, 10**6) == 4 * (os.cpu_count() or 1)
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: pytest.fail("a worker process was spawned"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: t\nbase:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
+                    "  train: {steps: 2, batch_size: 2, device: cpu}\n  eval: {every: 2}\n"
+                    f"  data: {{source: {corpus(tmp_path / 'c.txt')}}}\n"
+                    "variants:\n  - {name: a, overrides: {}}\n")
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "out"), "--jobs", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --jobs 100000 is more than needed for 1 runs" in out and "processes)" not in out

@@ -161,7 +161,8 @@ def config_help() -> str:
 
 
 def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Separate dotted ``--section.field VALUE`` overrides from the other arguments."""
+    """Separate dotted ``--section.field VALUE`` overrides from the other arguments; a field given twice
+    is refused (an old and a new name of one field are refused where the names are upgraded)."""
     rest, overrides = [], {}
     args = list(argv)
     i = 0
@@ -186,6 +187,8 @@ def split_overrides(argv: Sequence[str], sections: Sequence[str]) -> tuple[list[
                 f"unknown config section {section!r} in {arg}{suggest(section, sections)}; "
                 f"fields here start with {', '.join(s + '.' for s in sections)}"
             )
+        if name in overrides:  # as a YAML file that gives a key twice is refused
+            raise UsageError(f"--{name} is given twice ({overrides[name]} and {value}); give it once")
         overrides[name] = value
     return rest, overrides
 
@@ -660,6 +663,7 @@ def set_threads(n: int | None) -> None:
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
+    from .experiments.sweep.workers import worker_count
     from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
@@ -668,8 +672,9 @@ def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     out = Path(args.out or Path("sweeps") / spec.name)
     try:
         with locked(out, "sweep directory"):
+            jobs = worker_count(args.jobs, len(spec.tasks()))
             print(f"sweep {spec.name}: {len(spec.variants)} variants, {len(spec.tasks())} runs -> {out}"
-                  + (f" ({args.jobs} processes)" if args.jobs > 1 else ""), flush=True)
+                  + (f" ({jobs} processes)" if jobs > 1 else ""), flush=True)
             run_sweep(spec, out, quiet=True, log=lambda m: print(m, flush=True), jobs=args.jobs, threads=args.threads)
     except (SweepInterrupted, SweepFailed) as e:
         return sweep_stopped(e)

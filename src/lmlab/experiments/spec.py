@@ -218,6 +218,15 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
                    {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds)
 
 
+def _sweep_name(name: Any, source: str) -> str:
+    """The spec's name, which names its directory under sweeps/: one plain path component."""
+    name = str(name)
+    if name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ValueError(f"{source}: sweep name {name!r} is not valid; give a plain name without slashes "
+                         "(it names the directory sweeps/NAME)")
+    return name
+
+
 def _grid(grid: Any, source: str) -> list[Variant]:
     if not isinstance(grid, list) or not all(isinstance(axis, Mapping) and "levels" in axis for axis in grid):
         raise ValueError(f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}")
@@ -345,7 +354,8 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         if missing:
             raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
     return SweepSpec(
-        name=str(data.get("name") or Path(source).stem), base=_changes(base, f"{source}: base"), variants=variants,
+        name=_sweep_name(data.get("name") or Path(source).stem, source), base=_changes(base, f"{source}: base"),
+        variants=variants,
         seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
         **_options(data, source, names),

@@ -78,6 +78,7 @@ class TrainConfig(Section):
 
     def validate(self) -> None:
         self.positive("steps", "batch_size", "grad_accum", "max_bad_steps", "seq_len", "max_memory_gib")
+        self.positive("seed", allow_zero=True)  # a seed is mixed as unsigned (trainer.mixed_seed)
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError("train.init_from='' is not valid; name a run, a checkpoint or a Hugging Face directory, or leave it unset")
         try:

@@ -76,7 +76,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from ...run.trainer import Trainer
+from ...run.parallel.group import resolve_device
+from ...run.trainer import Trainer, check_training_memory
 from ...schema import read_yaml
 from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
@@ -137,6 +138,8 @@ def sweep_outcome(
     check_parallel(jobs, threads)
     if not spec.configs:
         spec = spec.resolve(profile=spec.profile)
+    for cfg in spec.configs.values():  # before the shared data is prepared: a refused size leaves nothing behind
+        check_training_memory(cfg, resolve_device(cfg.train.device))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     trainer_cls, hooks = trainer_cls or Trainer, hooks or Hooks()

@@ -22,7 +22,7 @@ from ..report import fmt
 from . import layout
 from .engine import Sweep, SweepInterrupted, finished, train_one
 
-__all__ = ["SweepFailed", "check_parallel", "claim", "execute"]
+__all__ = ["SweepFailed", "check_parallel", "claim", "execute", "worker_count"]
 
 _POLL_S = 2.0  # how often an idle worker looks for a run whose turn has come
 _INTERRUPTED = 130  # a worker's exit code after a signal stopped its run
@@ -38,6 +38,12 @@ def check_parallel(jobs: int, threads: int | None) -> None:
         raise ValueError(f"--jobs={jobs} is not valid; give the number of worker processes, at least 1")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"--threads={threads} is not valid; give torch threads per process, at least 1")
+
+
+def worker_count(jobs: int, runs: int) -> int:
+    """How many worker processes ``--jobs jobs`` starts for ``runs`` runs: never more than the runs (a worker
+    without a run only waits), nor than four per CPU core (each process holds a copy of torch)."""
+    return max(1, min(jobs, runs, 4 * (os.cpu_count() or 1)))
 
 
 @contextlib.contextmanager
@@ -111,6 +117,10 @@ def _worker(sw: Sweep, tasks: list, number: int, threads: int | None) -> None:
 def execute(sw: Sweep, jobs: int, threads: int | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run every variant x seed of ``sw`` (in ``jobs`` processes), then read the rows back in spec order."""
     tasks = [(i, name, s) for i, (name, s) in enumerate(sw.spec.tasks(), 1)]
+    if worker_count(jobs, len(tasks)) < jobs:
+        log(f"note: --jobs {jobs} is more than needed for {len(tasks)} runs on {os.cpu_count()} cores; starting "
+            f"{worker_count(jobs, len(tasks))} worker processes")
+        jobs = worker_count(jobs, len(tasks))
     if jobs <= 1:
         _work(sw, tasks, log)
     else:

@@ -12,7 +12,9 @@ checked or written, and stays locked for the life of the run; a second process i
 once with the holder's PID. Prepared data and sweep directories take the same lock.
 
 Nothing is written through a symbolic link that leaves the run directory: a run whose
-config.yaml, metrics.jsonl, checkpoints/ or tb/ is such a link is refused (:meth:`RunDir.check_links`).
+config.yaml, metrics.jsonl, checkpoints/ or tb/ is such a link is refused (:meth:`RunDir.check_links`), and so
+is a run whose own data/ is any link (:meth:`RunDir.check_data_link`). Each file must be of its kind (a file, a
+directory) before anything is written (:meth:`RunDir.check_kinds`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class RunDir:
         """Refuse to start over an existing run unless asked to ``resume`` it or ``overwrite`` it,
         and to resume where there is nothing; the message says which run is there."""
         self.check_links()
+        self.check_kinds()
+        self.check_data_link(cfg)
         exists = self.config.is_file() or bool(ckpt.list_checkpoints(self.checkpoints))
         if resume and not self.config.is_file():
             raise ValueError(f"nothing to resume: {str(self.path)!r} holds no run (no {CONFIG_FILE}); drop --resume")
@@ -93,6 +97,31 @@ class RunDir:
                     f"{str(p)!r} is a symbolic link to {os.readlink(p)!r}, outside the run directory; lmlab writes a "
                     "run's files only inside it: remove the link, or make --run-dir the directory it points into"
                 )
+
+    def check_kinds(self) -> None:
+        """Refuse a run whose config.yaml or metrics.jsonl is not a file, or whose checkpoints/ or tb/ is not a
+        directory: found only at the first write, that would come after config.yaml had changed."""
+        for p, want in ((self.config, "file"), (self.metrics, "file"),
+                        (self.checkpoints, "directory"), (self.tensorboard, "directory")):
+            if not p.exists():
+                continue
+            kind = "directory" if p.is_dir() else "file" if p.is_file() else "special file"
+            if kind != want:
+                raise ValueError(f"{str(p)!r} is a {kind}, not a {want}; lmlab writes a run's {p.name} there: "
+                                 "move it away, or choose another --run-dir")
+
+    def check_data_link(self, cfg: RunConfig) -> None:
+        """Refuse to prepare a run's own data (``data.dir`` relative to the run) through a symbolic link:
+        preparing would rewrite the directory it points to, which another run or the user owns."""
+        if cfg.data.prepared is not None or Path(cfg.data.dir).is_absolute():
+            return
+        p = self.path
+        for part in Path(cfg.data.dir).parts:
+            p = p / part
+            if p.is_symlink():
+                raise ValueError(
+                    f"{str(p)!r} is a symbolic link to {os.readlink(p)!r}; lmlab prepares a run's data inside the run "
+                    "only: remove the link, or name that directory as data.dir (an absolute path shares it)")
 
     def describe(self, cfg: RunConfig) -> str:
         """"this run, trained to step N" or "a different run (field: a vs b, there vs here)"."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -118,6 +119,7 @@ def prepare(
     never write one data directory at once: the second waits, then finds the data prepared. Data on
     a read-only file system (shared, prepared before) is read without the lock: nobody writes there."""
     kwargs = dict(seq_len=seq_len, overwrite=overwrite, task=task, progress=progress)
+    check_out_dir(out_dir, resolve_path(cfg.source))
     try:
         lock = DirLock(out_dir, "data directory").acquire(wait=True)
     except OSError as e:
@@ -133,6 +135,37 @@ def prepare(
         raise
     lock.release()
     return meta
+
+
+def check_out_dir(out_dir: str | Path, source_spec: str) -> None:
+    """Refuse, whatever ``overwrite`` says, a data directory that is the source, lies inside it or holds it
+    (symbolic links resolved), and one holding a file prepare writes (a shard, a tokenizer) without an lmlab
+    meta.json beside it: those are the user's own files, and prepare would replace them."""
+    out = Path(out_dir)
+    if source_spec != "builtin":
+        src = Path(source_spec.removeprefix("hf:"))
+        out_real, src_real = out.resolve(), src.resolve()
+        relation = ("is" if out_real == src_real else "is inside" if src_real in out_real.parents
+                    else "holds" if out_real in src_real.parents else None)
+        if relation is not None:
+            raise ValueError(f"data dir {str(out)!r} {relation} the source {str(src)!r}; preparing there would "
+                             "replace or mix with the text it reads: choose an --out outside it")
+    if not out.is_dir() or _lmlab_meta(out):
+        return
+    written = ["train.bin", "val.bin", "tokenizer.json", "chars.json",
+               *(f"{s}.{f}.bin" for s in SPLITS for f in ROW_FILES)]
+    found = next((name for name in written if os.path.lexists(out / name)), None)
+    if found is not None:
+        raise ValueError(f"data dir {str(out)!r} holds {found}, which lmlab did not prepare (no {META}); lmlab never "
+                         "replaces files it did not write, even with --overwrite: choose another --out")
+
+
+def _lmlab_meta(out: Path) -> bool:
+    """Whether ``out`` holds a meta.json that lmlab wrote (readable or damaged: it names format_version)."""
+    try:
+        return (out / META).is_file() and b'"format_version"' in (out / META).read_bytes()
+    except OSError:
+        return False
 
 
 def prepare_unlocked(
