@@ -61,7 +61,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 weights; cpu: fp32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--quick", action="store_true", help="tiny model, few tokens and rounds (seconds; numbers meaningless)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, few tokens and rounds (seconds; numbers meaningless)"
+    )
     p.add_argument("--size", choices=["cpu", "gpu"], default=None, help="model size (default: gpu on cuda, else cpu)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -157,7 +159,9 @@ def measure(contenders: dict, rounds: int, device: torch.device) -> dict[str, tu
 
 def bench_batch(B: int, hf, ours, args, device) -> None:
     n = args.new_tokens
-    idx = torch.randint(0, hf.config.vocab_size, (B, args.prompt_len), generator=torch.Generator().manual_seed(B)).to(device)
+    idx = torch.randint(0, hf.config.vocab_size, (B, args.prompt_len), generator=torch.Generator().manual_seed(B)).to(
+        device
+    )
     contenders = {f"lmlab {d}": (lambda d=d: lmlab_run(ours, idx, args, d, n)) for d in args.decoders}
     contenders["HF"] = lambda: hf_run(hf, idx, args, n, static=False)
     if args.hf_static:

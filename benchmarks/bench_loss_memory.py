@@ -100,11 +100,16 @@ def main() -> None:
         results[impl] = json.loads(out.strip().splitlines()[-1])
     plain, chunked = results["plain"], results["chunked"]
     logits_gb = args.tokens * args.vocab * 4 / 1e9
-    print(f"loss step: {args.tokens} tokens x vocab {args.vocab:,} (fp32 logits alone: {logits_gb:.2f} GB), "
-          f"d_model {args.d_model}; {args.device}; peak memory measured by "
-          + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "ru_maxrss in a fresh process per variant"))
+    print(
+        f"loss step: {args.tokens} tokens x vocab {args.vocab:,} (fp32 logits alone: {logits_gb:.2f} GB), "
+        f"d_model {args.d_model}; {args.device}; peak memory measured by "
+        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "ru_maxrss in a fresh process per variant")
+    )
     for r in (plain, chunked):
-        print(f"  {r['impl']:8s} peak {r['peak_bytes'] / 1e9:7.3f} GB   {r['seconds'] * 1e3:8.0f} ms   loss {r['loss']:.6f}")
+        print(
+            f"  {r['impl']:8s} peak {r['peak_bytes'] / 1e9:7.3f} GB   "
+            f"{r['seconds'] * 1e3:8.0f} ms   loss {r['loss']:.6f}"
+        )
     assert abs(plain["loss"] - chunked["loss"]) < 1e-3 * abs(plain["loss"]), (plain["loss"], chunked["loss"])
     assert abs(plain["grad_norm"] - chunked["grad_norm"]) < 1e-3 * plain["grad_norm"]
     ratio = chunked["peak_bytes"] / plain["peak_bytes"]

@@ -75,7 +75,9 @@ def dense_twin(size: str, active: int) -> Transformer:
     base = dict(vocab_size=V, d_model=D, n_layers=L, n_heads=heads, max_seq_len=S, ffn="glu", activation="silu",
                 norm_eps=1e-6)
     with torch.device("meta"):
-        count = lambda d_ff: Transformer(ModelConfig(**base, d_ff=d_ff)).num_params()["total"]
+        def count(d_ff: int) -> int:
+            return Transformer(ModelConfig(**base, d_ff=d_ff)).num_params()["total"]
+
         per_unit = (count(16) - count(8)) / 8
         d_ff = 8 * round((active - count(8)) / per_unit / 8) + 8
     return Transformer(ModelConfig(**base, d_ff=d_ff))
@@ -136,8 +138,11 @@ def main() -> None:
 
     print(f"MoE training step: d_model {D}, {L} layers, {E} experts of width {F_expert}, top-{K} + {SHARED} shared, "
           f"batch {B} x {S}, vocab {V}; {setup.describe()}" + ("; torch.compile" if args.compile else "; eager"))
-    print(f"HF experts_implementation={hf.config._experts_implementation!r}, attention={hf.config._attn_implementation!r}; "
-          f"same weights: max |logits(lmlab) - logits(HF)| = {gap:.2e}; median of {steps} alternating steps")
+    print(
+        f"HF experts_implementation={hf.config._experts_implementation!r}, "
+        f"attention={hf.config._attn_implementation!r}; "
+        f"same weights: max |logits(lmlab) - logits(HF)| = {gap:.2e}; median of {steps} alternating steps"
+    )
     print(f"{'model':14s} {'total params':>13s} {'active':>11s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>6s}"
           + ("" if setup.cuda else f" {'tokens/cpu-s':>13s}"))
     fpt = moe.flops_per_token(S)  # the HF twin has the same architecture; the dense twin its own count
@@ -146,7 +151,8 @@ def main() -> None:
         active = model.num_params()["active"] if isinstance(model, Transformer) else moe.num_params()["active"]
         wall, cpu = timer.median(name)
         flops = model.flops_per_token(S) if model is dense else fpt
-        line = f"{name:14s} {total:13,d} {active:11,d} {wall * 1e3:10.1f} {B * S / wall:10,.0f} {mfu(flops, B * S / wall, timer.peak):6.1%}"
+        line = (f"{name:14s} {total:13,d} {active:11,d} {wall * 1e3:10.1f} {B * S / wall:10,.0f} "
+                f"{mfu(flops, B * S / wall, timer.peak):6.1%}")
         print(line + ("" if setup.cuda else f" {B * S / cpu:13,.0f}"))
     for other, target in (("HF Qwen2-MoE", 1.3), ("lmlab dense", 0.9)):
         r, rc = timer.ratio("lmlab MoE", other)

@@ -205,7 +205,10 @@ def main() -> None:
         if not corpus.is_file():
             t = time.perf_counter()
             docs, size = write_corpus(corpus, args.size_mb)
-            print(f"generated {corpus}: {docs:,} documents, {size / 1e6:,.1f} MB of text in {time.perf_counter() - t:.0f} s")
+            print(
+                f"generated {corpus}: {docs:,} documents, {size / 1e6:,.1f} MB of text "
+                f"in {time.perf_counter() - t:.0f} s"
+            )
         size = sum(len(json.loads(line)["text"].encode("utf-8")) for line in open(corpus, encoding="utf-8"))
         (work / "tok").mkdir(exist_ok=True)
         # the tokenizer both sides use: lmlab's BPE recipe on the corpus' first ~16 MB, trained in a
@@ -218,16 +221,24 @@ def main() -> None:
         if not args.skip_bpe:
             rows.append(("prepare+bpe", measure(PREPARE, str(corpus), "bpe", str(work / "out-bpe"), str(args.vocab))))
         base = rows[0][1]
-        print(f"{'':14}{'wall s':>8}{'MB/s':>7}{'cpu s':>8}{'MB/cpu-s':>9}{'tokens':>13}{'peak RSS':>10}{'maxrss':>8}  ratio")
+        print(
+            f"{'':14}{'wall s':>8}{'MB/s':>7}{'cpu s':>8}{'MB/cpu-s':>9}"
+            f"{'tokens':>13}{'peak RSS':>10}{'maxrss':>8}  ratio"
+        )
         for name, r in rows:
             ratio = "" if name == "encode_batch" else \
                 f"{r['seconds'] / base['seconds']:.2f}x wall, {r['cpu'] / base['cpu']:.2f}x cpu; split by {r['split']}"
             if r.get("sample"):
                 ratio += f"; bpe trained on {r['sample']['bytes'] / 1e6:.0f} MB"
-            print(f"{name:14}{r['seconds']:8.1f}{size / 1e6 / r['seconds']:7.2f}{r['cpu']:8.1f}{size / 1e6 / r['cpu']:9.2f}"
-                  f"{r['tokens']:13,}{r['peak_rss'] / 2**20:7.0f} MB{r['ru_maxrss'] / 2**20:5.0f} MB  {ratio}")
-        print("(seconds inside each process: encode_batch's exclude reading the corpus, prepare's include everything; "
-              "cpu = all threads; peak RSS: the process tree's, sampled every 50 ms; maxrss: getrusage's, that process)")
+            print(
+                f"{name:14}{r['seconds']:8.1f}{size / 1e6 / r['seconds']:7.2f}"
+                f"{r['cpu']:8.1f}{size / 1e6 / r['cpu']:9.2f}"
+                f"{r['tokens']:13,}{r['peak_rss'] / 2**20:7.0f} MB{r['ru_maxrss'] / 2**20:5.0f} MB  {ratio}"
+            )
+        print(
+            "(seconds inside each process: encode_batch's exclude reading the corpus, prepare's include everything; "
+            "cpu = all threads; peak RSS: the process tree's, sampled every 50 ms; maxrss: getrusage's, that process)"
+        )
 
 
 if __name__ == "__main__":

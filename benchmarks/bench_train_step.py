@@ -75,7 +75,9 @@ def build_models(size: str, device: torch.device):
 
 
 def make_step(model, loss_of, setup: Setup):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)  # as the trainer
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )  # as the trainer
 
     def step() -> None:
         with setup.autocast():
@@ -121,13 +123,16 @@ def main() -> None:
           f"median of {args.steps} alternating steps")
     for name in timer.contenders:
         wall, cpu = timer.median(name)
-        line = f"  {name:13s} {wall * 1e3:9.1f} ms/step {tokens / wall:10,.0f} tokens/s   MFU {mfu(fpt, tokens / wall, timer.peak):6.1%}"
+        line = (f"  {name:13s} {wall * 1e3:9.1f} ms/step {tokens / wall:10,.0f} tokens/s   "
+                f"MFU {mfu(fpt, tokens / wall, timer.peak):6.1%}")
         print(line + (f"   (CPU time {cpu * 1e3:8.1f} ms/step)" if not setup.cuda else ""))
     wall_ratio, cpu_ratio = timer.ratio("lmlab", "transformers")
     spread = sorted(timer.ratios_per_round("lmlab", "transformers"))
     print(f"lmlab / transformers: {wall_ratio:.2f}x wall" + (f", {cpu_ratio:.2f}x CPU time" if not setup.cuda else "")
           + f" (median of per-step ratios, range {spread[0]:.2f}..{spread[-1]:.2f}; target >= 1.1x)")
-    print(f"reference matmul ({args.matmul}^3, {str(setup.dtype).replace('torch.', '')}): {timer.peak / 1e12:.3f} TFLOP/s")
+    print(
+        f"reference matmul ({args.matmul}^3, {str(setup.dtype).replace('torch.', '')}): {timer.peak / 1e12:.3f} TFLOP/s"
+    )
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ def budget(name: str, steps: int) -> list[dict]:
             if key not in measured:
                 train, fwd, wall = speeds(cfg, cfg.train.batch_size, cfg.seq_len, steps)
                 extrapolates = cfg.model.positions != "learned" and not v.init_from
-                long = speeds(cfg, 1, cfg.seq_len, 1, eval_len=16 * 64)[1] if name == "positions" and extrapolates else fwd
+                long = (
+                    speeds(cfg, 1, cfg.seq_len, 1, eval_len=16 * 64)[1] if name == "positions" and extrapolates else fwd
+                )
                 measured[key] = (train, fwd, long, wall)
             train, fwd, long, wall = measured[key]
             t = cfg.train
@@ -107,8 +109,17 @@ def budget(name: str, steps: int) -> list[dict]:
             short_tok, long_tok = hook_tokens(name, s, v)
             final = s.final_eval["tokens"] if s.final_eval else 0
             per_run = tokens / train + (evals + final + short_tok) / fwd + long_tok / long + OVERHEAD_S
-            rows.append({"run": v.name, "runs": n, "tokens": tokens, "train_tps": train, "wall_tps": wall, "s_per_run": per_run,
-                         "total_s": n * per_run})
+            rows.append(
+                {
+                    "run": v.name,
+                    "runs": n,
+                    "tokens": tokens,
+                    "train_tps": train,
+                    "wall_tps": wall,
+                    "s_per_run": per_run,
+                    "total_s": n * per_run,
+                }
+            )
     return rows
 
 
@@ -124,8 +135,11 @@ def main() -> None:
             if name == "norm" and group != "tuning runs":  # warmup does not change the speed
                 group = group.rsplit("-", 1)[0] + " (warmup, nowarmup)"
             groups[group].append(r)
-        print(f"\n## {name}\n\n| runs of | runs | tokens/run | train tok/CPU-s | (tok/wall-s now) | CPU-min/run | core-h |\n"
-              "|---|---|---|---|---|---|---|")
+        print(
+            f"\n## {name}\n\n| runs of | runs | tokens/run | train tok/CPU-s | (tok/wall-s now) | "
+            "CPU-min/run | core-h |\n"
+            "|---|---|---|---|---|---|---|"
+        )
         for g, rs in groups.items():
             n = sum(r["runs"] for r in rs)
             print(f"| {g} | {n} | {rs[0]['tokens']:,} | {sum(r['train_tps'] for r in rs) / len(rs):,.0f} | "
@@ -135,8 +149,11 @@ def main() -> None:
         grand += total
         print(f"\n{name}: {sum(r['runs'] for r in rows)} runs, {total / 3600:.2f} core-hours; "
               f"~{total / 3600 / args.jobs:.2f} h wall with {args.jobs} processes")
-    print(f"\nall: {grand / 3600:.2f} core-hours; ~{math.ceil(grand / 360 / args.jobs) / 10:.1f} h wall with {args.jobs} processes "
-          f"x {args.threads} thread(s), at the speeds measured now")
+    print(
+        f"\nall: {grand / 3600:.2f} core-hours; ~{math.ceil(grand / 360 / args.jobs) / 10:.1f} h wall "
+        f"with {args.jobs} processes "
+        f"x {args.threads} thread(s), at the speeds measured now"
+    )
 
 
 if __name__ == "__main__":

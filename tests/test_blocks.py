@@ -107,7 +107,9 @@ def _duplicate_kv_heads(gqa: Transformer, mha: Transformer) -> None:
     for name, w in list(state.items()):
         if name.endswith("attn.qkv.weight"):
             q, k, v = w.split([H * hd, KV * hd, KV * hd], dim=0)
-            dup = lambda t: t.view(KV, hd, -1).repeat_interleave(H // KV, dim=0).reshape(H * hd, -1)
+            def dup(t):
+                return t.view(KV, hd, -1).repeat_interleave(H // KV, dim=0).reshape(H * hd, -1)
+
             state[name] = torch.cat([q, dup(k), dup(v)], dim=0)
     mha.load_state_dict(state)
 
@@ -123,7 +125,9 @@ def test_grouped_query_equals_mha_with_shared_heads(kv):
         assert_close(gqa(idx).logits, expected, rtol=1e-5, atol=1e-5)
         cache = gqa.new_cache(2, 9)
         assert cache.k.shape == (2, 2, kv, 9, 8)  # the cache holds only the shared heads
-        steps = [gqa(idx[:, :4], cache=cache).logits] + [gqa(idx[:, t : t + 1], cache=cache).logits for t in range(4, 9)]
+        steps = [gqa(idx[:, :4], cache=cache).logits] + [
+            gqa(idx[:, t : t + 1], cache=cache).logits for t in range(4, 9)
+        ]
     assert_close(torch.cat(steps, 1), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -194,7 +198,12 @@ def test_block_output_matches_its_placement_formula(placement, norm):
             p.copy_(torch.randn(p.shape, generator=g))
     x = torch.randn(2, 5, 32, generator=g)
     out = block(x, model.positions.context(0, 5, x.device))
-    f, h, n1, n2 = block.attn, block.ffn, (lambda t: _norm(norm, t, block.norm1)), (lambda t: _norm(norm, t, block.norm2))
+    f, h, n1, n2 = (
+        block.attn,
+        block.ffn,
+        (lambda t: _norm(norm, t, block.norm1)),
+        (lambda t: _norm(norm, t, block.norm2)),
+    )
     if placement == "pre":  # x + f(norm(x))
         mid = x + f(n1(x))
         expected = mid + h(n2(mid))
@@ -218,7 +227,9 @@ def test_only_pre_norm_has_a_final_norm(placement):
         assert isinstance(model.final_norm, nn.LayerNorm)
         assert_close(h, _norm("layernorm", seen["last"], model.final_norm), rtol=1e-5, atol=1e-5)
     else:
-        assert isinstance(model.final_norm, nn.Identity) and not any("final_norm" in n for n, _ in model.named_parameters())
+        assert isinstance(model.final_norm, nn.Identity) and not any(
+            "final_norm" in n for n, _ in model.named_parameters()
+        )
         assert torch.equal(h, seen["last"])  # the block already ends with a norm
     assert_close(logits, h @ model.head.weight.T)
 
@@ -238,7 +249,9 @@ def _std_close(w: torch.Tensor, expected: float, rel: float = 0.05) -> None:
 @pytest.mark.parametrize("scaling", ["none", "gpt2"])
 def test_gpt2_scaled_init_of_residual_outputs(scaling):
     L, std = 4, 0.02
-    model = Transformer(tiny_config(d_model=256, n_layers=L, ffn="mlp", bias=True, residual_scaling=scaling, init_std=std))
+    model = Transformer(
+        tiny_config(d_model=256, n_layers=L, ffn="mlp", bias=True, residual_scaling=scaling, init_std=std)
+    )
     out_std = std / math.sqrt(2 * L) if scaling == "gpt2" else std
     for block in model.blocks:
         _std_close(block.attn.out.weight, out_std)  # 256 x 256

@@ -28,7 +28,9 @@ def hf_dir(tmp_path_factory) -> Path:
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
     config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -75,8 +77,21 @@ def test_several_prompts_generate_together_and_each_equals_transformers(hf_dir, 
 def test_stop_strings_and_generation_config_eos_ids(hf_dir, capsys, tmp_path):
     free = hf_greedy(hf_dir, PROMPTS[0], 12)
     stop = free[len(free) // 2: len(free) // 2 + 3]
-    code, out, _ = run(capsys, "generate", hf_dir, "--prompt", PROMPTS[0], "--max-new-tokens", "12", "--temperature", "0",
-                       "--stop", stop, "--stop", "never-seen")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        hf_dir,
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--stop",
+        stop,
+        "--stop",
+        "never-seen",
+    )
     assert code == 0 and out == PROMPTS[0] + free[: free.index(stop)] + "\n"  # streamed, cut before the stop
 
     copy = tmp_path / "hf"
@@ -87,8 +102,20 @@ def test_stop_strings_and_generation_config_eos_ids(hf_dir, capsys, tmp_path):
     ids = hf_greedy(hf_dir, PROMPTS[0], 12, ids=True)
     eos = ids[2]  # the token the model produces third ends the text
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, eos]}))
-    code, out, _ = run(capsys, "generate", copy, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "12",
-                       "--temperature", "0", "--json")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        copy,
+        "--prompt",
+        PROMPTS[0],
+        "--prompt",
+        PROMPTS[1],
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--json",
+    )
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and rows[0]["finish"] == "eos" and rows[0]["text"] == tok.decode(ids[: ids.index(eos)])
 

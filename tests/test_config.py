@@ -15,13 +15,16 @@ from helpers import TINY, tiny_config
 # ---------------------------------------------------------------- bad configurations
 # (fields, text the message must contain: field=value and what would be valid)
 BAD = {
-    "n_heads-does-not-divide-d_model": (dict(d_model=30, n_heads=4), ["n_heads=4", "d_model=30", "choose n_heads in [1, 2, 3, 5, 6, 10, 15, 30]"]),
+    "n_heads-does-not-divide-d_model": (dict(d_model=30, n_heads=4),
+                                        ["n_heads=4", "d_model=30", "choose n_heads in [1, 2, 3, 5, 6, 10, 15, 30]"]),
     "rope-odd-head_dim": (dict(d_model=36, n_heads=4, positions="rope"), ["positions='rope'", "head_dim=9", "even"]),
     "rope-odd-explicit-head_dim": (dict(head_dim=7, positions="rope"), ["head_dim=7"]),
     "n_kv_heads-does-not-divide-n_heads": (dict(n_heads=4, n_kv_heads=3), ["n_kv_heads=3", "n_heads=4", "[1, 2, 4]"]),
     "n_kv_heads-above-n_heads": (dict(n_heads=4, n_kv_heads=8), ["n_kv_heads=8", "[1, 2, 4]"]),
-    "deepnorm-with-pre-norm": (dict(residual_scaling="deepnorm", norm_position="pre"), ["residual_scaling='deepnorm'", "norm_position='post'"]),
-    "rope-scaling-without-rope": (dict(positions="learned", rope={"scaling": "linear", "factor": 2.0}), ["rope.scaling='linear'", "positions='learned'"]),
+    "deepnorm-with-pre-norm": (dict(residual_scaling="deepnorm", norm_position="pre"),
+                               ["residual_scaling='deepnorm'", "norm_position='post'"]),
+    "rope-scaling-without-rope": (dict(positions="learned", rope={"scaling": "linear", "factor": 2.0}),
+                                  ["rope.scaling='linear'", "positions='learned'"]),
     "dropout-negative": (dict(dropout=-0.1), ["dropout=-0.1", "[0.0, 0.999]"]),
     "dropout-one": (dict(dropout=1.0), ["dropout=1.0", "[0.0, 0.999]"]),
     "norm_eps-zero": (dict(norm_eps=0.0), ["norm_eps=0.0", "> 0"]),
@@ -31,7 +34,17 @@ BAD = {
     "bool-field-given-text": (dict(bias="maybe"), ["bias='maybe'", "true or false"]),
     "required-field-given-none": (dict(d_model=None), ["d_model=None"]),
 }
-SIZES = ["vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "relative_clip", "n_kv_heads", "head_dim", "d_ff"]
+SIZES = [
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "max_seq_len",
+    "relative_clip",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+]
 for _name in SIZES:
     for _value in (0, -2):
         BAD[f"{_name}={_value}"] = ({_name: _value}, [f"{_name}={_value}", "> 0"])
@@ -62,10 +75,12 @@ def test_bad_config_raises_naming_field_and_value(fields, expected):
 
 
 LATE = {  # a bad value arriving through override or a saved dict, not the constructor
-    "override-divisibility": (lambda: tiny_config().override({"d_model": 30}), BAD["n_heads-does-not-divide-d_model"][1]),
+    "override-divisibility": (lambda: tiny_config().override({"d_model": 30}),
+                              BAD["n_heads-does-not-divide-d_model"][1]),
     "override-kv": (lambda: tiny_config().override({"n_kv_heads": "3"}), BAD["n_kv_heads-does-not-divide-n_heads"][1]),
     "override-range": (lambda: tiny_config().override({"dropout": "1.0"}), BAD["dropout-one"][1]),
-    "from_dict-choice": (lambda: ModelConfig.from_dict({**tiny_config().to_dict(), "norm": "bogus"}), BAD["unknown-norm"][1]),
+    "from_dict-choice": (lambda: ModelConfig.from_dict({**tiny_config().to_dict(), "norm": "bogus"}),
+                         BAD["unknown-norm"][1]),
     "from_dict-nested": (lambda: ModelConfig.from_dict({**TINY, "rope": {"base": -1.0}}), ["rope.base=-1.0", "> 0"]),
 }
 
@@ -78,19 +93,23 @@ def test_bad_value_through_override_and_from_dict(make, expected):
 
 
 def test_valid_edge_values_are_accepted():
-    cfg = ModelConfig(**{**TINY, "dropout": 0.0, "n_kv_heads": 1, "head_dim": 12, "positions": "alibi", "d_model": 30, "n_heads": 4})
+    cfg = ModelConfig(
+        **{**TINY, "dropout": 0.0, "n_kv_heads": 1, "head_dim": 12, "positions": "alibi", "d_model": 30, "n_heads": 4}
+    )
     assert (cfg.n_kv_heads, cfg.head_dim) == (1, 12)  # explicit head_dim lifts the divisibility rule
 
 
 UNKNOWN_KEYS = {
     "from_dict": (lambda: ModelConfig.from_dict({**TINY, "d_modle": 32}), ["'d_modle'", "did you mean 'd_model'"]),
     "override": (lambda: tiny_config().override({"n_layer": 3}), ["'n_layer'", "did you mean 'n_layers'"]),
-    "from_dict-nested": (lambda: ModelConfig.from_dict({**TINY, "rope": {"bsae": 1.0}}), ["rope.bsae", "did you mean 'base'"]),
+    "from_dict-nested": (lambda: ModelConfig.from_dict({**TINY, "rope": {"bsae": 1.0}}),
+                         ["rope.bsae", "did you mean 'base'"]),
     "override-nested": (lambda: tiny_config().override({"rope.bsae": 1.0}), ["rope.bsae", "did you mean 'base'"]),
     "override-into-scalar": (lambda: tiny_config().override({"d_model.x": 1}), ["d_model.x", "not a nested config"]),
     "from_preset": (lambda: ModelConfig.from_preset("llama", n_head=2), ["'n_head'", "did you mean 'n_heads'"]),
     "from_json": (lambda: ModelConfig.from_json('{"vocab_sise": 10}'), ["'vocab_sise'", "did you mean 'vocab_size'"]),
-    "from_yaml": (lambda: ModelConfig.from_yaml("norm_postion: post\n"), ["'norm_postion'", "did you mean 'norm_position'"]),
+    "from_yaml": (lambda: ModelConfig.from_yaml("norm_postion: post\n"),
+                  ["'norm_postion'", "did you mean 'norm_position'"]),
 }
 
 

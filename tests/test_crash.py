@@ -21,7 +21,7 @@ import torch
 
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
-from helpers import TINY_ARGS, WORDS, corpus
+from helpers import TINY_ARGS, corpus
 
 TINY = TINY_ARGS
 RUN = [*TINY, "--train.batch_size", "4", "--eval.batches", "2", "--optim.warmup_steps", "2", "--log.every", "1",
@@ -88,7 +88,10 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
 def check_crashed_state(run: Path) -> None:
     """What a crash may leave: complete checkpoints only, whole files, at most one torn record."""
     for step, path in ckpt.list_checkpoints(run / "checkpoints"):
-        assert ckpt.load_state(path)["step"] == step and sorted(p.name for p in path.iterdir()) == [ckpt.WEIGHTS, ckpt.STATE]
+        assert ckpt.load_state(path)["step"] == step and sorted(p.name for p in path.iterdir()) == [
+            ckpt.WEIGHTS,
+            ckpt.STATE,
+        ]
     lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
     for line in lines[:-1]:
         json.loads(line)
@@ -120,7 +123,9 @@ def test_kill_9_anywhere_then_resume_is_bit_exact_and_loses_no_record(reference,
         else:
             proc = subprocess.run([sys.executable, "-c", KILLER, point, str(n), *args], env=ENV, capture_output=True,
                                   text=True, timeout=240)
-            assert proc.returncode == -signal.SIGKILL, f"{point} {n}: the kill point was not reached\n{proc.stderr[-2000:]}"
+            assert proc.returncode == -signal.SIGKILL, (
+                f"{point} {n}: the kill point was not reached\n{proc.stderr[-2000:]}"
+            )
         check_crashed_state(run)
         resume = ["--resume", "--quiet"] if (run / "config.yaml").exists() else args[3:]
         assert cli.main(["train", "--run-dir", str(run), *resume]) == 0, (point, n)
@@ -145,9 +150,11 @@ def test_a_second_process_is_refused_while_the_first_trains_and_takes_over_after
         for second in (["--resume", "--train.steps", "3"], ["--overwrite", *RUN], RUN):
             code = cli.main(["train", "--run-dir", str(run), *second])
             err = capsys.readouterr().err
-            assert code == 2 and err == (f"lmlab train: error: run directory {str(run)!r} is in use by process "
-                                         f"{first.pid} (it holds {str(run / '.lock')!r}); wait for it to finish or stop "
-                                         "it, or choose another directory\n")
+            assert code == 2 and err == (
+                f"lmlab train: error: run directory {str(run)!r} is in use by process "
+                f"{first.pid} (it holds {str(run / '.lock')!r}); wait for it to finish or stop "
+                "it, or choose another directory\n"
+            )
         time.sleep(0.5)
         assert first.poll() is None  # undisturbed: still training
     finally:
@@ -193,8 +200,14 @@ def test_a_file_size_limit_mid_run_is_one_line_exit_3_and_the_run_resumes(tmp_pa
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))  # the 30 KB shard fits, the 120 KB weights do not
 
-    proc = subprocess.run([sys.executable, "-m", "lmlab.cli", "train", "--run-dir", str(run), "--data.source", str(source),
-                           *RUN], env=ENV, capture_output=True, text=True, timeout=240, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmlab.cli", "train", "--run-dir", str(run), "--data.source", str(source), *RUN],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert proc.stderr == (f"lmlab train: error: file size limit reached writing "
                            f"{str(run / 'checkpoints' / 'step_0000002' / 'model.safetensors')!r}; raise the limit "

@@ -178,8 +178,10 @@ def test_pretrained_wordlevel_tokenizer_counts_unknowns_in_prepare(tmp_path):
     assert isinstance(tok, HFTokenizer) and tok.unk_id == 0 and tok.eod_id == 1 and not hasattr(tok, "id_bytes")
     assert tok.decode(tok.encode("alpha beta")) == "alpha beta"
     docs = many_docs(40)
-    meta = prepare(DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), tokenizer=str(tmp_path / "tokenizer.json")),
-                   tmp_path / "d")
+    meta = prepare(
+        DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), tokenizer=str(tmp_path / "tokenizer.json")),
+        tmp_path / "d",
+    )
     # the digits of "document 12" are not in the vocabulary: one <unk> per number, counted
     assert meta.unknown_tokens == len(docs) and meta.unk_id == 0
     assert meta.tokenizer == "pretrained" and meta.tokenizer_source == str(tmp_path / "tokenizer.json")
@@ -189,7 +191,8 @@ def test_pretrained_wordlevel_tokenizer_counts_unknowns_in_prepare(tmp_path):
 
 def test_a_file_that_is_not_a_tokenizer(tmp_path):
     pytest.importorskip("tokenizers")
-    with pytest.raises(ValueError, match=r"'.*junk\.json' is not a Hugging Face tokenizer\.json \(.*\); give the tokenizer\.json"):
+    with pytest.raises(ValueError,
+                       match=r"'.*junk\.json' is not a Hugging Face tokenizer\.json \(.*\); give the tokenizer\.json"):
         tokenizer_from_path(write(tmp_path / "junk.json", '{"hello": 1}'))
     with pytest.raises(ValueError, match=r"tokenizer file '.*nope\.json' does not exist"):
         tokenizer_from_path(tmp_path / "nope.json")
@@ -227,13 +230,16 @@ def test_data_config_validates_and_round_trips():
     assert DataConfig(tokenizer="ckpt/tokenizer.json").tokenizer == "ckpt/tokenizer.json"  # a path
     with pytest.raises(ValueError, match=r"val_fraction=0.0 is out of range; it must be in \(0, 1\)"):
         DataConfig(val_fraction=0.0)
-    with pytest.raises(ValueError, match=r"tokenizer='bep' is not a valid choice.*or a path to a tokenizer\.json.*did you mean 'bpe'"):
+    with pytest.raises(ValueError,
+                       match=r"tokenizer='bep' is not a valid choice.*"
+                             r"or a path to a tokenizer\.json.*did you mean 'bpe'"):
         DataConfig(tokenizer="bep")
     with pytest.raises(ValueError, match=r"vocab_size=256 is not valid for tokenizer='bpe'.*at least 257"):
         DataConfig(tokenizer="bpe", vocab_size=256)
     with pytest.raises(ValueError, match=r"unknown DataConfig key 'sorce' \(did you mean 'source'\?\)"):
         DataConfig.from_dict({"sorce": "x"})
-    with pytest.raises(ValueError, match=r"errors='ignore' is not a valid choice; choose one of \['strict', 'replace'\]"):
+    with pytest.raises(ValueError,
+                       match=r"errors='ignore' is not a valid choice; choose one of \['strict', 'replace'\]"):
         DataConfig(errors="ignore")
     with pytest.raises(ValueError, match=r"source='hf:' names no dataset"):
         DataConfig(source="hf:")
@@ -330,7 +336,8 @@ def test_hf_source_from_save_to_disk_and_from_data_files(tmp_path):
     meta = prepare(DataConfig(source=f"hf:{tmp_path / 'files'}"), tmp_path / "d")
     assert meta.documents == 3
     assert [t for _, t in texts(f"hf:{tmp_path / 'files' / 'part.jsonl'}")] == DOCS  # one data file
-    with pytest.raises(ValueError, match=r"hf:.*notes\.xyz is a file of unknown kind; use \.parquet, \.csv, \.json\(l\) or \.txt"):
+    with pytest.raises(ValueError,
+                       match=r"hf:.*notes\.xyz is a file of unknown kind; use \.parquet, \.csv, \.json\(l\) or \.txt"):
         texts(f"hf:{write(tmp_path / 'notes.xyz', 'x')}")
     with pytest.raises(ValueError, match=r"has no column 'text' \(columns: \['content', 'n'\]\); set data.text_field"):
         texts(f"hf:{tmp_path / 'saved'}")
@@ -341,7 +348,8 @@ def test_hf_source_from_save_to_disk_and_from_data_files(tmp_path):
 def test_missing_datasets_package_names_the_extra(tmp_path, monkeypatch):
     (tmp_path / "ds").mkdir()
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ValueError, match=r"needs the optional `datasets` package; install it with pip install 'lmlab\[hf\]'"):
+    with pytest.raises(ValueError,
+                       match=r"needs the optional `datasets` package; install it with pip install 'lmlab\[hf\]'"):
         texts(f"hf:{tmp_path / 'ds'}")
 
 
@@ -384,10 +392,15 @@ def test_too_few_or_lopsided_documents_fall_back_to_the_token_stream(tmp_path):
     docs = many_docs(100) + ["huge " * 40000]
     s = shards_mod.survey(open_source(str(jsonl(tmp_path / "l.jsonl", docs))))
     assert not s.to_val(0.05)[-1]
-    assert shards_mod.choose_split(s, 0.05) == ("token stream", "splitting by document would put 0.6% of the text in "
-                                                "validation, too far from val_fraction=0.05 (a few documents are most of the text)")
-    assert shards_mod.choose_split(shards_mod.survey(open_source(str(jsonl(tmp_path / "m.jsonl", docs[:100])))), 0.05)[0] \
+    assert shards_mod.choose_split(s, 0.05) == (
+        "token stream",
+        "splitting by document would put 0.6% of the text in "
+        "validation, too far from val_fraction=0.05 (a few documents are most of the text)",
+    )
+    assert (
+        shards_mod.choose_split(shards_mod.survey(open_source(str(jsonl(tmp_path / "m.jsonl", docs[:100])))), 0.05)[0]
         == "document"
+    )
 
 
 def test_meta_records_identity_largest_id_and_unigram_baseline(tmp_path):
@@ -460,8 +473,10 @@ def test_classification_rows_are_stored_with_their_labels(tmp_path):
 
 
 BAD_ROWS = {
-    "no label": ('{"text": "a", "label": 1}\n{"text": "b"}\n', r"rows\.jsonl:2: no 'label' field \(found \['text'\]\); every row needs a label"),
-    "float label": ('{"text": "a", "label": 0.5}\n', r"rows\.jsonl:1: label field 'label' is 0\.5; a label must be a string or an integer"),
+    "no label": ('{"text": "a", "label": 1}\n{"text": "b"}\n',
+                 r"rows\.jsonl:2: no 'label' field \(found \['text'\]\); every row needs a label"),
+    "float label": ('{"text": "a", "label": 0.5}\n',
+                    r"rows\.jsonl:1: label field 'label' is 0\.5; a label must be a string or an integer"),
     "null label": ('{"text": "a", "label": null}\n', r"label field 'label' is null"),
     "one class": ("".join(json.dumps({"text": f"row {i}", "label": "x"}) + "\n" for i in range(50)),
                   r"every row has the label 'x'; classification needs at least two classes"),
@@ -553,10 +568,13 @@ def existing(tmp_path):
 
 
 BAD_SOURCES = {
-    "missing": (lambda t: str(t / "nope.txt"), r"data source '.*nope\.txt' does not exist; give a \.txt/\.md/\.jsonl file"),
+    "missing": (lambda t: str(t / "nope.txt"),
+                r"data source '.*nope\.txt' does not exist; give a \.txt/\.md/\.jsonl file"),
     "empty file": (lambda t: str(write(t / "e.txt", "  \n")), r"e\.txt is empty; give a file that contains text"),
-    "dir without text files": (lambda t: str(write(t / "dd" / "x.csv", "a,b").parent), r"dd holds no \.txt or \.md files"),
-    "dir of empty files": (lambda t: str(write(t / "de" / "x.txt", "").parent), r"all 1 \.txt/\.md files under .*de are empty"),
+    "dir without text files": (lambda t: str(write(t / "dd" / "x.csv", "a,b").parent),
+                               r"dd holds no \.txt or \.md files"),
+    "dir of empty files": (lambda t: str(write(t / "de" / "x.txt", "").parent),
+                           r"all 1 \.txt/\.md files under .*de are empty"),
     "empty dir": (lambda t: str((t / "void").mkdir() or t / "void"), r"void holds no \.txt or \.md files"),
     "jsonl not json": (
         lambda t: str(write(t / "c.jsonl", '{"text": "ok"}\n{"text": nope}\n')),
@@ -566,11 +584,14 @@ BAD_SOURCES = {
         lambda t: str(write(t / "c.jsonl", '{"text": "ok"}\n\n{"body": "x"}\n')),
         r"c\.jsonl:3: no 'text' field \(found \['body'\]\); set data\.text_field",
     ),
-    "jsonl not a string": (lambda t: str(write(t / "c.jsonl", '{"text": 5}\n')), r"c\.jsonl:1: field 'text' is int, not a string"),
-    "jsonl empty": (lambda t: str(write(t / "c.jsonl", '\n{"text": ""}\n')), r"c\.jsonl is empty: no line has a non-empty 'text'"),
+    "jsonl not a string": (lambda t: str(write(t / "c.jsonl", '{"text": 5}\n')),
+                           r"c\.jsonl:1: field 'text' is int, not a string"),
+    "jsonl empty": (lambda t: str(write(t / "c.jsonl", '\n{"text": ""}\n')),
+                    r"c\.jsonl is empty: no line has a non-empty 'text'"),
     "undecodable": (
         lambda t: str(write(t / "bad.txt", b"caf\xc3\xa9 ok\nbad \xff here")),
-        r"bad\.txt: byte offset 13 \(line 2\) is not valid UTF-8 \(byte 0xff\); convert the file to UTF-8 or set data\.errors='replace'",
+        r"bad\.txt: byte offset 13 \(line 2\) is not valid UTF-8 \(byte 0xff\); "
+        r"convert the file to UTF-8 or set data\.errors='replace'",
     ),
     "undecodable jsonl": (
         lambda t: str(write(t / "bad.jsonl", b'{"text": "a"}\n{"text": "\xfe"}\n')),
@@ -594,8 +615,10 @@ def test_undecodable_bytes_are_replaced_when_asked(tmp_path):
     src = write(tmp_path / "bad.txt", b"caf\xc3\xa9 ok\nbad \xff here")
     assert texts(str(src), errors="replace")[0][1] == "café ok\nbad \ufffd here"
     prepare(DataConfig(source=str(src), errors="replace", tokenizer="char"), tmp_path / "d")
-    assert load_tokenizer(tmp_path / "d").decode(split_ids(tmp_path / "d", "train") + split_ids(tmp_path / "d", "val")) \
+    assert (
+        load_tokenizer(tmp_path / "d").decode(split_ids(tmp_path / "d", "train") + split_ids(tmp_path / "d", "val"))
         == "café ok\nbad \ufffd here"
+    )
 
 
 def test_corpus_shorter_than_one_context(existing, tmp_path):
@@ -643,38 +666,48 @@ def test_overwrite_removes_stale_tokenizer_and_row_files(tmp_path):
 
 
 def test_shard_errors_say_what_to_do(tmp_path, prepared):
-    with pytest.raises(ValueError, match=r"no prepared data in '.*empty' \(meta\.json is missing\); run `lmlab prepare` first"):
+    with pytest.raises(ValueError,
+                       match=r"no prepared data in '.*empty' \(meta\.json is missing\); run `lmlab prepare` first"):
         TokenData(tmp_path / "empty", "train")
     d, _ = prepared
     with pytest.raises(ValueError, match=r"split='test' is not a valid choice; choose one of \['train', 'val'\]"):
         TokenData(d, "test")
     val = TokenData(d, "val")
-    with pytest.raises(ValueError, match=rf"val\.bin holds {len(val)} tokens, fewer than seq_len \+ 1 = 10000; use a shorter seq_len"):
+    with pytest.raises(ValueError,
+                       match=rf"val\.bin holds {len(val)} tokens, fewer than seq_len \+ 1 = 10000; "
+                             r"use a shorter seq_len"):
         val.batch(2, 9999, torch.Generator())
     good = (d / "val.bin").read_bytes()
     (d / "val.bin").write_bytes(good[:-2])
-    with pytest.raises(CorruptFile, match=r"val\.bin has \d+ bytes but meta\.json says \d+ uint16 values; it is damaged"):
+    with pytest.raises(CorruptFile,
+                       match=r"val\.bin has \d+ bytes but meta\.json says \d+ uint16 values; it is damaged"):
         TokenData(d, "val")
     (d / "val.bin").write_bytes(b"")
     with pytest.raises(CorruptFile, match=r"val\.bin is missing or empty; run `lmlab prepare`"):
         TokenData(d, "val")
     # an id beyond the vocabulary is found when the shard is opened, not as an IndexError mid-training
     (d / "val.bin").write_bytes(good[:-2] + np.array([300], np.uint16).tobytes())
-    with pytest.raises(CorruptFile, match=r"val\.bin holds token id 300, but meta\.json records ids up to 255 of a vocabulary of 256"):
+    with pytest.raises(CorruptFile,
+                       match=r"val\.bin holds token id 300, "
+                             r"but meta\.json records ids up to 255 of a vocabulary of 256"):
         TokenData(d, "val")
     (d / "meta.json").write_text("{not json")
     with pytest.raises(CorruptFile, match=r"meta\.json is damaged \(not valid JSON\); prepare again"):
         TokenData(d, "train")
     (d / "meta.json").write_text(json.dumps({"format_version": 1, "tokenizer": "byte"}))
-    with pytest.raises(ValueError, match=r"written by another lmlab version \(data format 1, this one reads 2\); prepare again"):
+    with pytest.raises(ValueError,
+                       match=r"written by another lmlab version \(data format 1, this one reads 2\); prepare again"):
         DataMeta.read(d)
 
 
 def test_open_prepared_names_what_is_missing(tmp_path):
-    with pytest.raises(ValueError, match=r"prepared data '.*nope' does not exist; create it with `lmlab prepare SOURCE --out"):
+    with pytest.raises(ValueError,
+                       match=r"prepared data '.*nope' does not exist; create it with `lmlab prepare SOURCE --out"):
         DataMeta.open(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"prepared data '.*empty' is empty; run `lmlab prepare SOURCE --out .*empty` first"):
+    with pytest.raises(ValueError,
+                       match=r"prepared data '.*empty' is empty; "
+                             r"run `lmlab prepare SOURCE --out .*empty` first"):
         DataMeta.open(tmp_path / "empty")
     write(tmp_path / "half" / "train.bin", b"\0\0")
     with pytest.raises(ValueError, match=r"'.*half' holds no meta\.json \(an unfinished or foreign preparation\)"):

@@ -18,7 +18,11 @@ def model_for(**overrides) -> lmlab.Transformer:
     base = dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
     preset = overrides.pop("preset", None)
     nested = {k: overrides.pop(k) for k in list(overrides) if "." in k}
-    cfg = lmlab.ModelConfig.from_preset(preset, **{**base, **overrides}) if preset else lmlab.ModelConfig(**{**base, **overrides})
+    cfg = (
+        lmlab.ModelConfig.from_preset(preset, **{**base, **overrides})
+        if preset
+        else lmlab.ModelConfig(**{**base, **overrides})
+    )
     return lmlab.Transformer(cfg.override(nested) if nested else cfg).eval()
 
 
@@ -124,12 +128,20 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def hf_model(family: str):
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    llama = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=64)
+    llama = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **llama))
     if family == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**common, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(**common, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+        )
     if family == "qwen2_moe":
         return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, **llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -242,8 +254,11 @@ def test_graph_runner_warms_up_then_captures_once_and_replays(monkeypatch):
     def runner(step):
         return gen.GraphRunner(step, warm=lambda s: (events.append("warm"), s()), capture=capture)
 
-    monkeypatch.setattr(gen, "decode_graph", lambda r: gen.decode_fixed(r, lambda m, s: runner(lambda: gen.decode_step(m, s)),
-                                                                       r.idx.shape[1] + r.n))
+    monkeypatch.setattr(
+        gen,
+        "decode_graph",
+        lambda r: gen.decode_fixed(r, lambda m, s: runner(lambda: gen.decode_step(m, s)), r.idx.shape[1] + r.n),
+    )
     monkeypatch.setitem(gen.DECODERS, "graph", gen.decode_graph)
     monkeypatch.setattr(gen, "check_graphable", lambda model, device: None)
     model = model_for(preset="llama")
@@ -263,7 +278,9 @@ def test_cuda_graph_replays_the_static_step_exactly(sampling):
     kw = SAMPLING[sampling]
     static = run(model, PROMPTS, 24, decoder="static", eos_id=[60, 61], **kw)
     for sync_every in (1, 16):  # the same kernels, recorded once and replayed: bit for bit
-        assert torch.equal(run(model, PROMPTS, 24, decoder="graph", eos_id=[60, 61], sync_every=sync_every, **kw), static)
+        assert torch.equal(
+            run(model, PROMPTS, 24, decoder="graph", eos_id=[60, 61], sync_every=sync_every, **kw), static
+        )
     assert run(model, PROMPTS, 8, temperature=0).device.type == "cuda"  # auto = graph for a dense model
 
 

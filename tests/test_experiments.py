@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from lmlab.experiments import EXPERIMENTS, claims, load_experiment_spec, moe, norm, positions, readme_table, run_experiment
+from lmlab.experiments import (
+    EXPERIMENTS,
+    claims,
+    load_experiment_spec,
+    moe,
+    norm,
+    positions,
+    readme_table,
+    run_experiment,
+)
 from lmlab.experiments.spec import model_accounting
 from lmlab.experiments.sweep.tables import COLUMNS
 
@@ -63,8 +72,18 @@ def norm_rows(cell=None, what="loss", delta=0.0) -> list[dict]:
                     loss = 4.0 + SHARED[s] + (delta + JITTER[s] if moved and what == "loss" else 0.0)
                     # log top/bottom ratio 0 with a spread of 0.05 everywhere; the moved cell: delta, spread 0.005
                     log_ratio = (delta + JITTER[s] * 5) if moved and what == "grad" else SHARED[s] * 2.5
-                    rows.append({"variant": f"{arch}-{depth}-{warm}", "arch": arch, "depth": depth, "warmup": warm, "seed": s,
-                                 "final_val_loss": loss, "status": "ok", "grad_top_bottom": math.exp(log_ratio)})
+                    rows.append(
+                        {
+                            "variant": f"{arch}-{depth}-{warm}",
+                            "arch": arch,
+                            "depth": depth,
+                            "warmup": warm,
+                            "seed": s,
+                            "final_val_loss": loss,
+                            "status": "ok",
+                            "grad_top_bottom": math.exp(log_ratio),
+                        }
+                    )
     return rows
 
 
@@ -171,7 +190,9 @@ def test_retrieval_is_untestable_when_rope_does_not_copy_even_within_its_trainin
             r["copy_1x"] = 0.002  # ...by models that never copy in range: noise around chance
     claim = {c.id: c for c in positions.positions_claims(rows, L=64)}["retrieval-yarn"]
     assert claim.verdict == "inconclusive" and "never learned to copy" in claim.line() and "0.002" in claim.line()
-    assert {c.id: c.verdict for c in positions.positions_claims(rows, L=64)}["shaw-flat-from-clip"] == "tie"  # only retrieval
+    assert {c.id: c.verdict for c in positions.positions_claims(rows, L=64)}[
+        "shaw-flat-from-clip"
+    ] == "tie"  # only retrieval
 
 
 def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost():
@@ -231,8 +252,8 @@ EXPECTED = {
         "plots": ["grad_norm_init.png", "loss_curves.png", "final_loss_vs_depth.png", "update_size.png"],
     },
     "positions": {
-        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope", "rope-scaled",
-                 "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
+        "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
+                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
         "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x", "copy_8x_far"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],
     },
@@ -240,7 +261,8 @@ EXPECTED = {
         "rows": ["dense", "switch-top1", "gshard-top2", "fg-m2", "fg-m4", "fg-m2-shared", "fg-m4-shared",
                  "fg-m4-shared-lossfree", "fg-m4-shared-nobalance"],
         "columns": ["max_load_val"],
-        "plots": ["val_loss_vs_tokens.png", "val_loss_vs_wall_time.png", "expert_load_heatmaps.png", "balance_max_load.png"],
+        "plots": ["val_loss_vs_tokens.png", "val_loss_vs_wall_time.png", "expert_load_heatmaps.png",
+                  "balance_max_load.png"],
     },
 }
 
@@ -248,7 +270,9 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))
 def test_quick_experiment_makes_its_files(name, tmp_path):
     out = tmp_path / name
-    report = run_experiment(name, out, quick=True, command=f"lmlab experiment {name} --quick --out {out}", log=lambda *a, **k: None)
+    report = run_experiment(
+        name, out, quick=True, command=f"lmlab experiment {name} --quick --out {out}", log=lambda *a, **k: None
+    )
     want = EXPECTED[name]
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -263,18 +287,33 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
     text = report.read_text()
     assert text.startswith("# Claim") and f"Made by: `lmlab experiment {name} --quick --out {out}`" in text
     assert text.index("## Criteria") < text.index("## Results") < text.index("## Verdicts")  # criteria before numbers
-    assert "sha256:" in text and "64-byte windows occur verbatim in training" in text and "The runs started from lmlab revision" in text
+    assert (
+        "sha256:" in text
+        and "64-byte windows occur verbatim in training" in text
+        and "The runs started from lmlab revision" in text
+    )
     data = json.loads((out / "verdict.json").read_text())
-    assert data["schema"] == 2 and data["experiment"] == name and data["data"]["corpus"]["content_hash"].startswith("sha256:")
+    assert (
+        data["schema"] == 2
+        and data["experiment"] == name
+        and data["data"]["corpus"]["content_hash"].startswith("sha256:")
+    )
     assert all(c["verdict"] in ("reproduced", "opposite", "tie", "inconclusive", None) for c in data["claims"])
-    assert [c["id"] for c in data["claims"]] == [c.split("**")[1] for c in text.split("## Verdicts")[1].splitlines() if c.startswith("- **")]
+    assert [c["id"] for c in data["claims"]] == [
+        c.split("**")[1] for c in text.split("## Verdicts")[1].splitlines() if c.startswith("- **")
+    ]
     summary = (out / "summary.md").read_text()
     by = {(r["variant"], r["seed"]): r for r in rows}
     first = next(iter(by.values()))
     assert f"{float(first['final_val_loss']):.3f}"[:4] in summary  # summary and report read the same final loss
     if name == "norm":
-        assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {"post-normal", "post-xavier", "pre-normal",
-                                                                               "pre-xavier", "deepnorm"}
+        assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {
+            "post-normal",
+            "post-xavier",
+            "pre-normal",
+            "pre-xavier",
+            "deepnorm",
+        }
     if name == "positions":
         learned = next(r for r in rows if r["variant"] == "learned")
         assert learned["loss_2x"] == "n/a — learned table ends at 16" and float(learned["loss_1x"]) > 0
@@ -293,12 +332,23 @@ def test_experiment_specs_ship_with_the_package_and_validate_at_every_size():
             spec = load_experiment_spec(name, profile=profile)
             assert spec.configs and spec.is_quick == (profile == "quick")
     full = load_experiment_spec("moe")
-    assert full.configs["dense"].train.steps * full.configs["dense"].train.batch_size * full.configs["dense"].seq_len >= 10 * 512_000
+    assert (
+        full.configs["dense"].train.steps * full.configs["dense"].train.batch_size * full.configs["dense"].seq_len
+        >= 10 * 512_000
+    )
     assert {v.name: len(full.seeds_of(v)) for v in full.variants if len(full.seeds_of(v)) == 5}.keys() == {
-        "dense", "gshard-top2", "fg-m4", "fg-m4-shared", "fg-m4-shared-lossfree", "fg-m4-shared-nobalance"}  # every arm a verdict rests on
+        "dense",
+        "gshard-top2",
+        "fg-m4",
+        "fg-m4-shared",
+        "fg-m4-shared-lossfree",
+        "fg-m4-shared-nobalance",
+    }  # every arm a verdict rests on
     assert all(len(full.seeds_of(v)) >= 3 for v in full.variants)
     assert load_experiment_spec("norm").seeds == [0, 1, 2] and load_experiment_spec("positions").seeds == [0, 1, 2]
-    assert load_experiment_spec("positions").configs["relative"].model.relative_clip >= 64  # clip >= the training length
+    assert (
+        load_experiment_spec("positions").configs["relative"].model.relative_clip >= 64
+    )  # clip >= the training length
 
 
 def test_gpu_profile_sizes_models_of_10_to_100_million_parameters():
@@ -316,8 +366,11 @@ def test_moe_report_names_the_learning_rate_difference_only_when_capacity_was_no
 
     from lmlab import ModelConfig
 
-    cfg = SimpleNamespace(model=ModelConfig(vocab_size=2048, d_model=64, n_heads=4, max_seq_len=128, ffn="glu", activation="silu"),
-                          seq_len=128, train=SimpleNamespace(steps=2500, batch_size=16))
+    cfg = SimpleNamespace(
+        model=ModelConfig(vocab_size=2048, d_model=64, n_heads=4, max_seq_len=128, ffn="glu", activation="silu"),
+        seq_len=128,
+        train=SimpleNamespace(steps=2500, batch_size=16),
+    )
 
     shown = moe.moe_claims(moe_rows("fg-m4-shared", "loss", offset("win", "lower")), init_loss=7.6)
     not_shown = moe.moe_claims(moe_rows(), init_loss=7.6)
@@ -325,7 +378,9 @@ def test_moe_report_names_the_learning_rate_difference_only_when_capacity_was_no
     differ, same = {"dense": 6e-3, "fg-m4-shared": 3e-3}, {"dense": 3e-3, "fg-m4-shared": 3e-3}
     assert "Dense trained at lr 0.006 and m=4 + shared at 0.003" in moe.paper_note(not_shown, cfg, differ)
     assert "Dense trained at lr" not in moe.paper_note(not_shown, cfg, same)
-    assert "Dense trained at lr" not in moe.paper_note(not_shown, cfg, {"dense": 6e-3})  # an arm missing: nothing to compare
+    assert "Dense trained at lr" not in moe.paper_note(
+        not_shown, cfg, {"dense": 6e-3}
+    )  # an arm missing: nothing to compare
     assert "Dense trained at lr" not in moe.paper_note(shown, cfg, differ)
 
 
@@ -335,23 +390,63 @@ def test_claims_table_is_generated_from_verdict_files(tmp_path):
     (results / "norm").mkdir(parents=True)
     from lmlab.experiments.stats import Interval
 
-    c = claims.Claim("norm", "warmup-post-xavier", "post-norm needs warmup", "criterion", Interval(0.2, 0.1, 0.3, 3, 0.04), 0.05, "higher")
-    small = claims.Claim("norm", "tiny", "a real but tiny effect", "criterion", Interval(-0.005, -0.008, -0.001, 3, 0.002), 0.026, "lower")
-    stuck = claims.Claim("norm", "stuck", "arms that never learned", "criterion", Interval(-0.001, -0.0012, -0.0008, 3, 0.0001), 0.05,
-                         "lower", untestable="untestable: every run of both arms diverged or ended no better than unigram")
+    c = claims.Claim(
+        "norm",
+        "warmup-post-xavier",
+        "post-norm needs warmup",
+        "criterion",
+        Interval(0.2, 0.1, 0.3, 3, 0.04),
+        0.05,
+        "higher",
+    )
+    small = claims.Claim(
+        "norm",
+        "tiny",
+        "a real but tiny effect",
+        "criterion",
+        Interval(-0.005, -0.008, -0.001, 3, 0.002),
+        0.026,
+        "lower",
+    )
+    stuck = claims.Claim(
+        "norm",
+        "stuck",
+        "arms that never learned",
+        "criterion",
+        Interval(-0.001, -0.0012, -0.0008, 3, 0.0001),
+        0.05,
+        "lower",
+        untestable="untestable: every run of both arms diverged or ended no better than unigram",
+    )
     claims.write_verdicts(results / "norm", "norm", [c, small, stuck], {})
     (results / "old").mkdir()
     (results / "old" / "verdict.json").write_text(json.dumps({"gradients": False}))
     table = claims.claims_table(results)
-    assert "| [norm](norm/report.md) | warmup-post-xavier: post-norm needs warmup | **REPRODUCED** | +0.200 [+0.100, +0.300] nats | ±0.050 | 3 |" in table
-    assert "| tiny: a real but tiny effect | **REPRODUCED** (inside the tie margin) | -0.005 [-0.008, -0.001] nats | ±0.026 | 3 |" in table
-    assert "| stuck: arms that never learned | **INCONCLUSIVE** (untestable) | -0.001 [-0.001, -0.001] nats | ±0.050 | 3 |" in table
+    assert (
+        "| [norm](norm/report.md) | warmup-post-xavier: post-norm needs warmup | **REPRODUCED** | "
+        "+0.200 [+0.100, +0.300] nats | ±0.050 | 3 |"
+        in table
+    )
+    assert (
+        "| tiny: a real but tiny effect | **REPRODUCED** (inside the tie margin) | "
+        "-0.005 [-0.008, -0.001] nats | ±0.026 | 3 |"
+        in table
+    )
+    assert (
+        "| stuck: arms that never learned | **INCONCLUSIVE** (untestable) | -0.001 [-0.001, -0.001] nats | ±0.050 | 3 |"
+        in table
+    )
     assert "an older report without intervals" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{claims.BEGIN}\nstale\n{claims.END}\noutro\n")
     assert readme_table.main([str(results), str(readme)]) == 0
     text = readme.read_text()
-    assert "stale" not in text and "](results/norm/report.md)" in text and text.startswith("intro") and text.endswith("outro\n")
+    assert (
+        "stale" not in text
+        and "](results/norm/report.md)" in text
+        and text.startswith("intro")
+        and text.endswith("outro\n")
+    )
     with pytest.raises(ValueError, match="no claims table markers"):
         claims.replace_table("no markers", table)
 
@@ -363,4 +458,6 @@ def test_the_committed_readmes_match_the_committed_verdict_files():
     table = claims.claims_table(results)
     for readme, link in ((root / "README.md", "results/"), (results / "README.md", "")):
         text = readme.read_text()
-        assert claims.replace_table(text, table, link) == text, f"{readme}: rerun python -m lmlab.experiments.readme_table results README.md results/README.md"
+        assert claims.replace_table(text, table, link) == text, (
+            f"{readme}: rerun python -m lmlab.experiments.readme_table results README.md results/README.md"
+        )

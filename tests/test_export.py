@@ -82,7 +82,8 @@ LMLAB_CASES = {
         "rope.scaling": "yarn", "rope.factor": 4.0, "rope.original_max_seq_len": 8, "rope.beta_fast": 16.0,
         "rope.beta_slow": 2.0, "rope.mscale": 0.707, "rope.mscale_all_dim": 1.0, "rope.truncate": False,
     }, "llama"),
-    "rope_yarn_attention_factor": (None, {"rope.scaling": "yarn", "rope.factor": 4.0, "rope.attention_factor": 1.25}, "llama"),
+    "rope_yarn_attention_factor": (None, {"rope.scaling": "yarn", "rope.factor": 4.0, "rope.attention_factor": 1.25},
+                                   "llama"),
     "rope_llama3": (None, {
         "rope.base": 500000.0, "rope.scaling": "llama3", "rope.factor": 8.0, "rope.original_max_seq_len": 8,
     }, "llama"),
@@ -189,7 +190,8 @@ HF_CASES = {
     "llama": ("LlamaConfig", dict(LLAMA, head_dim=32, tie_word_embeddings=True)),
     "llama_biases_yarn": ("LlamaConfig", dict(
         LLAMA, attention_bias=True, mlp_bias=True, num_attention_heads=3, num_key_value_heads=1, hidden_size=48,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1e4})),
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                         "rope_theta": 1e4})),
     "llama_llama3": ("LlamaConfig", dict(LLAMA, rope_parameters={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8, "rope_theta": 5e5})),
@@ -280,7 +282,8 @@ def test_router_options_both_ways(tmp_path):
 # ================================================================== refusals: one line, nothing written
 # name -> (preset, fields, architecture=, the message's telling part)
 REFUSALS = {
-    "post_norm": (None, dict(norm="layernorm", norm_position="post"), None, "norm_position='post' has no exact transformers architecture"),
+    "post_norm": (None, dict(norm="layernorm", norm_position="post"), None,
+                  "norm_position='post' has no exact transformers architecture"),
     "deepnorm": (None, dict(norm_position="post", residual_scaling="deepnorm"), None, "residual_scaling='deepnorm'"),
     "sinusoidal": (None, dict(positions="sinusoidal"), None, "positions='sinusoidal'"),
     "shaw_relative": (None, dict(positions="relative"), None, "positions='relative'"),
@@ -292,7 +295,8 @@ REFUSALS = {
                               "moe.second_expert='random'"),
     "layernorm_with_rope": (None, dict(norm="layernorm"), None,
                             "llama: norm='layernorm' (Llama normalizes with RMSNorm)"),
-    "output_bias_without_qkv_bias": (None, dict(bias=True, qkv_bias=False), None, "llama: qkv_bias=False with bias=True"),
+    "output_bias_without_qkv_bias": (None, dict(bias=True, qkv_bias=False), None,
+                                     "llama: qkv_bias=False with bias=True"),
     "gpt2_grouped_query": ("gpt2", dict(n_kv_heads=2), None, "gpt2: n_kv_heads=2"),
     "dynamic_from_elsewhere": (None, {"rope.scaling": "dynamic", "rope.factor": 2.0, "rope.original_max_seq_len": 16},
                                None, "rope.original_max_seq_len=16 with rope.scaling='dynamic'"),
@@ -311,7 +315,8 @@ REFUSALS = {
     "sigmoid_every_other": (None, dict(moe=MOE | dict(scoring="sigmoid", every=2)), None, "glm4_moe: moe.every=2"),
     "sigmoid_gated_shared": (None, dict(moe=MOE | dict(scoring="sigmoid", n_shared=1, shared_gate="sigmoid")), None,
                              "glm4_moe: moe.shared_gate='sigmoid'"),
-    "mistral_with_biases": (None, dict(bias=True), "mistral", "cannot export as 'mistral': bias=True (Mistral has no biases)"),
+    "mistral_with_biases": (None, dict(bias=True), "mistral",
+                            "cannot export as 'mistral': bias=True (Mistral has no biases)"),
     "dense_as_moe": (None, {}, "mixtral", "cannot export as 'mixtral': it is a mixture-of-experts architecture"),
     "moe_as_dense": (None, dict(moe=MOE), "llama", "cannot export as 'llama': it is a dense architecture"),
     "deepseek_v3_mla": (None, {}, "deepseek_v3", "architecture='deepseek_v3' is not one lmlab writes"),
@@ -334,7 +339,8 @@ def test_a_trained_selection_bias_without_a_place_is_refused(tmp_path):
     to_hf(model, tmp_path / "zero")  # an untouched (zero) bias is exact
     with torch.no_grad():
         model.moe_layers[1].router.score_bias[2] = 0.1
-    with pytest.raises(ValueError, match=r"blocks\.1\.ffn\.router\.score_bias is not zero \(moe\.bias_update_rate=0\.001"):
+    with pytest.raises(ValueError,
+                       match=r"blocks\.1\.ffn\.router\.score_bias is not zero \(moe\.bias_update_rate=0\.001"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -486,6 +492,7 @@ def test_tokenizers_that_cannot_be_written_are_refused(tmp_path):
     model = lm(vocab_size=256)
     with pytest.raises(ValueError, match="the tokenizer has 300 ids but the model's vocab_size is 256"):
         to_hf(model, tmp_path / "out", tokenizer("bpe"))
-    with pytest.raises(ValueError, match=r"the tokenizer \(object\) cannot be written as a Hugging Face tokenizer\.json"):
+    with pytest.raises(ValueError,
+                       match=r"the tokenizer \(object\) cannot be written as a Hugging Face tokenizer\.json"):
         to_hf(model, tmp_path / "out", object())
     assert list(tmp_path.iterdir()) == []

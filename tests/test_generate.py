@@ -21,7 +21,11 @@ def model_for(**overrides) -> lmlab.Transformer:
     base = dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
     preset = overrides.pop("preset", None)
     nested = {k: overrides.pop(k) for k in list(overrides) if "." in k}
-    cfg = lmlab.ModelConfig.from_preset(preset, **{**base, **overrides}) if preset else lmlab.ModelConfig(**{**base, **overrides})
+    cfg = (
+        lmlab.ModelConfig.from_preset(preset, **{**base, **overrides})
+        if preset
+        else lmlab.ModelConfig(**{**base, **overrides})
+    )
     cfg = cfg.override(nested) if nested else cfg
     return lmlab.Transformer(cfg).eval()
 
@@ -146,7 +150,9 @@ def test_sampler_draws_from_the_softmax_distribution():
     hot = make_sampler(2.0, None, None, torch.Generator().manual_seed(0), 4)(logits)  # temperature flattens
     assert torch.allclose(torch.bincount(hot, minlength=4).float() / len(hot), (logits[0] / 2).softmax(-1), atol=0.01)
     k2 = make_sampler(1.0, 2, None, torch.Generator().manual_seed(0), 4)(logits)
-    assert torch.allclose(torch.bincount(k2, minlength=4).float() / len(k2), torch.tensor([0.7311, 0.2689, 0, 0]), atol=0.01)
+    assert torch.allclose(
+        torch.bincount(k2, minlength=4).float() / len(k2), torch.tensor([0.7311, 0.2689, 0, 0]), atol=0.01
+    )
 
 
 def test_top_k_and_top_p_filters_closed_form():
@@ -189,7 +195,8 @@ def test_fast_candidates_equal_the_reference_filters(temperature, top_k, top_p):
     (dict(eos_id=V), rf"eos_id={V} is not valid; it must be a token id in \[0, {V}\), a list of them, or None"),
     (dict(eos_id=[1, V]), rf"eos_id=\[1, {V}\] is not valid"),
     (dict(eos_id="x"), r"eos_id='x' is not valid"),
-    (dict(decoder="fast"), r"decoder='fast' is not valid; choose one of \['auto', 'eager', 'static', 'compiled', 'graph'\]"),
+    (dict(decoder="fast"),
+     r"decoder='fast' is not valid; choose one of \['auto', 'eager', 'static', 'compiled', 'graph'\]"),
     (dict(decoder="graph"), r"decoder='graph' captures CUDA graphs and needs a CUDA device; the model is on cpu"),
     (dict(sync_every=0), r"sync_every=0 is not valid; it must be an integer >= 1"),
 ])
@@ -203,7 +210,8 @@ def test_bad_sampling_arguments_raise_at_call_time(kwargs, message):
 @pytest.mark.parametrize("ids, n, message", [
     ([1, 2], -1, r"max_new_tokens=-1 is not valid; it must be an integer >= 0"),
     ([], 4, r"prompt_ids is empty; give at least one token"),
-    ([1, V], 4, rf"prompt_ids hold id {V}, outside the model's vocabulary \[0, {V}\); encode the prompt with the tokenizer"),
+    ([1, V], 4,
+     rf"prompt_ids hold id {V}, outside the model's vocabulary \[0, {V}\); encode the prompt with the tokenizer"),
     ([-3, 1], 4, r"prompt_ids hold id -3, outside"),
     (torch.zeros(1, 2, 3, dtype=torch.long), 4,
      r"prompt_ids must be a list of ints, a list of such lists, or a \(B, T\) integer tensor, got shape \(1, 2, 3\)"),

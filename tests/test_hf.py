@@ -300,7 +300,9 @@ def test_from_hf_builds_the_model_without_initializing_it(tmp_path, monkeypatch)
     monkeypatch.setattr(lmlab.init.Init, "draw", lambda self, shape: draws.append(shape) or torch.zeros(shape))
     ours = lmlab.from_hf(path)
     assert draws == []
-    assert ours.head.weight is ours.embed.weight and ours.num_params()["total"] == sum(p.numel() for p in hf.parameters())
+    assert ours.head.weight is ours.embed.weight and ours.num_params()["total"] == sum(
+        p.numel() for p in hf.parameters()
+    )
     assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers(), ours.positions.inv_freq])
     idx = tokens(T)
     assert_parity(logits(ours, idx), logits(hf, idx))
@@ -308,7 +310,8 @@ def test_from_hf_builds_the_model_without_initializing_it(tmp_path, monkeypatch)
     assert draws  # the check above can fail: a plain construction draws
 
 
-@pytest.mark.parametrize("dtype, expected", [(None, torch.float32), ("bfloat16", torch.bfloat16), ("auto", torch.float16)])
+@pytest.mark.parametrize("dtype, expected", [(None, torch.float32), ("bfloat16", torch.bfloat16),
+                                             ("auto", torch.float16)])
 def test_dtype(tmp_path, dtype, expected):
     hf = hf_llama().to(torch.float16)
     ours = lmlab.from_hf(saved(hf, tmp_path), dtype=dtype)
@@ -340,7 +343,9 @@ def _only_pickle(path: Path) -> None:
 
 def _lost_shard(path: Path) -> None:
     (path / "model.safetensors").unlink()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})
+    )
 
 
 def _shard_outside(path: Path) -> None:
@@ -357,16 +362,20 @@ CHECKPOINT_ERRORS = {
     "no_config": (lambda p: (p / "config.json").unlink(), "config.json' not found"),
     "config_not_json": (lambda p: (p / "config.json").write_text("{nope"), "is not valid JSON"),
     "no_model_type": (lambda p: edit_config(p, lambda d: d.pop("model_type")), "has no 'model_type'"),
-    "unknown_model_type": (lambda p: edit_config(p, _bad_config(model_type="falcon")), "model_type 'falcon' is not supported"),
+    "unknown_model_type": (lambda p: edit_config(p, _bad_config(model_type="falcon")),
+                           "model_type 'falcon' is not supported"),
     "only_pickle": (_only_pickle, "holds pytorch_model.bin, a pickle; lmlab never loads pickles"),
-    "no_weights": (lambda p: (p / "model.safetensors").unlink(), "has no model.safetensors or model.safetensors.index.json"),
+    "no_weights": (lambda p: (p / "model.safetensors").unlink(),
+                   "has no model.safetensors or model.safetensors.index.json"),
     "missing_shard": (_lost_shard, "shard 'model-00002-of-00002.safetensors' listed in"),
     "shard_outside": (_shard_outside, "shard '../elsewhere.safetensors' listed in"),
     "missing_tensor": (_drop_tensor, "missing tensors [model.layers.1.mlp.up_proj.weight]"),
     "unexpected_tensor": (_extra_tensor, "unexpected tensors [model.layers.0.self_attn.q_norm.weight]"),
-    "shape_mismatch": (lambda p: edit_config(p, _bad_config(intermediate_size=128)), "blocks.0.ffn.gate_up.weight: (192, 64) in the checkpoint, (256, 64) from config.json"),
+    "shape_mismatch": (lambda p: edit_config(p, _bad_config(intermediate_size=128)),
+                       "blocks.0.ffn.gate_up.weight: (192, 64) in the checkpoint, (256, 64) from config.json"),
     "tied_head_differs": (_head_differs_from_tied_embedding, "lm_head.weight differs from the embedding"),
-    "sliding_window": (lambda p: edit_config(p, _bad_config(model_type="mistral", sliding_window=4096)), "sliding_window=4096"),
+    "sliding_window": (lambda p: edit_config(p, _bad_config(model_type="mistral", sliding_window=4096)),
+                       "sliding_window=4096"),
 }
 
 
@@ -394,14 +403,19 @@ CONFIG_ERRORS = {
     "mixed_biases": (LLAMA_JSON, {"attention_bias": True}, "attention_bias=True and mlp_bias=False"),
     "sliding_window_default": ({**LLAMA_JSON, "model_type": "mistral"}, {}, "sliding_window=4096"),
     "partial_rotary": (LLAMA_JSON, {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-    "partial_rotary_in_rope": (LLAMA_JSON, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
-    "longrope": (LLAMA_JSON, {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "rope type 'longrope', which lmlab does not support"),
+    "partial_rotary_in_rope": (LLAMA_JSON, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+                               "partial_rotary_factor=0.5"),
+    "longrope": (LLAMA_JSON, {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+                 "rope type 'longrope', which lmlab does not support"),
     "unknown_rope": (LLAMA_JSON, {"rope_parameters": {"rope_type": "spiral"}}, "rope type 'spiral'"),
     "rope_without_factor": (LLAMA_JSON, {"rope_scaling": {"rope_type": "linear"}}, "rope type 'linear' needs 'factor'"),
-    "per_layer_rope": (LLAMA_JSON, {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type rope parameters"),
+    "per_layer_rope": (LLAMA_JSON, {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+                       "per-layer-type rope parameters"),
     "activation": (LLAMA_JSON, {"hidden_act": "xielu"}, "hidden_act='xielu', which lmlab does not support"),
-    "invalid_sizes": (LLAMA_JSON, {"num_key_value_heads": 3}, "maps to an invalid lmlab config: n_kv_heads=3 does not divide"),
-    "inverse_layer_scaling": (GPT2_JSON, {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=true"),
+    "invalid_sizes": (LLAMA_JSON, {"num_key_value_heads": 3},
+                      "maps to an invalid lmlab config: n_kv_heads=3 does not divide"),
+    "inverse_layer_scaling": (GPT2_JSON, {"scale_attn_by_inverse_layer_idx": True},
+                              "scale_attn_by_inverse_layer_idx=true"),
     "unscaled_attention": (GPT2_JSON, {"scale_attn_weights": False}, "scale_attn_weights=false"),
     "cross_attention": (GPT2_JSON, {"add_cross_attention": True}, "add_cross_attention=true"),
     "gpt2_activation": (GPT2_JSON, {"activation_function": "quick_gelu"}, "activation_function='quick_gelu'"),
@@ -420,7 +434,9 @@ def test_config_from_hf_refuses_what_lmlab_cannot_express(case):
 def test_interleaved_layout_equals_half_after_permuting_q_k_rows():
     """Pairs (2j, 2j+1) rotate exactly as pairs (j, j + d/2) once each head's q and k rows are
     permuted: this proves both layouts, and is the conversion Meta-format checkpoints need."""
-    half_cfg = lmlab.ModelConfig.from_preset("llama", vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.2)
+    half_cfg = lmlab.ModelConfig.from_preset(
+        "llama", vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.2
+    )
     inter_cfg = half_cfg.override({"rope.layout": "interleaved"})
     half, inter = lmlab.Transformer(half_cfg).eval(), lmlab.Transformer(inter_cfg).eval()
     H, KV, hd = half_cfg.n_heads, half_cfg.n_kv_heads, half_cfg.head_dim

@@ -22,7 +22,9 @@ def _close(w: torch.Tensor, expected: float, rel: float = 0.06) -> None:
 @pytest.mark.parametrize("ffn", ["mlp", "glu"])
 def test_xavier_init_draws_every_matrix_xavier_normal_and_embeddings_at_d_to_the_minus_half(ffn):
     d, vocab = 128, 512
-    model = Transformer(tiny_config(d_model=d, n_layers=2, n_heads=4, n_kv_heads=4, ffn=ffn, vocab_size=vocab, init="xavier"))
+    model = Transformer(
+        tiny_config(d_model=d, n_layers=2, n_heads=4, n_kv_heads=4, ffn=ffn, vocab_size=vocab, init="xavier")
+    )
     dff = model.config.d_ff
 
     def xavier(fan_out, fan_in):
@@ -40,7 +42,8 @@ def test_xavier_init_draws_every_matrix_xavier_normal_and_embeddings_at_d_to_the
     _close(model.embed.weight, d ** -0.5)
     # the default rule is unchanged: everything N(0, 0.02)
     normal = Transformer(tiny_config(d_model=d, n_layers=2, n_heads=4, n_kv_heads=4, ffn=ffn, vocab_size=vocab))
-    for w in (normal.blocks[0].attn.out.weight, normal.blocks[0].ffn.down.weight, normal.head.weight, normal.embed.weight):
+    for w in (normal.blocks[0].attn.out.weight, normal.blocks[0].ffn.down.weight, normal.head.weight,
+              normal.embed.weight):
         _close(w, 0.02)
 
 

@@ -74,7 +74,9 @@ def module_aliases(path: Path, modules: dict[str, Path], module: str) -> set[str
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([node.module] if node.module else []))
+            base = ".".join(
+                package.split(".")[: len(package.split(".")) - node.level + 1] + ([node.module] if node.module else [])
+            )
             aliases |= {a.asname or a.name for a in node.names if f"{base}.{a.name}" in modules}
     return aliases
 
@@ -160,7 +162,8 @@ def write_package(root: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize("files, expected", [
-    ({"a.py": "from . import b\n", "b.py": "def f():\n    from .a import x\n"}, "import cycle: pkg.a -> pkg.b -> pkg.a"),
+    ({"a.py": "from . import b\n", "b.py": "def f():\n    from .a import x\n"},
+     "import cycle: pkg.a -> pkg.b -> pkg.a"),
     ({"model.py": "def f():\n    from .run.trainer import Trainer\n", "run/trainer.py": ""}, "a layer above it"),
     ({"run/x.py": "from ..experiments import sweep\n", "experiments/sweep.py": ""}, "a layer above it"),
     ({"run/x.py": "from ..model import _randn\n", "model.py": ""}, "private name(s) ['_randn']"),

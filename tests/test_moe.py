@@ -586,8 +586,8 @@ def test_from_hf_qwen2_moe_shared_expert_of_any_width_and_dense_layers(tmp_path,
         shared_expert_intermediate_size=24, decoder_sparse_step=step, mlp_only_layers=mlp_only, norm_topk_prob=True,
     )
     ours = check_logits(random_hf_model(Qwen2MoeForCausalLM, cfg, seed=2), tmp_path)
-    sparse = [l not in mlp_only and (l + 1) % step == 0 for l in range(3)]
-    assert [ours.config.is_moe_layer(l) for l in range(3)] == sparse
+    sparse = [i not in mlp_only and (i + 1) % step == 0 for i in range(3)]
+    assert [ours.config.is_moe_layer(i) for i in range(3)] == sparse
     moe = ours.config.moe
     assert (moe.n_shared, moe.shared_d_ff, moe.normalize_top_k) == (1, 24, True)
     layer = ours.moe_layers[0]

@@ -51,7 +51,7 @@ def config_yaml(run_dir: Path) -> dict:
     return yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
-# ============================================================== prepare -> train --data -> resume elsewhere -> eval -> generate
+# ====================================================== prepare -> train --data -> resume elsewhere -> eval -> generate
 def test_prepare_bpe_then_train_on_it_resume_elsewhere_eval_and_generate(capsys, tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
     corpus_dir(tmp_path / "corpus")
@@ -64,8 +64,10 @@ def test_prepare_bpe_then_train_on_it_resume_elsewhere_eval_and_generate(capsys,
                        "--eval.every", "3", "--checkpoint.every", "3")
     assert code == 0, out
     banner = next(line for line in out.splitlines() if line.startswith("data: "))
-    assert banner.startswith(f"data: {tmp_path / 'data'} (bpe tokenizer, vocab 300; 40 documents, split by document; "
-                             f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,}; {meta['data_hash'][:19]})")
+    assert banner.startswith(
+        f"data: {tmp_path / 'data'} (bpe tokenizer, vocab 300; 40 documents, split by document; "
+        f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,}; {meta['data_hash'][:19]})"
+    )
     saved = config_yaml(tmp_path / "run")
     assert saved["data"]["prepared"] == str(tmp_path / "data") and saved["data"]["tokenizer"] == "bpe"
     assert saved["data"]["source"] == str(tmp_path / "corpus") and saved["model"]["vocab_size"] == 300
@@ -92,7 +94,9 @@ def test_prepare_bpe_then_train_on_it_resume_elsewhere_eval_and_generate(capsys,
     assert loaded.tokenizer.eos_id == meta["eod_id"] == 0 and loaded.data_dir == tmp_path / "data"
     eod = torch.tensor([meta["eod_id"]])
     loaded.model.head.register_forward_hook(lambda m, i, logits: logits.index_fill(-1, eod, 1e4))
-    assert "".join(sample_text(loaded.model, loaded.tokenizer, "alpha", 20, seed=0)) == ""  # stops at the end of a document
+    assert (
+        "".join(sample_text(loaded.model, loaded.tokenizer, "alpha", 20, seed=0)) == ""
+    )  # stops at the end of a document
 
 
 def test_resume_refuses_data_that_changed_and_a_failed_start_leaves_no_data(capsys, tmp_path):
@@ -213,9 +217,29 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
     code, out, _ = run(capsys, "prepare", src, "--task", "classify", "--text-field", "review", "--label-field",
                        "sentiment", "--out", tmp_path / "data")
     assert code == 0 and "2 classes" in out
-    code, out, _ = run(capsys, "train", "--task", "classify", "--data", tmp_path / "data", "--run-dir", tmp_path / "run",
-                       *TINY, *FAST, "--train.batch_size", "16", "--train.steps", "60", "--optim.lr", "3e-3",
-                       "--eval.every", "30", "--eval.batches", "50", "--quiet")
+    code, out, _ = run(
+        capsys,
+        "train",
+        "--task",
+        "classify",
+        "--data",
+        tmp_path / "data",
+        "--run-dir",
+        tmp_path / "run",
+        *TINY,
+        *FAST,
+        "--train.batch_size",
+        "16",
+        "--train.steps",
+        "60",
+        "--optim.lr",
+        "3e-3",
+        "--eval.every",
+        "30",
+        "--eval.batches",
+        "50",
+        "--quiet",
+    )
     assert code == 0, out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["val_accuracy"] for r in records if "val_accuracy" in r}
@@ -225,7 +249,9 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert report["classes"] == ["negative", "positive"] and report["rows"] == meta["val_rows"]
     confusion = np.array(report["confusion"])
-    assert confusion.sum() == meta["val_rows"] and report["accuracy"] == pytest.approx(np.trace(confusion) / confusion.sum())
+    assert confusion.sum() == meta["val_rows"] and report["accuracy"] == pytest.approx(
+        np.trace(confusion) / confusion.sum()
+    )
     assert report["accuracy"] == pytest.approx(accuracy[60])  # the trainer evaluated every val row the same way
     # recompute from the saved model: row by row, the last real token's prediction
     loaded = load_run(tmp_path / "run", checkpoint="latest")
@@ -282,7 +308,9 @@ def test_pointing_at_data_that_is_not_there_or_disagrees(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     err = bad_input(capsys, "train", "--data", tmp_path / "empty", "--run-dir", tmp_path / "run")
     assert "is empty; run `lmlab prepare SOURCE --out" in err
-    err = bad_input(capsys, "train", "--data", tmp_path / "data", "--data.tokenizer", "char", "--run-dir", tmp_path / "run")
+    err = bad_input(
+        capsys, "train", "--data", tmp_path / "data", "--data.tokenizer", "char", "--run-dir", tmp_path / "run"
+    )
     assert "data.tokenizer='char' disagrees with the prepared data in" in err and "which has tokenizer 'byte'" in err
     (tmp_path / "other.txt").write_text("other text " * 100)
     err = bad_input(capsys, "train", "--data", tmp_path / "data", "--data.source", tmp_path / "other.txt",
@@ -291,7 +319,9 @@ def test_pointing_at_data_that_is_not_there_or_disagrees(capsys, tmp_path):
     err = bad_input(capsys, "eval", tmp_path / "run-none", "--data", tmp_path / "data")
     assert "does not exist" in err
     (tmp_path / "junk.json").write_text("{not a tokenizer")
-    err = bad_input(capsys, "prepare", tmp_path / "corpus", "--tokenizer", tmp_path / "junk.json", "--out", tmp_path / "x")
+    err = bad_input(
+        capsys, "prepare", tmp_path / "corpus", "--tokenizer", tmp_path / "junk.json", "--out", tmp_path / "x"
+    )
     assert "junk.json' is not a Hugging Face tokenizer.json" in err
     (tmp_path / "empty").rmdir()
     (tmp_path / "junk.json").unlink()
@@ -325,8 +355,20 @@ def test_generate_and_eval_with_a_tokenizer_given_separately(capsys, tmp_path, h
     (tmp_path / "junk.json").write_text("[1, 2]")
     err = bad_input(capsys, "generate", hf_llama, "--tokenizer", tmp_path / "junk.json")
     assert "junk.json' is not a Hugging Face tokenizer.json" in err
-    code, out, err = run(capsys, "eval", hf_llama, "--data", tmp_path / "data", "--tokenizer", tmp_path / "tok", "--json",
-                         "--max-batches", "1", "--seq-len", "16")
+    code, out, err = run(
+        capsys,
+        "eval",
+        hf_llama,
+        "--data",
+        tmp_path / "data",
+        "--tokenizer",
+        tmp_path / "tok",
+        "--json",
+        "--max-batches",
+        "1",
+        "--seq-len",
+        "16",
+    )
     assert code == 0 and json.loads(out)["data"] == str(tmp_path / "data"), err
     err = bad_input(capsys, "eval", hf_llama, "--data", tmp_path / "bytes", "--tokenizer", tmp_path / "tok")
     assert f"was tokenized with another tokenizer than the model {str(hf_llama)!r}" in err

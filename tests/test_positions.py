@@ -53,7 +53,9 @@ def test_rotary_rotates_each_pair_by_p_theta(layout):
     cfg = tiny_config(positions="rope", head_dim=d, max_seq_len=20, **{"rope.layout": layout})
     x = torch.randn(1, d, generator=torch.Generator().manual_seed(1))
     out = _rotate_at_every_position(cfg, x)[0]  # (P, d)
-    pairs = [(i, i + d // 2) for i in range(d // 2)] if layout == "half" else [(2 * i, 2 * i + 1) for i in range(d // 2)]
+    pairs = (
+        [(i, i + d // 2) for i in range(d // 2)] if layout == "half" else [(2 * i, 2 * i + 1) for i in range(d // 2)]
+    )
     expected = torch.zeros_like(out)
     for p in range(cfg.max_seq_len):
         for i, (a, b) in enumerate(pairs):
@@ -183,7 +185,9 @@ def test_alibi_bias_is_minus_slope_times_distance(offset):
 def test_learned_positions_past_the_table_are_a_clear_error():
     model = Transformer(tiny_config(positions="learned", max_seq_len=8))
     model(tokens(1, 8))  # exactly the table: fine
-    with pytest.raises(ValueError, match=r"positions='learned' has a table of max_seq_len=8 positions and cannot encode position 8"):
+    with pytest.raises(ValueError,
+                       match=r"positions='learned' has a table of max_seq_len=8 positions "
+                             r"and cannot encode position 8"):
         model(tokens(1, 9))
     cache = model.new_cache(1, 16)
     model(tokens(1, 6), cache=cache)

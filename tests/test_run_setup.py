@@ -17,7 +17,7 @@ from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import RunConfig, build_config, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.trainer import Trainer
-from helpers import FAST_RUN, TINY_MODEL, WORDS, corpus
+from helpers import FAST_RUN, TINY_MODEL, corpus
 
 TINY = TINY_MODEL
 
@@ -88,7 +88,9 @@ def test_the_classifier_loss_includes_the_moe_auxiliary_losses():
     assert float(aux.detach()) > 0.05
     torch.testing.assert_close(loss, F.cross_entropy(logits, labels) + aux)
     loss.backward()  # the routers learn from the balancing terms too
-    assert all(moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0 for moe in clf.body.moe_layers)
+    assert all(
+        moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0 for moe in clf.body.moe_layers
+    )
 
 
 # ============================================================== honest warnings

@@ -172,7 +172,10 @@ def test_chunked_loss_under_bf16_autocast_matches_plain(monkeypatch):
 def test_chunked_loss_never_holds_the_logits(monkeypatch):
     N, V = 64, 40
     monkeypatch.setattr(lmlab.loss, "CHUNK_ELEMENTS", 8 * V)  # 8 rows per chunk
-    hidden, weight = torch.randn(N, 4, requires_grad=True), torch.randn(V, 4, requires_grad=True)  # smaller than a chunk
+    hidden, weight = (
+        torch.randn(N, 4, requires_grad=True),
+        torch.randn(V, 4, requires_grad=True),
+    )  # smaller than a chunk
     targets = torch.randint(0, V, (N,))
 
     def biggest(loss_fn) -> int:

@@ -47,8 +47,14 @@ def corpus(tmp_path):
 
 
 def spec_file(tmp_path, text_file, **changes):
-    data = {"name": "tiny", "base": {**TINY, "data": {"source": str(text_file), "val_fraction": 0.1}},
-            "variants": [{"name": "one", "overrides": {"model.n_layers": 1}}, {"name": "two", "overrides": {"model.n_layers": 2}}]}
+    data = {
+        "name": "tiny",
+        "base": {**TINY, "data": {"source": str(text_file), "val_fraction": 0.1}},
+        "variants": [
+            {"name": "one", "overrides": {"model.n_layers": 1}},
+            {"name": "two", "overrides": {"model.n_layers": 2}},
+        ],
+    }
     data.update(changes)
     p = tmp_path / "spec.yaml"
     p.write_text(yaml.safe_dump(data))
@@ -93,7 +99,8 @@ def test_cli_rejects_a_bad_spec_with_one_line_and_trains_nothing(tmp_path, corpu
     assert err.count("\n") == 0 and "variant 'wide'" in err and "n_heads=3" in err
     assert not out.exists()  # nothing prepared, nothing trained
     for flags, message in ((["--jobs", "0"], "--jobs=0 is not valid"), (["--threads", "0"], "--threads=0 is not valid"),
-                           (["--quick", "--profile", "gpu"], "exclude each other"), (["--profile", "huge"], "no profile 'huge'")):
+                           (["--quick", "--profile", "gpu"], "exclude each other"),
+                           (["--profile", "huge"], "no profile 'huge'")):
         assert cli.main(["sweep", str(spec_file(tmp_path, corpus)), "--out", str(out), *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, (flags, err)
@@ -164,7 +171,8 @@ def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, c
             {"axis": "norm", "levels": [{"name": "pre", "overrides": {"model.norm_position": "pre"}},
                                         {"name": "post", "overrides": {"model.norm_position": "post"}}]},
             {"axis": "depth", "levels": [{"name": "L1", "overrides": {"model.n_layers": 1}},
-                                         {"name": "L3", "overrides": {"model.n_layers": 3}, "quick": {"train.steps": 2}}]},
+                                         {"name": "L3", "overrides": {"model.n_layers": 3},
+                                          "quick": {"train.steps": 2}}]},
         ],
     }).resolve(quick=True)
     assert [v.name for v in spec.variants] == ["pre-L1", "pre-L3", "post-L1", "post-L3"]
@@ -174,17 +182,27 @@ def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, c
 
 
 def test_profiles_change_sizes_seeds_and_tuning_and_a_variant_may_train_fewer_seeds():
-    data = {"base": TINY, "seeds": 5, "final_eval": {"tokens": 64},
-            "tune": {"field": "optim.lr", "values": [1e-3, 3e-3], "seeds": [7]},
-            "profiles": {"gpu": {"overrides": {"model.d_model": 32}, "seeds": [0], "tune": None, "final_eval": {"tokens": 999}},
-                         "mid": {"tune": {"values": [2e-3]}}},
-            "variants": [{"name": "a"}, {"name": "b", "seeds": 3, "profiles": {"gpu": {"model.n_layers": 3}}}]}
+    data = {
+        "base": TINY,
+        "seeds": 5,
+        "final_eval": {"tokens": 64},
+        "tune": {"field": "optim.lr", "values": [1e-3, 3e-3], "seeds": [7]},
+        "profiles": {
+            "gpu": {"overrides": {"model.d_model": 32}, "seeds": [0], "tune": None, "final_eval": {"tokens": 999}},
+            "mid": {"tune": {"values": [2e-3]}},
+        },
+        "variants": [{"name": "a"}, {"name": "b", "seeds": 3, "profiles": {"gpu": {"model.n_layers": 3}}}],
+    }
     full = parse_spec(data).resolve()
     assert full.tasks() == [("a", s) for s in range(5)] + [("b", s) for s in range(3)]
     assert full.configs["b"].model.d_model == 16 and full.tune.values == [1e-3, 3e-3]
     gpu = parse_spec(data).resolve(profile="gpu")
     assert gpu.tune is None and gpu.seeds == [0] and gpu.final_eval == {"tokens": 999}
-    assert gpu.configs["a"].model.d_model == 32 and gpu.configs["b"].model.n_layers == 3 and gpu.configs["a"].model.n_layers == 1
+    assert (
+        gpu.configs["a"].model.d_model == 32
+        and gpu.configs["b"].model.n_layers == 3
+        and gpu.configs["a"].model.n_layers == 1
+    )
     assert parse_spec(data).resolve(profile="mid").tune.values == [2e-3]
     # a sweep seed sets both the init seed and the data-order seed, unless the spec names one of them
     assert (full.seed_config("a", 4).model.init_seed, full.seed_config("a", 4).train.seed) == (4, 4)
@@ -204,7 +222,9 @@ def test_active_parameter_matching_names_the_variant_that_is_off(tmp_path, corpu
     assert abs(counts["top2-half"]["active_params"] / counts["dense"]["active_params"] - 1) < 0.05
     bad = parse_spec({"base": base, "match_active_params": {"reference": "dense"}, "variants": [
         {"name": "dense"}, {"name": "top2-full", "overrides": {"model.moe": {"n_experts": 4, "top_k": 2}}}]})
-    with pytest.raises(ValueError, match=r"variant 'top2-full' has [\d,]+ active parameters, \+\d+\.\d% from the reference 'dense'"):
+    with pytest.raises(ValueError,
+                       match=r"variant 'top2-full' has [\d,]+ active parameters, "
+                             r"\+\d+\.\d% from the reference 'dense'"):
         bad.resolve()
 
 
@@ -246,13 +266,21 @@ def test_a_finished_run_is_reused_only_if_its_resolved_config_is_identical(tmp_p
     run_sweep(load_spec(spec_file(tmp_path, corpus)), out, log=quiet)
     one = json.loads((out / "runs/one/seed0/result.json").read_text())
     assert one["config_hash"].startswith("sha256:")
-    changed = spec_file(tmp_path, corpus, variants=[{"name": "one", "overrides": {"model.n_layers": 1}},
-                                                    {"name": "two", "overrides": {"model.n_layers": 2, "optim.lr": 1e-3}}])
+    changed = spec_file(
+        tmp_path,
+        corpus,
+        variants=[
+            {"name": "one", "overrides": {"model.n_layers": 1}},
+            {"name": "two", "overrides": {"model.n_layers": 2, "optim.lr": 1e-3}},
+        ],
+    )
     CountingTrainer.made, lines = [], []
     run_sweep(load_spec(changed), out, trainer_cls=CountingTrainer, log=lines.append)
     # the changed variant reran from scratch and said why; the unchanged one was read back
     assert CountingTrainer.made == [(str(out / "runs/two/seed0"), 0, False)]
-    assert any("two seed 0: config changed since it ran: optim.lr: 0.002 vs 0.001 (then vs now); rerunning" in m for m in lines), lines
+    assert any(
+        "two seed 0: config changed since it ran: optim.lr: 0.002 vs 0.001 (then vs now); rerunning" in m for m in lines
+    ), lines
     assert any("one seed 0: done earlier" in m for m in lines)
     assert json.loads((out / "runs/one/seed0/result.json").read_text()) == one
     # a result.json from before config hashes (or of another config) is not trusted either
@@ -319,10 +347,17 @@ def test_run_status_separates_divergence_from_learning_nothing():
 
 
 def test_labels_and_unigram_loss_on_a_real_sweep(tmp_path, corpus):
-    rows = run_sweep(load_spec(spec_file(tmp_path, corpus, diverged_above=0.5, variants=[{"name": "one"}])), tmp_path / "out", log=quiet)
+    rows = run_sweep(
+        load_spec(spec_file(tmp_path, corpus, diverged_above=0.5, variants=[{"name": "one"}])),
+        tmp_path / "out",
+        log=quiet,
+    )
     assert rows[0]["status"] == "diverged" and "above 0.500" in rows[0]["status_reason"]
-    rows = run_sweep(load_spec(spec_file(tmp_path, corpus, variants=[{"name": "lazy", "overrides": {"optim.lr": 1e-6}}])),
-                     tmp_path / "out2", log=quiet)
+    rows = run_sweep(
+        load_spec(spec_file(tmp_path, corpus, variants=[{"name": "lazy", "overrides": {"optim.lr": 1e-6}}])),
+        tmp_path / "out2",
+        log=quiet,
+    )
     assert rows[0]["status"] == "no better than unigram" and not rows[0]["diverged"]  # 4 steps at lr 1e-6 learn nothing
     data = tmp_path / "out" / "data"
     from lmlab.run.data.batches import TokenData
@@ -399,13 +434,18 @@ def test_choose_takes_each_groups_lowest_mean_loss_and_never_a_failed_value():
     choices, table = choose(tune, rows)
     assert choices == {"post": 3e-3, "pre": 1e-2}  # post's 1e-2 has a diverged seed: +inf
     assert next(t for t in table if t["group"] == "post" and t["value"] == 1e-2)["mean_final_val_loss"] is None
-    assert math.isclose(next(t for t in table if t["group"] == "pre" and t["value"] == 3e-3)["mean_final_val_loss"], 2.55)
+    assert math.isclose(
+        next(t for t in table if t["group"] == "pre" and t["value"] == 3e-3)["mean_final_val_loss"], 2.55
+    )
 
 
 def test_a_choice_at_either_edge_of_the_grid_is_flagged_and_an_interior_one_is_not():
     tune = {"values": [1.5e-3, 3e-3, 6e-3], "chosen": {"dense": 6e-3, "moe": 3e-3, "tiny": 1.5e-3}}
     assert grid_edges(tune) == {"dense": 6e-3, "tiny": 1.5e-3}
-    assert grid_edge_text(tune) == "Chosen at an edge of the grid, so the best value may lie beyond it: dense 0.006, tiny 0.0015. "
+    assert (
+        grid_edge_text(tune)
+        == "Chosen at an edge of the grid, so the best value may lie beyond it: dense 0.006, tiny 0.0015. "
+    )
     assert grid_edges({"values": [1e-3, 2e-3, 3e-3, 1.2e-2], "chosen": {"dense": 3e-3}}) == {}
     assert grid_edge_text({"values": [1e-3, 3e-3], "chosen": {"a": 2e-3}}) == ""
     assert grid_edges({"values": ["glu", "mlp"], "chosen": {"a": "glu"}}) == {}  # not an ordered grid
@@ -425,7 +465,15 @@ def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus
     tune = json.loads((out / "tune.json").read_text())
     assert tune["chosen"] == {"pre": 3e-3, "post": 3e-3}  # 1e-6 learns nothing in 3 steps
     assert sorted(p.name for p in (out / "runs").iterdir()) == [
-        "post-L1", "post-L2", "pre-L1", "pre-L2", "tune-post-lr0.003", "tune-post-lr1e-06", "tune-pre-lr0.003", "tune-pre-lr1e-06"]
+        "post-L1",
+        "post-L2",
+        "pre-L1",
+        "pre-L2",
+        "tune-post-lr0.003",
+        "tune-post-lr1e-06",
+        "tune-pre-lr0.003",
+        "tune-pre-lr1e-06",
+    ]
     assert all((out / "runs" / n / "seed9").is_dir() for n in ("tune-pre-lr0.003", "tune-post-lr1e-06"))
     for r in rows:
         cfg = yaml.safe_load((out / "runs" / r["variant"] / "seed0" / "config.yaml").read_text())

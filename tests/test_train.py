@@ -21,7 +21,7 @@ from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
-from helpers import FAST_RUN, TINY_MODEL, WORDS, corpus
+from helpers import FAST_RUN, TINY_MODEL, corpus
 
 TINY = TINY_MODEL
 
@@ -47,7 +47,11 @@ def train(cfg: RunConfig, run_dir: Path, callbacks=(), **kw) -> tuple[TrainResul
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    return {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
 
 
 # ============================================================== parts
@@ -220,7 +224,8 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
     snapshots = {}
 
     with Trainer(cfg, tmp_path / "run", quiet=True,
-                 callbacks=[lambda t, r: snapshots.__setitem__(r["step"], t.model.head.weight.detach().clone())]) as trainer:
+                 callbacks=[lambda t, r: snapshots.__setitem__(r["step"],
+                                                               t.model.head.weight.detach().clone())]) as trainer:
         # on the final hidden states: the training loss reads the head's weight, not the head module
         trainer.model.final_norm.register_forward_hook(
             lambda m, i, out: out * float("nan") if trainer.step + 1 in bad_loss and m.training else None)
@@ -291,8 +296,22 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     train(cfg, tmp_path / "one")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "lmlab.cli", "train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "two"), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "lmlab.cli",
+        "train",
+        "--config",
+        str(tmp_path / "run.yaml"),
+        "--run-dir",
+        str(tmp_path / "two"),
+        "--quiet",
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -325,8 +344,22 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path)
                                 "checkpoint.every": 100000})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "lmlab.cli", "train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "lmlab.cli",
+        "train",
+        "--config",
+        str(tmp_path / "run.yaml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--quiet",
+    ]
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120

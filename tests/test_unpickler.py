@@ -121,7 +121,7 @@ def refused(victim: tuple[Path, Path], data: bytes) -> str:
 def sharded_run(tmp_path_factory) -> Path:
     """A tiny run whose only checkpoint (step 2) is a distributed (DCP) one, written by one process."""
     tmp = tmp_path_factory.mktemp("sharded")
-    cfg = run_config(tmp, steps=2, save_every=2, eval_every=2, eval_batches=1)
+    cfg = run_config(tmp, {"train.steps": 2, "checkpoint.every": 2, "eval.every": 2, "eval.batches": 1})
     _, _, trainer = train(cfg, tmp / "run")
     path = ckpt.step_dir(tmp / "run" / "checkpoints", 2)
     state = ckpt.load_state(path)
@@ -239,7 +239,8 @@ NAMES = [(M, "os.system"), (M, "torch.os.system"), (M, "torch.serialization.os.s
          ("torch", "Size.__class__"), ("torch", "float32.__class__"), ("torch.serialization", "os.system"),
          ("torch.serialization", "_get_layout.__globals__"), ("torch.distributed.checkpoint.filesystem", "os.system"),
          ("torch.distributed.checkpoint", "metadata.torch.load"), ("torch.distributed.checkpoint", "metadata.Metadata"),
-         ("torch.distributed", "checkpoint.metadata.Metadata"), ("pathlib", "os.system"), ("pathlib", "PosixPath.touch"),
+         ("torch.distributed", "checkpoint.metadata.Metadata"), ("pathlib", "os.system"),
+         ("pathlib", "PosixPath.touch"),
          ("pathlib", "Path"), ("builtins", "getattr"), ("builtins", "eval"), ("builtins", "exec"),
          ("builtins", "__import__"), ("__builtin__", "eval"), ("os", "system"), ("posix", "system"),
          ("subprocess", "call"), ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),

@@ -78,7 +78,9 @@ class RopeConfig(Config):
         check_positive("rope.base", self.base)
         check_positive("rope.factor", self.factor)
         if self.scaling != "none" and self.factor < 1.0:
-            raise ValueError(f"rope.factor={self.factor} is not valid for rope.scaling={self.scaling!r}; use factor >= 1")
+            raise ValueError(
+                f"rope.factor={self.factor} is not valid for rope.scaling={self.scaling!r}; use factor >= 1"
+            )
         if self.original_max_seq_len is not None:
             check_positive("rope.original_max_seq_len", self.original_max_seq_len)
         if self.beta_fast <= self.beta_slow:
@@ -86,7 +88,8 @@ class RopeConfig(Config):
         check_positive("rope.low_freq_factor", self.low_freq_factor)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
-                f"rope.high_freq_factor={self.high_freq_factor} must be greater than rope.low_freq_factor={self.low_freq_factor}"
+                f"rope.high_freq_factor={self.high_freq_factor} "
+                f"must be greater than rope.low_freq_factor={self.low_freq_factor}"
             )
         for name in ("attention_factor", "mscale", "mscale_all_dim"):
             value = getattr(self, name)
@@ -162,7 +165,8 @@ class MoEConfig(Config):
         for name in ("n_shared", "first_dense"):
             check_size(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_size("moe.n_experts*granularity", self.routed_experts)
-        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate"):
+        for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef",
+                     "bias_update_rate"):
             check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_positive("moe.routed_scale", self.routed_scale)
         if self.d_expert is not None:
@@ -170,7 +174,9 @@ class MoEConfig(Config):
         if self.shared_d_ff is not None:
             check_size("moe.shared_d_ff", self.shared_d_ff)
             if self.n_shared == 0:
-                raise ValueError(f"moe.shared_d_ff={self.shared_d_ff} sets the width of shared experts; set moe.n_shared >= 1")
+                raise ValueError(
+                    f"moe.shared_d_ff={self.shared_d_ff} sets the width of shared experts; set moe.n_shared >= 1"
+                )
         if self.capacity_factor is not None:
             check_positive("moe.capacity_factor", self.capacity_factor)
         if self.top_k > self.n_experts:

@@ -14,7 +14,9 @@ from .init import Init
 
 ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),  # GPT-2's "gelu_new"; a partial pickles, a lambda does not
+    "gelu_tanh": functools.partial(
+        F.gelu, approximate="tanh"
+    ),  # GPT-2's "gelu_new"; a partial pickles, a lambda does not
     "silu": F.silu,
     "relu": F.relu,
 }

@@ -300,7 +300,7 @@ def decode_eager(r: Request) -> Iterator[torch.Tensor]:
     for t in range(r.n):
         with r.ctx():
             if t > 0:
-                logits = model.head(model.hidden(tok[:, None], cache)[:, -1])  # (B, V)
+                logits = model.head(model.hidden(tok[:, None], cache)[:, -1])  # noqa: F821 (B, V): last step's tok
             if r.noise is not None:
                 r.noise.begin(t)
             tok, done = r.choose(logits, t, done)  # (B,)

@@ -50,7 +50,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     chunk of logits at a time; hidden (N, C), weight (V, C), targets (N,) long."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, grads: bool):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                grads: bool):
         h_NC, w_VC = hidden.to(dtype), weight.to(dtype)  # autocast's casts, done by hand
         valid_N = targets != IGNORE_INDEX
         n_valid = valid_N.sum()  # a tensor: no host sync
@@ -103,7 +104,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if targets.numel() * weight.shape[0] <= CHUNK_ELEMENTS:  # one chunk: the plain path is that chunk
         return linear_cross_entropy_reference(hidden, weight, targets)
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten().long(), compute_dtype(hidden), grads)
+    return LinearCrossEntropy.apply(
+        hidden.flatten(0, -2), weight, targets.flatten().long(), compute_dtype(hidden), grads
+    )
 
 
 LOSSES = {"chunked": linear_cross_entropy, "plain": linear_cross_entropy_reference}

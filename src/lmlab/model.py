@@ -101,7 +101,8 @@ class LMOutput:
         return self.head(self.hidden)
 
 
-def under_autocast_of(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def under_autocast_of(x: torch.Tensor,
+                      fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """``fn`` that runs under the autocast state in force now on x's device, whenever it is called."""
     device = x.device.type
     enabled = torch.is_autocast_enabled(device)
@@ -142,7 +143,8 @@ class Transformer(nn.Module):
 
     # ---- forward
     def hidden(
-        self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None, attention_mask: torch.Tensor | None = None
+        self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None,
+        attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Final hidden states (B, T, C) for token ids (B, T); advances ``cache`` if given.
 
@@ -213,7 +215,9 @@ class Transformer(nn.Module):
         """An empty KV cache on the model's device, in the weights' dtype unless ``dtype`` is given
         (under bf16 autocast the weights stay fp32; pass ``dtype=torch.bfloat16`` to halve its memory)."""
         p = self.head.weight
-        return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=dtype or p.dtype)
+        return KVCache(
+            self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=dtype or p.dtype
+        )
 
     def moe_stats(self) -> list[dict[str, float]]:
         """Load statistics of each MoE layer from the last forward (empty for dense models)."""
@@ -278,7 +282,8 @@ class SequenceClassifier(nn.Module):
         """The body's (``Transformer.embedding_parameters``): the optimizer does not decay them."""
         return self.body.embedding_parameters()
 
-    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.body.hidden(idx)  # (B, T, C)
         not_pad = (idx != self.pad_token_id).long()
         last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index
@@ -314,4 +319,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.residual_scaling == "gpt2" else cfg.init_std
     beta = deepnorm_beta(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else None
     embed_std = cfg.d_model ** -0.5 if cfg.init == "xavier" else None
-    init_module(model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta, cfg.init, embed_std))
+    init_module(
+        model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta, cfg.init, embed_std)
+    )

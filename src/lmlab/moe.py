@@ -468,7 +468,9 @@ def probe_grouped_mm(device: str, dtype: torch.dtype) -> bool:
             g_w = _GROUPED_MM(y.transpose(0, 1), x, offs=offs)  # (3, 32, 16)
             x32, y32 = x.float(), grouped_mm_split(x.float(), w.float(), offs)
             g_w_ref = torch.stack([y32[:8].T @ x32[:8], torch.zeros(32, 16, device=device), y32[8:].T @ x32[8:]])
-            close = lambda a, b: bool(torch.allclose(a.float(), b, rtol=2e-2, atol=2e-2 * float(b.abs().max())))
+            def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+                return bool(torch.allclose(a.float(), b, rtol=2e-2, atol=2e-2 * float(b.abs().max())))
+
             return close(y, y32) and close(g_w, g_w_ref)
     except (RuntimeError, NotImplementedError, TypeError):
         return False

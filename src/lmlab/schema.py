@@ -388,7 +388,8 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def _load_text(path_or_text: str | Path, parse: Any) -> Any:
-    if isinstance(path_or_text, Path) or ("\n" not in str(path_or_text) and not str(path_or_text).lstrip().startswith(("{", "["))):
+    if isinstance(path_or_text, Path) or ("\n" not in str(path_or_text)
+                                          and not str(path_or_text).lstrip().startswith(("{", "["))):
         p = Path(path_or_text)
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")

@@ -40,7 +40,8 @@ def spec_path(name: str) -> Path:
     return Path(__file__).with_name(f"{name}.yaml")
 
 
-def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = None, profile: str | None = None) -> SweepSpec:
+def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = None,
+                         profile: str | None = None) -> SweepSpec:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
     return load_spec(spec_path(name), quick=quick, seeds=seeds, profile=profile)
@@ -60,8 +61,9 @@ def data_report(out: Path, outcome: Outcome) -> dict:
             "data_identity": ident, "val_fraction": meta.split.val_fraction}
 
 
-def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None, profile: str | None = None,
-                   command: str | None = None, log=print, jobs: int = 1, threads: int | None = None) -> Path:
+def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None,
+                   profile: str | None = None, command: str | None = None, log=print, jobs: int = 1,
+                   threads: int | None = None) -> Path:
     """Run experiment ``name`` into ``out`` (resuming what is there) and write its report; returns report.md."""
     module = EXPERIMENTS[name]
     spec = load_experiment_spec(name, quick=quick, seeds=seeds, profile=profile)

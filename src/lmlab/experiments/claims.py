@@ -23,7 +23,10 @@ from ..run.metrics import jsonable
 from .stats import Claimed, Interval, Verdict, decide, label
 
 SCHEMA = 2
-BEGIN, END = "<!-- claims-table: generated from results/*/verdict.json; do not edit by hand -->", "<!-- claims-table end -->"
+BEGIN, END = (
+    "<!-- claims-table: generated from results/*/verdict.json; do not edit by hand -->",
+    "<!-- claims-table end -->",
+)
 
 
 @dataclasses.dataclass
@@ -39,7 +42,9 @@ class Claim:
     claimed: Claimed = "lower"
     unit: str = "nats"
     detail: str = ""  # the numbers behind it, one line
-    untestable: str = ""  # why the runs cannot test the claim (e.g. neither arm learned): inconclusive, whatever the interval
+    untestable: str = (
+        ""  # why the runs cannot test the claim (e.g. neither arm learned): inconclusive, whatever the interval
+    )
 
     @property
     def verdict(self) -> Verdict | None:
@@ -52,15 +57,27 @@ class Claim:
         """A difference whose interval excludes zero yet lies inside the tie margin: real, but smaller
         than what reseeding one run moves it by."""
         iv = self.interval
-        return bool(not self.untestable and iv is not None and iv.excludes_zero() and math.isfinite(self.margin) and -self.margin < iv.lo and iv.hi < self.margin)
+        return bool(
+            not self.untestable
+            and iv is not None
+            and iv.excludes_zero()
+            and math.isfinite(self.margin)
+            and -self.margin < iv.lo
+            and iv.hi < self.margin
+        )
 
     def line(self) -> str:
         """A markdown bullet: the claim, its verdict and the interval."""
         iv = self.interval.text() if self.interval is not None else "not measured"
         margin = f"; margin ±{self.margin:.3f}" if math.isfinite(self.margin) else ""
-        small = " (inside the tie margin: a real difference, but smaller than reseeding one run moves it)" if self.negligible else ""
+        small = (
+            " (inside the tie margin: a real difference, but smaller than reseeding one run moves it)"
+            if self.negligible
+            else ""
+        )
         small += f" ({self.untestable})" if self.untestable else ""
-        return f"- **{self.id}** — {self.claim}: {label(self.verdict)}{small}. Difference {iv} {self.unit}{margin}. {self.detail}".rstrip()
+        return (f"- **{self.id}** — {self.claim}: {label(self.verdict)}{small}. "
+                f"Difference {iv} {self.unit}{margin}. {self.detail}").rstrip()
 
     def to_json(self) -> dict[str, Any]:
         iv = self.interval
@@ -111,13 +128,26 @@ def claims_table(results: str | Path) -> str:
     for path in sorted(Path(results).glob("*/verdict.json")):
         data = json.loads(path.read_text())
         if data.get("schema") != SCHEMA:
-            lines.append(f"| [{path.parent.name}]({path.parent.name}/report.md) | (an older report without intervals) | — | — | — | — |")
+            lines.append(
+                f"| [{path.parent.name}]({path.parent.name}/report.md) | (an older report without intervals) "
+                "| — | — | — | — |"
+            )
             continue
         for c in data["claims"]:
             ci = c.get("ci95") or [None, None]
-            diff = f"{_cell(c['difference'])} [{_cell(ci[0])}, {_cell(ci[1])}] {c['unit']}" if c["difference"] is not None else "—"
-            margin = f"±{c['margin']:.3f}" if isinstance(c.get("margin"), (int, float)) and math.isfinite(c["margin"]) else "—"
-            small = " (inside the tie margin)" if c.get("negligible") else " (untestable)" if c.get("untestable") else ""
+            diff = (
+                f"{_cell(c['difference'])} [{_cell(ci[0])}, {_cell(ci[1])}] {c['unit']}"
+                if c["difference"] is not None
+                else "—"
+            )
+            margin = (
+                f"±{c['margin']:.3f}"
+                if isinstance(c.get("margin"), (int, float)) and math.isfinite(c["margin"])
+                else "—"
+            )
+            small = (
+                " (inside the tie margin)" if c.get("negligible") else " (untestable)" if c.get("untestable") else ""
+            )
             lines.append(f"| [{data['experiment']}]({path.parent.name}/report.md) | {c['id']}: {c['claim']} | "
                          f"{label(c['verdict'])}{small} | {diff} | {margin} | {c['n']} |")
     return "\n".join(lines) + "\n"

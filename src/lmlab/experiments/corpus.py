@@ -132,7 +132,11 @@ def near_duplicates(texts: list[str], threshold: float = NEAR) -> dict[int, int]
     """Index of each near-duplicate -> the earlier kept document it duplicates (greedy in order)."""
     perms = _permutations()
     cache: dict[str, int] = {}
-    sigs = np.stack([minhash(shingle_hashes(t, cache=cache), perms) for t in texts]) if texts else np.zeros((0, PERMUTATIONS), np.uint64)
+    sigs = (
+        np.stack([minhash(shingle_hashes(t, cache=cache), perms) for t in texts])
+        if texts
+        else np.zeros((0, PERMUTATIONS), np.uint64)
+    )
     buckets: dict[tuple[int, bytes], list[int]] = {}
     dropped: dict[int, int] = {}
     for i in range(len(texts)):

@@ -75,7 +75,10 @@ def losses(rows: list[dict], arm: str, init_loss: float) -> dict[int, float]:
 
 def compare(rows: list[dict], a: str, b: str, value) -> tuple[Any, list[float], list[float]]:
     """Paired interval of value(a) - value(b) over the seeds both arms trained."""
-    va, vb = ({r["seed"]: value(r) for r in rows if r["variant"] == a}, {r["seed"]: value(r) for r in rows if r["variant"] == b})
+    va, vb = (
+        {r["seed"]: value(r) for r in rows if r["variant"] == a},
+        {r["seed"]: value(r) for r in rows if r["variant"] == b},
+    )
     seeds = sorted(set(va) & set(vb))
     x, y = [va[s] for s in seeds], [vb[s] for s in seeds]
     return (paired_interval(x, y) if seeds else None), x, y
@@ -92,23 +95,58 @@ def moe_claims(rows: list[dict], *, init_loss: float) -> list[Claim]:
     margin = tie_margin([list(losses(rows, a, init_loss).values()) for a in arms])
     loss = lambda r: capped(r, init_loss)  # noqa: E731
     spec = [
-        ("capacity", "fg-m4-shared", "dense", "an MoE layer adds capacity at equal active parameters (DeepSeekMoE m=4 + shared vs dense)"),
-        ("fine-grained", "fg-m4", "gshard-top2", "fine-grained experts beat top-2 routing at equal total and active parameters (m=4 vs GShard)"),
+        (
+            "capacity",
+            "fg-m4-shared",
+            "dense",
+            "an MoE layer adds capacity at equal active parameters (DeepSeekMoE m=4 + shared vs dense)",
+        ),
+        (
+            "fine-grained",
+            "fg-m4",
+            "gshard-top2",
+            "fine-grained experts beat top-2 routing at equal total and active parameters (m=4 vs GShard)",
+        ),
         ("shared", "fg-m4-shared", "fg-m4", "a shared expert improves fine-grained routing (m=4 + shared vs m=4)"),
-        ("loss-free", "fg-m4-shared-lossfree", "fg-m4-shared", "auxiliary-loss-free balancing trains better than the balance loss (DeepSeek-V3)"),
+        (
+            "loss-free",
+            "fg-m4-shared-lossfree",
+            "fg-m4-shared",
+            "auxiliary-loss-free balancing trains better than the balance loss (DeepSeek-V3)",
+        ),
     ]
     claims = []
     for cid, a, b, text in spec:
         iv, x, y = compare(rows, a, b, loss)
-        claims.append(Claim("moe", cid, text, f"Final loss of {a} minus {b}, paired by seed, below 0.", iv, margin, "lower",
-                            detail=f"{a} {_m(x)}, {b} {_m(y)}."))
+        claims.append(
+            Claim(
+                "moe",
+                cid,
+                text,
+                f"Final loss of {a} minus {b}, paired by seed, below 0.",
+                iv,
+                margin,
+                "lower",
+                detail=f"{a} {_m(x)}, {b} {_m(y)}.",
+            )
+        )
     log_load = lambda r: math.log(r["max_load_val"]) if r.get("max_load_val", 0) > 0 else float("nan")  # noqa: E731
     load_margin = tie_margin([[log_load(r) for r in rows if r["variant"] == a] for a in arms if a != "dense"])
     iv, x, y = compare(rows, "fg-m4-shared-nobalance", "fg-m4-shared", log_load)
-    claims.append(Claim("moe", "collapse", "without balancing, routing collapses onto few experts",
-                        "log(max/mean expert load on validation) without balancing minus with the balance loss, paired by seed, above 0.",
-                        iv, load_margin, "higher", "log load ratio",
-                        f"max/mean load: none {_m([math.exp(v) for v in x], 2)}, aux loss {_m([math.exp(v) for v in y], 2)}."))
+    claims.append(
+        Claim(
+            "moe",
+            "collapse",
+            "without balancing, routing collapses onto few experts",
+            "log(max/mean expert load on validation) without balancing minus with the balance loss, "
+            "paired by seed, above 0.",
+            iv,
+            load_margin,
+            "higher",
+            "log load ratio",
+            f"max/mean load: none {_m([math.exp(v) for v in x], 2)}, aux loss {_m([math.exp(v) for v in y], 2)}.",
+        )
+    )
     return claims
 
 
@@ -120,13 +158,16 @@ def arm_table(rows: list[dict], tune: dict | None, init_loss: float) -> list[dic
     for arm in dict.fromkeys(r["variant"] for r in rows):
         runs = [r for r in rows if r["variant"] == arm]
         first, vals = runs[0], list(losses(rows, arm, init_loss).values())
-        iv, _, _ = compare(rows, arm, "dense", lambda r: capped(r, init_loss)) if arm != "dense" and dense else (None, [], [])
+        iv, _, _ = (
+            compare(rows, arm, "dense", lambda r: capped(r, init_loss)) if arm != "dense" and dense else (None, [], [])
+        )
         finite = [v for v in vals if math.isfinite(v)]
         out.append({
             "arm": arm, "seeds": len(runs), "lr": f"{chosen[arm]:g}" if arm in chosen else "—",
             "total params": f"{first['total_params']:,}", "active params": f"{first['active_params']:,}",
             "FLOPs/token": f"{first['flops_per_token'] / 1e6:.2f}M",
-            "final val loss": f"{statistics.fmean(finite):.3f} ± {statistics.stdev(finite):.3f}" if len(finite) > 1 else _m(finite),
+            "final val loss": (f"{statistics.fmean(finite):.3f} ± {statistics.stdev(finite):.3f}" if len(finite) > 1
+                               else _m(finite)),
             "vs dense [95% CI]": iv.text() if iv else "—",
             "wall (min)": f"{statistics.fmean(r['wall_s'] for r in runs) / 60:.1f}",
             "tokens/s": f"{statistics.fmean(r['tokens_per_s'] for r in runs):,.0f}",
@@ -195,27 +236,39 @@ def markdown(spec, rows, claims, tune, *, command, wall_s, data, init_loss) -> s
     t = cfg.train
     seeds = {v.name: len(spec.seeds_of(v)) for v in spec.variants}
     few = [n for n, k in seeds.items() if k < len(spec.seeds)]
-    text = report_header("Claim 3: mixture-of-experts adds capacity without a matching rise in per-token compute", command,
-                         spec, wall_s, rows, data)
+    text = report_header(
+        "Claim 3: mixture-of-experts adds capacity without a matching rise in per-token compute",
+        command,
+        spec,
+        wall_s,
+        rows,
+        data,
+    )
     text += (
         "## What was measured\n\n" + spec.description + "\n\n"
-        f"Body: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {cfg.model.ffn}/{cfg.model.activation}, dense FFN width "
-        f"F = {cfg.model.d_ff}, vocab {cfg.model.vocab_size}. Every run: {t.steps} steps of {t.batch_size}×{cfg.seq_len} tokens "
-        f"({t.steps * t.batch_size * cfg.seq_len:,} tokens), {cfg.optim.warmup_steps} warmup steps and cosine decay to lr/10, identical "
-        "data order per seed. " + (f"Learning rate per arm from {tune['values']} by a tuning run of {spec.tune.overrides.get('train.steps', t.steps)} "
-                                   f"steps (seed {tune['seeds']}, not reused). " + grid_edge_text(tune) if tune and spec.tune else "")
-        + (f"Arms no verdict rests on ({', '.join(few)}) train the first {min(seeds[n] for n in few)} seeds; the others "
-           f"{len(spec.seeds)}. " if few else "")
-        + f"Active parameters include the router; the sweep refuses arms more than 5% from dense. {eval_slice_text(spec)}.\n\n"
-        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (the same seed: the same data order and the "
-        f"same draws for the shared layers' weights), 95% t intervals; tie margin 2 × the median seed std (loss ±{claims[0].margin:.3f} "
-        f"nats). Equal compute is a setup check, not a criterion: the sweep refuses unequal active parameters.\n\n"
+        f"Body: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {cfg.model.ffn}/{cfg.model.activation}, "
+        f"dense FFN width F = {cfg.model.d_ff}, vocab {cfg.model.vocab_size}. Every run: {t.steps} steps of "
+        f"{t.batch_size}×{cfg.seq_len} tokens ({t.steps * t.batch_size * cfg.seq_len:,} tokens), "
+        f"{cfg.optim.warmup_steps} warmup steps and cosine decay to lr/10, identical "
+        "data order per seed. " + (f"Learning rate per arm from {tune['values']} by a tuning run of "
+                                   f"{spec.tune.overrides.get('train.steps', t.steps)} "
+                                   f"steps (seed {tune['seeds']}, not reused). " + grid_edge_text(tune)
+                                   if tune and spec.tune else "")
+        + (f"Arms no verdict rests on ({', '.join(few)}) train the first {min(seeds[n] for n in few)} seeds; "
+           f"the others {len(spec.seeds)}. " if few else "")
+        + "Active parameters include the router; the sweep refuses arms more than 5% from dense. "
+        f"{eval_slice_text(spec)}.\n\n"
+        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (the same seed: the same data order "
+        "and the same draws for the shared layers' weights), 95% t intervals; tie margin 2 × the median seed std "
+        f"(loss ±{claims[0].margin:.3f} nats). Equal compute is a setup check, not a criterion: the sweep refuses "
+        "unequal active parameters.\n\n"
         + criteria_text(claims) + "\n## Results\n\n" + markdown_table(arm_table(rows, tune, init_loss))
         + "\n![val loss vs tokens](val_loss_vs_tokens.png)\n\n![val loss vs wall time](val_loss_vs_wall_time.png)\n\n"
         "![expert load](expert_load_heatmaps.png)\n\n![balance](balance_max_load.png)\n\n"
         "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n"
-        "Wall time is this CPU and this implementation (dropless, one thread): MoE's routing costs more here than on a GPU "
-        "with grouped GEMMs; read the tokens/s column as a property of the setup.\n\n" + paper_note(claims, cfg, (tune or {}).get("chosen"))
+        "Wall time is this CPU and this implementation (dropless, one thread): MoE's routing costs more here "
+        "than on a GPU with grouped GEMMs; read the tokens/s column as a property of the setup.\n\n"
+        + paper_note(claims, cfg, (tune or {}).get("chosen"))
     )
     return text
 
@@ -225,20 +278,25 @@ def paper_note(claims: list[Claim], cfg, chosen: dict | None = None) -> str:
     v = {c.id: c.verdict for c in claims}
     notes = []
     if v.get("capacity") != "reproduced" or v.get("fine-grained") != "reproduced":
-        notes.append(f"DeepSeekMoE's comparisons (Dai et al. 2024, sec. 4) use 2B-parameter models on 100B tokens, experts "
-                     f"hundreds of units wide; here the dense FFN is {cfg.model.d_ff} wide, so m=4 experts are "
-                     f"{cfg.model.d_ff // 8} wide, and each run trains on {cfg.train.steps * cfg.train.batch_size * cfg.seq_len / 1e6:.1f}M "
-                     "tokens. Routing has less to specialize on, and an expert that narrow is a weak "
-                     "function: the setup difference most likely to explain a missing gain. Showing it needs a wider "
-                     "body, more than one extra arm's budget here; the --profile gpu size is the place to test it.")
+        notes.append(
+            f"DeepSeekMoE's comparisons (Dai et al. 2024, sec. 4) use 2B-parameter models on 100B tokens, experts "
+            f"hundreds of units wide; here the dense FFN is {cfg.model.d_ff} wide, so m=4 experts are "
+            f"{cfg.model.d_ff // 8} wide, and each run trains on "
+            f"{cfg.train.steps * cfg.train.batch_size * cfg.seq_len / 1e6:.1f}M "
+            "tokens. Routing has less to specialize on, and an expert that narrow is a weak "
+            "function: the setup difference most likely to explain a missing gain. Showing it needs a wider "
+            "body, more than one extra arm's budget here; the --profile gpu size is the place to test it."
+        )
     dense_lr, moe_lr = (chosen or {}).get("dense"), (chosen or {}).get("fg-m4-shared")
     if v.get("capacity") != "reproduced" and None not in (dense_lr, moe_lr) and dense_lr != moe_lr:
         notes.append(f"Dense trained at lr {dense_lr:g} and m=4 + shared at {moe_lr:g}, each chosen by tuning runs "
                      "shorter than the main runs, which may rank rates differently from full-length runs: the choice "
                      "is a second setup difference in the capacity comparison.")
     if v.get("loss-free") == "opposite":
-        notes.append("DeepSeek-V3 tuned gamma for 671B parameters and 14.8T tokens; gamma 1e-3 over a few thousand steps moves "
-                     "the biases by at most a few units, which may be too slow or too fast for this run length.")
+        notes.append(
+            "DeepSeek-V3 tuned gamma for 671B parameters and 14.8T tokens; gamma 1e-3 over a few thousand steps moves "
+            "the biases by at most a few units, which may be too slow or too fast for this run length."
+        )
     return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 
 
@@ -248,8 +306,17 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     init_loss = (limits or {}).get("init", math.log(spec.configs["dense"].model.vocab_size))
     claims = moe_claims(rows, init_loss=init_loss)
     main = [a for a in arms if a not in BALANCE or a == "fg-m4-shared"]
-    plots = [plot_curves(out, spec, main, "tokens", "val_loss_vs_tokens.png"),
-             plot_curves(out, spec, main, "wall_s", "val_loss_vs_wall_time.png"), plot_heatmaps(rows, out), plot_balance(out, spec)]
-    atomic_write_text(out / "report.md", markdown(spec, rows, claims, tune, command=command, wall_s=wall_s, data=data, init_loss=init_loss))
-    write_verdicts(out, "moe", claims, {"plots": [p for p in plots if p], "tune": tune, "data": data, "seeds": spec.seeds})
+    plots = [
+        plot_curves(out, spec, main, "tokens", "val_loss_vs_tokens.png"),
+        plot_curves(out, spec, main, "wall_s", "val_loss_vs_wall_time.png"),
+        plot_heatmaps(rows, out),
+        plot_balance(out, spec),
+    ]
+    atomic_write_text(
+        out / "report.md",
+        markdown(spec, rows, claims, tune, command=command, wall_s=wall_s, data=data, init_loss=init_loss),
+    )
+    write_verdicts(
+        out, "moe", claims, {"plots": [p for p in plots if p], "tune": tune, "data": data, "seeds": spec.seeds}
+    )
     return out / "report.md"

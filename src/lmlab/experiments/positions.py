@@ -145,7 +145,11 @@ class Hooks(SweepHooks):
         self.snap_steps = {max(1, round(total * f)) for f in SNAPSHOT_FRACTIONS} - {total}
 
     def ft_measure(self, model, data) -> dict[str, Any]:
-        m = {k: v for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items() if not k.startswith("pp_")}
+        m = {
+            k: v
+            for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
+            if not k.startswith("pp_")
+        }
         return {**m, **copy_metrics(model, data, self.L, LONG)}
 
     def callbacks(self, variant, seed, run_dir):
@@ -163,7 +167,9 @@ class Hooks(SweepHooks):
                     r = length_metrics(rescaled(model, method, float(m), L), data, L, (m,), self.tokens)
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
-                    out[f"zs_{name}_copy_{m}x_far"] = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4))
+                    out[f"zs_{name}_copy_{m}x_far"] = copy_probe(
+                        rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4)
+                    )
         return out
 
 
@@ -209,7 +215,9 @@ def never_copies(in_range: list[float]) -> str:
     even within its training length has no retrieval for an extension to carry further."""
     v = [x for x in in_range if math.isfinite(x)]
     if v and statistics.fmean(v) < COPY_LEARNED:
-        return f"untestable: rope's in-range copy accuracy is {statistics.fmean(v):.3f}, the models never learned to copy"
+        return (
+            f"untestable: rope's in-range copy accuracy is {statistics.fmean(v):.3f}, the models never learned to copy"
+        )
     return ""
 
 
@@ -219,35 +227,69 @@ def positions_claims(rows: list[dict], *, L: int) -> list[Claim]:
     margin = tie_margin([[num(r.get("beyond_8x")) for r in seeds_of(rows, n).values()] for n in schemes])
     claims = []
     for m in LONG:
-        iv, a, b = paired(rows, "rope", "rope", lambda r: num(r.get(f"zs_yarn_beyond_{m}x")), lambda r: num(r.get(f"beyond_{m}x")))
-        claims.append(Claim("positions", f"zero-shot-yarn-{m}x", f"YaRN extends rope zero-shot to {m}x the training length",
-                            f"Beyond-range loss (positions >= {L}) at {m * L} tokens: rope with YaRN (factor {m}) minus unscaled "
-                            "rope, the same trained model, paired by seed, below 0.", iv, margin, "lower",
-                            detail=f"YaRN {_m(a)}, unscaled {_m(b)}."))
+        iv, a, b = paired(
+            rows, "rope", "rope", lambda r: num(r.get(f"zs_yarn_beyond_{m}x")), lambda r: num(r.get(f"beyond_{m}x"))
+        )
+        claims.append(
+            Claim(
+                "positions",
+                f"zero-shot-yarn-{m}x",
+                f"YaRN extends rope zero-shot to {m}x the training length",
+                f"Beyond-range loss (positions >= {L}) at {m * L} tokens: rope with YaRN (factor {m}) minus unscaled "
+                "rope, the same trained model, paired by seed, below 0.",
+                iv,
+                margin,
+                "lower",
+                detail=f"YaRN {_m(a)}, unscaled {_m(b)}.",
+            )
+        )
     for method in ("yarn", "pi"):
         ra, rb = seeds_of(rows, f"rope-ft-{method}"), seeds_of(rows, "rope-ft-none")
         effects = [extension_effect(ra[s], rb[s], None) for s in sorted(set(ra) & set(rb))]
+        gain_beyond = [ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb]
+        gain_in = [ft_value(ra[s], None, 'in_8x') - ft_value(rb[s], None, 'in_8x') for s in ra if s in rb]
         claims.append(Claim("positions", f"ft-extension-{method}",
                             f"fine-tuning with {DISPLAY[method]} helps beyond the training length more than within it",
-                            "At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range positions minus the "
-                            "same on in-range positions, per seed, below 0 (an extension effect, not a general gain).",
+                            "At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range "
+                            "positions minus the same on in-range positions, per seed, below 0 "
+                            "(an extension effect, not a general gain).",
                             mean_interval(effects) if effects else None, margin, "lower",
-                            detail=f"Gain beyond {_m([ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb])}, "
-                                   f"in range {_m([ft_value(ra[s], None, 'in_8x') - ft_value(rb[s], None, 'in_8x') for s in ra if s in rb])} nats."))
+                            detail=f"Gain beyond {_m(gain_beyond)}, in range {_m(gain_in)} nats."))
     copy_margin = tie_margin([[num(r.get("copy_8x_far")) for r in seeds_of(rows, n).values()] for n in schemes])
     iv, a, b = paired(rows, "rope-ft-yarn", "rope-ft-none", lambda r: ft_value(r, None, "copy_8x_far"))
     in_range = [num(r.get("copy_1x")) for r in seeds_of(rows, "rope").values()]
-    claims.append(Claim("positions", "retrieval-yarn", "a YaRN fine-tune retrieves across more than the training length",
-                        f"Copy-probe accuracy with the first copy {8 * L - COPY_K} tokens back (8x window): YaRN fine-tune minus "
-                        f"unscaled fine-tune, paired by seed, above 0. Testable only if rope copies within its training length "
-                        f"(mean copy 1x at least {COPY_LEARNED}).", iv, copy_margin, "higher", "accuracy",
-                        f"YaRN {_m(a)}, unscaled {_m(b)}; rope's copy 1x {_m(in_range)}.", untestable=never_copies(in_range)))
+    claims.append(
+        Claim(
+            "positions",
+            "retrieval-yarn",
+            "a YaRN fine-tune retrieves across more than the training length",
+            f"Copy-probe accuracy with the first copy {8 * L - COPY_K} tokens back (8x window): YaRN fine-tune minus "
+            f"unscaled fine-tune, paired by seed, above 0. Testable only if rope copies within its training length "
+            f"(mean copy 1x at least {COPY_LEARNED}).",
+            iv,
+            copy_margin,
+            "higher",
+            "accuracy",
+            f"YaRN {_m(a)}, unscaled {_m(b)}; rope's copy 1x {_m(in_range)}.",
+            untestable=never_copies(in_range),
+        )
+    )
     grow = lambda r: num(r.get("beyond_8x")) - num(r.get("loss_1x"))  # noqa: E731
     iv, a, b = paired(rows, "relative", "relative-clip16", grow)
-    claims.append(Claim("positions", "shaw-flat-from-clip", "Shaw's relative positions looked flat beyond the training length "
-                        "only because their clip (16) was shorter than it", f"(Beyond-range loss at 8x minus loss at 1x) with clip "
-                        f"{L} minus the same with clip 16, paired by seed, above 0.", iv, margin, "higher",
-                        detail=f"Growth with clip {L}: {_m(a)}; with clip 16: {_m(b)}."))
+    claims.append(
+        Claim(
+            "positions",
+            "shaw-flat-from-clip",
+            "Shaw's relative positions looked flat beyond the training length "
+            "only because their clip (16) was shorter than it",
+            f"(Beyond-range loss at 8x minus loss at 1x) with clip "
+            f"{L} minus the same with clip 16, paired by seed, above 0.",
+            iv,
+            margin,
+            "higher",
+            detail=f"Growth with clip {L}: {_m(a)}; with clip 16: {_m(b)}.",
+        )
+    )
     return claims
 
 
@@ -256,7 +298,9 @@ def _ms(values: list[float], digits: int = 3) -> str:
     v = [x for x in values if math.isfinite(x)]
     if not v:
         return "—"
-    return f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}" if len(v) > 1 else f"{v[0]:.{digits}f}"
+    return (
+        f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}" if len(v) > 1 else f"{v[0]:.{digits}f}"
+    )
 
 
 def scheme_table(rows: list[dict], names: list[str]) -> list[dict]:
@@ -277,8 +321,13 @@ def scheme_table(rows: list[dict], names: list[str]) -> list[dict]:
 
 def zero_shot_table(rows: list[dict]) -> list[dict]:
     runs = list(seeds_of(rows, "rope").values())
-    out = [{"rope": "no scaling", **{f"{m}× {p}": _ms([num(r.get(f"{p}_{m}x")) for r in runs]) for m in LONG for p in ("in", "beyond")},
-            "copy 8× far": _ms([num(r.get("copy_8x_far")) for r in runs], 2)}]
+    out = [
+        {
+            "rope": "no scaling",
+            **{f"{m}× {p}": _ms([num(r.get(f"{p}_{m}x")) for r in runs]) for m in LONG for p in ("in", "beyond")},
+            "copy 8× far": _ms([num(r.get("copy_8x_far")) for r in runs], 2),
+        }
+    ]
     for name in METHODS:
         out.append({"rope": f"{name}, zero-shot", **{f"{m}× {p}": _ms([num(r.get(f"zs_{name}_{p}_{m}x")) for r in runs])
                                                    for m in LONG for p in ("in", "beyond")},
@@ -295,11 +344,16 @@ def finetune_table(rows: list[dict]) -> list[dict]:
         runs = seeds_of(rows, f"rope-ft-{method}")
         for step in steps:
             effect = [extension_effect(runs[s], base[s], step) for s in runs if s in base] if method != "none" else []
-            out.append({"fine-tune": method, "steps": int(step),
-                        **{f"8× {p}": _ms([ft_value(r, step, f"{p}_8x") for r in runs.values()]) for p in ("in", "beyond")},
-                        "16× beyond": _ms([ft_value(r, step, "beyond_16x") for r in runs.values()]),
-                        "copy 8× far": _ms([ft_value(r, step, "copy_8x_far") for r in runs.values()], 2),
-                        "extension effect vs none [95% CI]": mean_interval(effect).text() if effect else "—"})
+            out.append(
+                {
+                    "fine-tune": method,
+                    "steps": int(step),
+                    **{f"8× {p}": _ms([ft_value(r, step, f"{p}_8x") for r in runs.values()]) for p in ("in", "beyond")},
+                    "16× beyond": _ms([ft_value(r, step, "beyond_16x") for r in runs.values()]),
+                    "copy 8× far": _ms([ft_value(r, step, "copy_8x_far") for r in runs.values()], 2),
+                    "extension effect vs none [95% CI]": mean_interval(effect).text() if effect else "—",
+                }
+            )
     return out
 
 
@@ -366,26 +420,36 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
     schemes = [v.name for v in spec.variants if v.init_from is None]
     cfg, ft = spec.configs["rope"], spec.configs["rope-ft-none"]
     t = cfg.train
-    text = report_header("Claim 2: rotary positions let context be extended by adjusting the rotation range", command, spec,
-                         wall_s, rows, data)
+    text = report_header(
+        "Claim 2: rotary positions let context be extended by adjusting the rotation range",
+        command,
+        spec,
+        wall_s,
+        rows,
+        data,
+    )
     text += (
         "## What was measured\n\n"
         f"Schemes {', '.join(schemes)}, each a {cfg.model.n_layers}-layer, d_model {cfg.model.d_model} {cfg.model.ffn}/"
         f"{cfg.model.activation} model (vocab {cfg.model.vocab_size}) trained at context {L} for {t.steps} steps of "
-        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). Each is evaluated on ~{eval_tokens(spec):,} "
-        f"validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, in windows spread over the split; "
+        f"{t.batch_size}×{L} tokens ({t.steps * t.batch_size * L:,} tokens). Each is evaluated on "
+        f"~{eval_tokens(spec):,} validation tokens at every length {', '.join(str(m * L) for m in MULTIPLES)}, "
+        "in windows spread over the split; "
         f"in range = positions < {L}, beyond range = positions >= {L}. Rope is then fine-tuned at {ft.seq_len} tokens "
         f"({ft.train.steps} steps of {ft.train.batch_size}×{ft.seq_len}, constant lr {ft.optim.lr:g} after "
         f"{ft.optim.warmup_steps} warmup steps) with no scaling, PI (linear) and YaRN at factor {ft.seq_len // L}; the "
         f"snapshots after fewer steps are the fine-tune-steps sweep. {eval_slice_text(spec)}.\n\n"
-        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, data order "
-        f"and, for fine-tunes, the same rope model they start from), 95% t intervals; tie margin 2 × the median seed std "
+        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, "
+        "data order and, for fine-tunes, the same rope model they start from), 95% t intervals; "
+        "tie margin 2 × the median seed std "
         f"(loss ±{claims[0].margin:.3f} nats, copy accuracy ±{claims[-2].margin:.3f}).\n\n" + criteria_text(claims)
-        + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n" + markdown_table(scheme_table(rows, schemes))
+        + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n"
+        + markdown_table(scheme_table(rows, schemes))
         + "\n![loss by length](loss_by_length.png)\n\n![per-position loss at 16x](per_position.png)\n\n"
         "### Rope zero-shot (factor = length / training length)\n\n" + markdown_table(zero_shot_table(rows))
         + "\n### Rope fine-tuned at 8×: the steps sweep\n\n" + markdown_table(finetune_table(rows))
-        + "\n![fine-tune steps](finetune_steps.png)\n\n![rope extension per position](rope_extension_per_position.png)\n\n"
+        + "\n![fine-tune steps](finetune_steps.png)\n\n"
+          "![rope extension per position](rope_extension_per_position.png)\n\n"
         "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg, rows)
     )
     return text
@@ -410,41 +474,56 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
     v = {c.id: c.verdict for c in claims}
     notes = []
     if v.get("shaw-flat-from-clip") == "reproduced":
-        notes.append("Shaw's relative positions degrade beyond the training length once their clip covers it: the flat curve of "
-                     "the first version came from clip 16 < 64, where every offset past 16 shares one trained embedding. The "
-                     "clip-16 arm is that setup, shown.")
+        notes.append(
+            "Shaw's relative positions degrade beyond the training length once their clip covers it: the flat curve of "
+            "the first version came from clip 16 < 64, where every offset past 16 shares one trained embedding. The "
+            "clip-16 arm is that setup, shown."
+        )
     sin, scaled = _mean_loss(rows, "sinusoidal"), _mean_loss(rows, "sinusoidal-scaled")
     if sin - scaled > 0.05:  # False when either is missing (nan)
-        notes.append(f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, {sin - scaled:.2f} nats "
-                     f"worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): the unit-amplitude "
-                     "encoding swamps the token embeddings unless they are scaled up. The scale also makes the residual "
-                     f"stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the other schemes train "
-                     "unscaled, so the scaled arm's gap to them mixes a positions effect with an embedding-scale effect.")
+        notes.append(
+            f"Sinusoidal positions added to unscaled N(0, 0.02) embeddings trained to {sin:.3f}, "
+            f"{sin - scaled:.2f} nats worse than with Vaswani et al.'s sqrt(d_model) embedding scale ({scaled:.3f}): "
+            "the unit-amplitude encoding swamps the token embeddings unless they are scaled up. The scale also "
+            f"makes the residual stream {math.sqrt(cfg.model.d_model):.0f}x larger for every later layer, and the "
+            "other schemes train unscaled, so the scaled arm's gap to them mixes a positions effect with an "
+            "embedding-scale effect."
+        )
         rs = _mean_loss(rows, "rope-scaled")
         if math.isfinite(rs):
-            notes.append(f"With the same scale, rope trained to {rs:.3f} (unscaled {_mean_loss(rows, 'rope'):.3f}), against "
-                         f"{scaled:.3f} for scaled sinusoidal: at equal embedding scale the two schemes differ by "
-                         f"{scaled - rs:+.3f} nats.")
+            notes.append(
+                f"With the same scale, rope trained to {rs:.3f} (unscaled {_mean_loss(rows, 'rope'):.3f}), against "
+                f"{scaled:.3f} for scaled sinusoidal: at equal embedding scale the two schemes differ by "
+                f"{scaled - rs:+.3f} nats."
+            )
     if v.get("zero-shot-yarn-8x") != "reproduced" or v.get("zero-shot-yarn-16x") != "reproduced":
         r = cfg.model.rope
         full, ramp, kept = yarn_bands(cfg.model.head_dim, cfg.seq_len, r.base, r.beta_fast, r.beta_slow)
-        notes.append(f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 (4,096 training "
-                     f"positions, head_dim 128), where many frequency pairs complete more than {r.beta_fast:g} rotations in "
-                     f"training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} and {cfg.seq_len} training positions, "
-                     f"{full} of {cfg.model.head_dim // 2} pairs complete less than {r.beta_slow:g} rotation (YaRN interpolates them "
-                     f"fully), {ramp} are on its ramp and {kept} are left unchanged: YaRN acts close to plain interpolation here.")
+        notes.append(
+            f"Where YaRN does not extend the model zero-shot, note the scale: Peng et al. extend Llama 2 "
+            f"(4,096 training positions, head_dim 128), where many frequency pairs complete more than "
+            f"{r.beta_fast:g} rotations in training and YaRN leaves them unchanged. At head_dim {cfg.model.head_dim} "
+            f"and {cfg.seq_len} training positions, {full} of {cfg.model.head_dim // 2} pairs complete less than "
+            f"{r.beta_slow:g} rotation (YaRN interpolates them fully), {ramp} are on its ramp and {kept} are left "
+            "unchanged: YaRN acts close to plain interpolation here."
+        )
     if any(v.get(f"ft-extension-{m}") not in ("reproduced", None) for m in ("yarn", "pi")):
-        notes.append("A fine-tune whose gain is as large in range as beyond it is a general gain from more training at a new "
-                     "length, not an extension effect: the in-range positions are the control that separates the two.")
+        notes.append(
+            "A fine-tune whose gain is as large in range as beyond it is a general gain from more training at a new "
+            "length, not an extension effect: the in-range positions are the control that separates the two."
+        )
     retrieval = next((c for c in claims if c.id == "retrieval-yarn"), None)
     if retrieval is not None and retrieval.untestable:
         t = cfg.train
-        notes.append(f"Peng et al. show passkey retrieval on 7B models that already retrieve within their training length. "
-                     f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M "
-                     "training tokens) do not copy a repeated segment even in range, so the probe has nothing for an extension to "
-                     "carry further. Random-token segments are off-distribution, and Olsson et al. (2022) saw induction heads "
-                     "appear in a phase change well into training, which runs this short have not reached; a test of the "
-                     "claim needs a model that copies in range first, which the --profile gpu size is meant to reach.")
+        notes.append(
+            f"Peng et al. show passkey retrieval on 7B models that already retrieve within their training length. "
+            f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+            f"{t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M training tokens) do not copy a repeated segment "
+            "even in range, so the probe has nothing for an extension to "
+            "carry further. Random-token segments are off-distribution, and Olsson et al. (2022) saw induction heads "
+            "appear in a phase change well into training, which runs this short have not reached; a test of the "
+            "claim needs a model that copies in range first, which the --profile gpu size is meant to reach."
+        )
     return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 
 
@@ -465,11 +544,20 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     fts = [v.name for v in spec.variants if v.init_from is not None]
     claims = positions_claims(rows, L=L)
     zs = [{**r, "variant": "rope-zs-yarn", "pp_16x": r.get("zs_yarn_pp_16x")} for r in rows if r["variant"] == "rope"]
-    plots = [plot_lengths(rows, out, schemes + fts, L, spec.seeds),
-             plot_per_position(rows, out, schemes, L, "pp_16x", "per_position.png", f"Per-position loss at {16 * L} tokens"),
-             plot_per_position(rows + zs, out, ["rope", "rope-zs-yarn", *fts], L, "pp_16x", "rope_extension_per_position.png",
-                               f"Rope extended to {16 * L} tokens: per-position loss"),
-             plot_finetune(rows, out)]
+    plots = [
+        plot_lengths(rows, out, schemes + fts, L, spec.seeds),
+        plot_per_position(rows, out, schemes, L, "pp_16x", "per_position.png", f"Per-position loss at {16 * L} tokens"),
+        plot_per_position(
+            rows + zs,
+            out,
+            ["rope", "rope-zs-yarn", *fts],
+            L,
+            "pp_16x",
+            "rope_extension_per_position.png",
+            f"Rope extended to {16 * L} tokens: per-position loss",
+        ),
+        plot_finetune(rows, out),
+    ]
     per_position_csv(rows, out, schemes + fts, L)
     atomic_write_text(out / "report.md", markdown(spec, rows, claims, command=command, wall_s=wall_s, data=data, L=L))
     write_verdicts(out, "positions", claims, {"plots": plots, "data": data, "seeds": spec.seeds})

@@ -45,7 +45,13 @@ def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = N
         cells = []
         for c in columns:
             v = r.get(c, "")
-            cells.append(f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else fmt(v) if isinstance(v, float) else str(v))
+            cells.append(
+                f"{v:,}"
+                if isinstance(v, int) and not isinstance(v, bool)
+                else fmt(v)
+                if isinstance(v, float)
+                else str(v)
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -110,10 +116,17 @@ def provenance_text(rows: list[dict]) -> str:
     """The revisions the runs *started* from (recorded in each run at its start), and whether the tree was clean."""
     revs = list(dict.fromkeys(str(r.get("revision", "unknown")) for r in rows))
     dirty = sum(not r.get("tree_clean", False) for r in rows)
-    clean = "every run started from a clean tree" if dirty == 0 else f"{dirty} of {len(rows)} runs started from a tree with uncommitted changes"
+    clean = (
+        "every run started from a clean tree"
+        if dirty == 0
+        else f"{dirty} of {len(rows)} runs started from a tree with uncommitted changes"
+    )
     moved = sum(r.get("revision_end", r.get("revision")) != r.get("revision") for r in rows)
-    return (f"The runs started from lmlab revision{'s' if len(revs) > 1 else ''} {', '.join(r[:12] for r in revs)}; {clean}"
-            + (f"; {moved} runs were resumed at another revision" if moved else "") + ".")
+    return (
+        f"The runs started from lmlab revision{'s' if len(revs) > 1 else ''} {', '.join(r[:12] for r in revs)}; {clean}"
+        + (f"; {moved} runs were resumed at another revision" if moved else "")
+        + "."
+    )
 
 
 def data_text(data: dict | None) -> str:
@@ -123,24 +136,32 @@ def data_text(data: dict | None) -> str:
     c, o = data.get("corpus") or {}, data.get("overlap") or {}
     parts = []
     if c:
-        parts.append(f"Corpus: the Python {c['recipe']['python']} standard library's source and pydoc topics "
-                     f"(experiments/corpus.py, recipe v{c['recipe']['version']}), {c['documents']:,} documents, "
-                     f"{c['bytes'] / 1e6:.1f} MB after removing {c['exact_duplicates']} exact and {c['near_duplicates']} near-duplicate "
-                     f"documents and {c.get('repeated_span_bytes_removed', 0) / 1e6:.2f} MB of repeated 64-byte spans; content "
-                     f"{c['content_hash']} (it changes with the Python version)")
+        parts.append(
+            f"Corpus: the Python {c['recipe']['python']} standard library's source and pydoc topics "
+            f"(experiments/corpus.py, recipe v{c['recipe']['version']}), {c['documents']:,} documents, "
+            f"{c['bytes'] / 1e6:.1f} MB after removing {c['exact_duplicates']} exact and "
+            f"{c['near_duplicates']} near-duplicate "
+            f"documents and {c.get('repeated_span_bytes_removed', 0) / 1e6:.2f} MB of repeated 64-byte spans; content "
+            f"{c['content_hash']} (it changes with the Python version)"
+        )
     if o:
-        parts.append(f"Tokenizer: {data.get('tokenizer', '?')} (vocab {data.get('vocab_size', '?')}). Split by prepare: train "
-                     f"{o['train_tokens']:,} tokens ({o['train_bytes'] / 1e6:.1f} MB), validation {o['val_tokens']:,} tokens "
-                     f"({o['val_bytes'] / 1e6:.1f} MB); {o['val_windows_in_train']:.3%} of validation's {o['window']}-byte windows "
-                     "occur verbatim in training")
+        parts.append(
+            f"Tokenizer: {data.get('tokenizer', '?')} (vocab {data.get('vocab_size', '?')}). Split by prepare: train "
+            f"{o['train_tokens']:,} tokens ({o['train_bytes'] / 1e6:.1f} MB), validation {o['val_tokens']:,} tokens "
+            f"({o['val_bytes'] / 1e6:.1f} MB); {o['val_windows_in_train']:.3%} "
+            f"of validation's {o['window']}-byte windows "
+            "occur verbatim in training"
+        )
     return ". ".join(parts) + ".\n\n" if parts else ""
 
 
 def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict], data: dict | None = None) -> str:
     train_s = sum(r.get("wall_s") or 0.0 for r in rows)
-    timing = (f"the runs trained for {train_s / 3600:.2f} h in total (sum of per-run wall times, evaluation included; "
-              f"longest run {max((r.get('wall_s') or 0.0 for r in rows), default=0) / 60:.1f} min); the invocation that "
-              f"wrote this report took {wall_s / 60:.1f} min (finished runs are reused)")
+    timing = (
+        f"the runs trained for {train_s / 3600:.2f} h in total (sum of per-run wall times, evaluation included; "
+        f"longest run {max((r.get('wall_s') or 0.0 for r in rows), default=0) / 60:.1f} min); the invocation that "
+        f"wrote this report took {wall_s / 60:.1f} min (finished runs are reused)"
+    )
     seeds = f"seeds {spec.seeds}, each setting {' and '.join(spec.seed_fields)}"
     size = "  (quick size: checks the machinery, not the claim)" if spec.is_quick else (
         f"  (profile {spec.profile})" if spec.profile else "")

@@ -186,7 +186,9 @@ def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
         return {}
     make = getattr(tokenizer, "hf_files", None)
     if make is None:
-        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) cannot be written as a Hugging Face tokenizer.json")
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) cannot be written as a Hugging Face tokenizer.json"
+        )
     files = dict(make())
     if "tokenizer.json" not in files:
         raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) gave no tokenizer.json to write")
@@ -303,7 +305,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; give a directory to write the checkpoint into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it, or choose another --out")
+        raise ValueError(
+            f"output directory {str(out)!r} exists and is not empty; "
+            "pass --overwrite to replace it, or choose another --out"
+        )
     if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
         raise ValueError(f"output directory {str(out)!r} holds files lmlab did not export (no {EXPORT_MARKER}); "
                          "--overwrite replaces only an earlier export: choose another --out, or empty it yourself")

@@ -226,7 +226,9 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     if hf["use_sliding_window"]:
         raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention")
     if not hf["num_experts"]:
-        raise _refuse(hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'")
+        raise _refuse(
+            hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'"
+        )
     moe = _qwen2_moe_experts(hf, hf["num_hidden_layers"])
     return llama_layout_config(hf, qkv_bias=bool(hf["qkv_bias"]), moe=moe)  # biases on q, k, v only
 
@@ -234,15 +236,19 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
     d_shared = hf["shared_expert_intermediate_size"]
     if not d_shared or d_shared <= 0:
-        raise _refuse(hf, "shared_expert_intermediate_size", "lmlab maps Qwen2-MoE's gated shared expert only with a positive width")
+        raise _refuse(
+            hf,
+            "shared_expert_intermediate_size",
+            "lmlab maps Qwen2-MoE's gated shared expert only with a positive width",
+        )
     # layer l is sparse iff l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0
     step, dense_only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
-    sparse = [l not in dense_only and (l + 1) % step == 0 for l in range(n_layers)]
+    sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)]
     layout = _every_and_first_dense(sparse)
     if layout is None:
         raise _refuse(
             hf, "mlp_only_layers",
-            f"with decoder_sparse_step={step} the MoE layers are {[l for l, s in enumerate(sparse) if s]}; lmlab "
+            f"with decoder_sparse_step={step} the MoE layers are {[i for i, s in enumerate(sparse) if s]}; lmlab "
             "expresses only 'every n-th layer after the first k'",
         )
     every, first_dense = layout
@@ -257,7 +263,7 @@ def _every_and_first_dense(sparse: list[bool]) -> tuple[int, int] | None:
     L = len(sparse)
     for first in range(L):
         for every in range(1, L + 1):
-            if [l >= first and (l - first) % every == 0 for l in range(L)] == sparse:
+            if [i >= first and (i - first) % every == 0 for i in range(L)] == sparse:
                 return every, first
     return None
 
@@ -292,11 +298,11 @@ def qwen2_moe_layers(cfg: ModelConfig) -> tuple[int, list[int]]:
     """(decoder_sparse_step, mlp_only_layers) that make exactly lmlab's MoE layers sparse: the step
     is ``moe.every`` where its layers cover them, else 1, and the other layers are listed dense."""
     L = cfg.n_layers
-    sparse = [cfg.is_moe_layer(l) for l in range(L)]
+    sparse = [cfg.is_moe_layer(i) for i in range(L)]
     for step in dict.fromkeys((cfg.moe.every, 1)):
-        stepped = [(l + 1) % step == 0 for l in range(L)]
+        stepped = [(i + 1) % step == 0 for i in range(L)]
         if all(t or not s for s, t in zip(sparse, stepped)):
-            return step, [l for l in range(L) if stepped[l] and not sparse[l]]
+            return step, [i for i in range(L) if stepped[i] and not sparse[i]]
     raise AssertionError("step 1 covers every layer")
 
 
@@ -450,7 +456,8 @@ def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
     })
     if why is None and _shared_total(cfg) % width:
-        why = f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of moe_intermediate_size={width})"
+        why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
+               f"moe_intermediate_size={width})")
     if why is None and moe.group_limited and moe.group_score != "top2":
         why = f"moe.group_score={moe.group_score!r} (GLM-4-MoE scores a group by its best two experts)"
     if why is None and moe.routed_experts < 2:
@@ -485,7 +492,13 @@ def glm4_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dic
     if not cfg.is_moe_layer(int(ours.split(".")[1])):
         return llama_glu_to_hf(cfg, sd, ours, hf)
     out = moe_to_hf(
-        cfg, sd, ours, hf, names=GLM4_MOE_NAMES, arch="GLM-4-MoE", shared="shared_experts" if cfg.moe.n_shared else None,
+        cfg,
+        sd,
+        ours,
+        hf,
+        names=GLM4_MOE_NAMES,
+        arch="GLM-4-MoE",
+        shared="shared_experts" if cfg.moe.n_shared else None,
         score_bias="gate.e_score_correction_bias",
     )
     if not cfg.moe.n_shared:  # the width-0 shared FFN transformers builds

@@ -114,7 +114,9 @@ def model_config(hf: Mapping[str, Any], **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ValueError as e:
-        raise ValueError(f"config.json (model_type {hf.get('model_type')!r}) maps to an invalid lmlab config: {e}") from None
+        raise ValueError(
+            f"config.json (model_type {hf.get('model_type')!r}) maps to an invalid lmlab config: {e}"
+        ) from None
 
 
 # HF ``hidden_act`` / ``activation_function`` -> lmlab activation; the functions are identical.
@@ -132,7 +134,9 @@ ACTIVATION_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_t
 
 def activation_from_hf(name: Any, key: str) -> str:
     if name not in ACTIVATIONS:
-        raise ValueError(f"config.json has {key}={name!r}, which lmlab does not support; supported: {sorted(ACTIVATIONS)}")
+        raise ValueError(
+            f"config.json has {key}={name!r}, which lmlab does not support; supported: {sorted(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 

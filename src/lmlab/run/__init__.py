@@ -15,7 +15,8 @@
     errors.py       the exceptions that map to exit codes
 
     data/           prepared data
-        config.py       DataConfig: prepared data, or a source to prepare, and where it lives (no torch: --help shows it)
+        config.py       DataConfig: prepared data, or a source to prepare, and where it lives
+                        (no torch: --help shows it)
         meta.py         DataMeta: meta.json read, validated, written and compared; the one tokenizer/vocabulary check
         prepare.py      prepare: a corpus in, token shards and meta.json out (reused when nothing changed)
         batches.py      TokenData, RowData: memory-mapped shards and reproducible batches

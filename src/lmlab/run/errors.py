@@ -29,7 +29,8 @@ EXIT_ENVIRONMENT = 3
 
 # errno -> (what happened, what to do); the file is named in between
 _OS_ERRORS = {
-    errno.ENOSPC: ("no space left on the device holding", "free some space (or write elsewhere) and run the command again"),
+    errno.ENOSPC: ("no space left on the device holding",
+                   "free some space (or write elsewhere) and run the command again"),
     errno.EDQUOT: ("disk quota exceeded writing", "free some space (or write elsewhere) and run the command again"),
     errno.EFBIG: ("file size limit reached writing", "raise the limit (ulimit -f) or write elsewhere"),
     errno.EACCES: ("permission denied for", "check its permissions or choose another directory"),
@@ -70,5 +71,7 @@ def write_failure(e: BaseException, path: str | Path) -> BaseException | None:
     if isinstance(e, RuntimeError) and not isinstance(e, EnvironmentFailure) and (
             "PytorchStreamWriter" in str(e) or "inline_container" in str(e)):
         return EnvironmentFailure(
-            f"writing {str(path)!r} failed ({one_line(e)[:120]}); check that its file system has free space and is writable")
+            f"writing {str(path)!r} failed ({one_line(e)[:120]}); "
+            "check that its file system has free space and is writable"
+        )
     return None

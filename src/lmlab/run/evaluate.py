@@ -34,7 +34,9 @@ class EvalResult:
         if n < 1:
             raise ValueError(f"buckets={n} is not valid; give 1 or more position ranges")
         T = len(self.per_position)
-        edges = sorted({round(i * T / n) for i in range(n + 1)} | ({boundary} if boundary and 0 < boundary < T else set()))
+        edges = sorted(
+            {round(i * T / n) for i in range(n + 1)} | ({boundary} if boundary and 0 < boundary < T else set())
+        )
         return [
             {"start": a, "end": b, "loss": sum(self.per_position[a:b]) / (b - a)}
             for a, b in zip(edges[:-1], edges[1:]) if b > a

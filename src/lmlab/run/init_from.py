@@ -92,7 +92,11 @@ def config_differences(theirs: ModelConfig, ours: ModelConfig) -> list[str]:
         return out
 
     a, b = flat(theirs.to_dict()), flat(ours.to_dict())
-    return [f"{k} is {a.get(k)!r} in init_from but {b.get(k)!r} here" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{k} is {a.get(k)!r} in init_from but {b.get(k)!r} here"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
 
 
 def init_source(path: str | Path) -> InitSource:

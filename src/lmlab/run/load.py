@@ -55,7 +55,10 @@ def load_run(
     if is_hf_dir(path):
         return _load_hf(path, overrides, device, tokenizer, require_tokenizer)
     if not (path / CONFIG_FILE).is_file():
-        raise ValueError(f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) nor a Hugging Face checkpoint (no config.json)")
+        raise ValueError(
+            f"{str(path)!r} is neither a run directory (no {CONFIG_FILE}) "
+            "nor a Hugging Face checkpoint (no config.json)"
+        )
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
     if (where / "dcp").is_dir() and not (where / ckpt.WEIGHTS).is_file():  # dcp.DCP_DIR: a sharded run's
@@ -88,14 +91,21 @@ def _load_hf(path: Path, overrides: Mapping[str, Any] | None, device: str | torc
     model_overrides = {}
     for key, value in (overrides or {}).items():
         if not key.startswith("model."):
-            raise ValueError(f"{key!r} does not apply to a Hugging Face checkpoint; only model.* fields can be overridden")
+            raise ValueError(
+                f"{key!r} does not apply to a Hugging Face checkpoint; only model.* fields can be overridden"
+            )
         model_overrides[key[len("model."):]] = value
     model = from_hf(path)
     if model_overrides:  # e.g. rope scaling: rebuild from the overridden config and keep the weights
         state = model.state_dict()
         cfg = model.config.override(model_overrides)
-        check_fits(lambda n: loading_memory(cfg, parameters=n), cfg, torch.device(device),
-                   what=f"the model of {str(path)!r} with {sorted(overrides or {})}", fix="check the --model.* overrides")
+        check_fits(
+            lambda n: loading_memory(cfg, parameters=n),
+            cfg,
+            torch.device(device),
+            what=f"the model of {str(path)!r} with {sorted(overrides or {})}",
+            fix="check the --model.* overrides",
+        )
         model = Transformer(cfg)
         model.load_state_dict(state)
     if tokenizer is None and not (path / HF_FILE).is_file():

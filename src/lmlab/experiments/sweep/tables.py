@@ -60,8 +60,10 @@ def eval_slice_text(spec: SweepSpec) -> str:
         return (f"final_val_loss: mean next-token loss over {spec.final_eval['tokens']:,} validation tokens, "
                 "in windows of the run's seq_len spread evenly over the whole validation split, after the last step")
     cfg = spec.configs[spec.variants[0].name]
-    return (f"final_val_loss: the trainer's last evaluation, over the first {cfg.eval.batches} x {cfg.train.batch_size} "
-            "windows of the validation split")
+    return (
+        f"final_val_loss: the trainer's last evaluation, over the first {cfg.eval.batches} x {cfg.train.batch_size} "
+        "windows of the validation split"
+    )
 
 
 def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .meta import DataMeta
 
 EXPORTS = {"DataConfig": "config", "DataMeta": "meta", "RowData": "batches", "TokenData": "batches"}
-__all__ = sorted(EXPORTS)
+__all__ = ["DataConfig", "DataMeta", "RowData", "TokenData"]  # = sorted(EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

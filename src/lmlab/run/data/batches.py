@@ -134,8 +134,10 @@ class RowData:
         self.dir, self.split = Path(data_dir), split
         meta = read_prepared(self.dir)
         if meta.task != "classify":
-            raise ValueError(f"{str(self.dir)!r} holds a token stream, not labelled rows; prepare a .jsonl file of rows "
-                             "with text and label fields using `lmlab prepare ROWS.jsonl --task classify`")
+            raise ValueError(
+                f"{str(self.dir)!r} holds a token stream, not labelled rows; prepare a .jsonl file of rows "
+                "with text and label fields using `lmlab prepare ROWS.jsonl --task classify`"
+            )
         self.meta, self.pad_id, self.classes = meta, meta.pad_id, meta.classes
         self.path = self.dir / f"{split}.bin"
         self.tokens = _open_shard(self.path, np.dtype(meta.dtype), meta.split_tokens(split))

@@ -119,8 +119,14 @@ class ShardedExperts(Experts):
         # rows arrive grouped by source, each source's by expert: my expert j, recv_E[i*n + j] times
         local_R = torch.arange(n, device=recv_E.device).repeat(N).repeat_interleave(recv_E)
         R = local_R.numel()
-        mine = Assignment(torch.arange(R, device=recv_E.device), local_R, weight_R,
-                          torch.ones(R, dtype=torch.bool, device=recv_E.device), recv_E.view(N, n).sum(0), torch.tensor(R))
+        mine = Assignment(
+            torch.arange(R, device=recv_E.device),
+            local_R,
+            weight_R,
+            torch.ones(R, dtype=torch.bool, device=recv_E.device),
+            recv_E.view(N, n).sum(0),
+            torch.tensor(R),
+        )
         y_RD = compute(self, x_RD, mine, x_RD.new_zeros(x_RD.shape))  # one row per received row, gated
         y_AD = all_to_all(y_RD, recv_N, send_N, self.groups.group)
         return combine(y_AD, p, out_TD)
