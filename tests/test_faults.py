@@ -39,7 +39,7 @@ import lmlab
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
-from helpers import TINY_ARGS, corpus, fast_args
+from helpers import TINY_ARGS, WORDS, corpus, fast_args
 
 TINY = TINY_ARGS
 FAST = fast_args()
