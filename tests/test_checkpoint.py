@@ -82,6 +82,22 @@ def test_checkpoint_round_trip_loads_with_weights_only(tmp_path):
     assert same_weights(m, other)
 
 
+
+def test_a_checkpoint_records_the_sha256_of_each_tensor(tmp_path):
+    m = model("gpt2", init_seed=3)  # tied embeddings: the stored tensor is hashed once
+    path = ckpt.save_checkpoint(tmp_path, 2, m, state(2), m.config.to_dict())
+    with safe_open(str(path / ckpt.WEIGHTS), framework="pt") as f:
+        meta, stored = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    sums = json.loads(meta[ckpt.CHECKSUMS])
+    assert sums.keys() == stored.keys() and sums == {k: ckpt.tensor_digest(v) for k, v in stored.items()}
+    # a file written before checksums existed: no sha256 in its metadata, and it loads unchecked
+    from safetensors.torch import save_file
+    save_file(stored, str(tmp_path / "old.safetensors"), metadata={"format": "pt", "aliases": meta["aliases"]})
+    other = model("gpt2", init_seed=4)
+    ckpt.load_weights(other, tmp_path / "old.safetensors")
+    assert same_weights(m, other)
+    assert ckpt.tensor_digest(torch.tensor(1.0)) == ckpt.tensor_digest(torch.tensor([1.0]))  # 0-d tensors hash too
+
 @pytest.mark.parametrize("fail", ["replace", "fsync"])
 def test_crash_during_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, fail):
     m = model(init_seed=1)

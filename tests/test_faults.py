@@ -438,6 +438,73 @@ def setup_huge_hf(env: Env) -> list:
     return ["generate", env.tmp / "hf"]
 
 
+# ---- damaged checkpoints (issue 20 items 3, 5, 6): what a bit flip, an edited header or a foreign file looks like
+def step4(env: Env) -> Path:
+    return env.run() / "checkpoints" / "step_0000004"
+
+
+def edit_safetensors(path: Path, edit: Callable[[dict], object]) -> Path:
+    """Rewrite a safetensors file's JSON header through ``edit`` (tensor bytes kept as they are)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    return path
+
+
+def set_metadata(path: Path, **values: str | None) -> Path:
+    """Set (None: remove) keys of a safetensors file's metadata."""
+    def edit(header):
+        meta = header.setdefault("__metadata__", {})
+        for key, value in values.items():
+            meta.pop(key, None) if value is None else meta.__setitem__(key, value)
+    return edit_safetensors(path, edit)
+
+
+def setup_declared_dtype(env: Env) -> list:
+    """The first F32 tensor's declared dtype becomes I32: the same size, so the bytes still fit."""
+    def edit(header):
+        name = sorted(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")[0]
+        header[name]["dtype"] = "I32"
+    edit_safetensors(step4(env) / "model.safetensors", edit)
+    return ["eval", env.run(), "--checkpoint", "4"]
+
+
+def flip_bit(path: Path) -> None:
+    """Flip the lowest bit of the first tensor's first byte (a float32's lowest mantissa bit: finite still)."""
+    raw = bytearray(path.read_bytes())
+    raw[8 + int.from_bytes(raw[:8], "little")] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def setup_bit_flip(env: Env, command: str) -> list:
+    flip_bit(step4(env) / "model.safetensors")
+    return {"eval": ["eval", env.run(), "--checkpoint", "4"], "resume": resume(env),
+            "export": ["export", env.run(), "--checkpoint", "4", "--out", env.tmp / "hf"]}[command]
+
+
+def edit_state(env: Env, edit: Callable[[dict], object], source: str = "step_0000004") -> list:
+    """Rewrite step 4's state.pt as ``edit`` makes ``source``'s (another step's, or another run's, file)."""
+    state = torch.load(env.run() / "checkpoints" / source / "state.pt", weights_only=True)
+    edit(state)
+    torch.save(state, step4(env) / "state.pt")
+    return resume(env)
+
+
+def setup_foreign_state(env: Env) -> list:
+    """state.pt of a run with another model size (its step 2), placed in step 4."""
+    other = env.tmp / "other"
+    assert TINY[:2] == ["--model.d_model", "32"]
+    assert cli.main(["train", "--run-dir", str(other), "--data.source", str(env.corpus()), "--model.d_model", "48",
+                     *TINY[2:], *FAST, "--train.steps", "2", "--checkpoint.every", "2"]) == 0
+    return edit_state(env, lambda state: None, source=str(other / "checkpoints" / "step_0000002"))
+
+
+def reshape_moment(state: dict) -> None:
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 5)
 # ---- issue 20 item 2: an output never destroys an input; a refused start leaves nothing behind
 def setup_prepare_onto_user_file(env: Env, name: str, *extra: str) -> list:
     """``prepare --out mine`` where mine/ holds the user's own ``name`` (no meta.json: lmlab did not write it)."""
@@ -764,6 +831,55 @@ CASES = [
     # ---- item 9: never write through a link that leaves the run
     Case("dangling metrics.jsonl link", setup_dangling_metrics, 2,
          ("run/metrics.jsonl' is a symbolic link to", "outside the run directory")),
+    # ---- issue 20 item 3: silent corruption of a checkpoint; items 5 and 6: damaged files are exit 3, one line
+    Case("safetensors dtype F32 declared I32", setup_declared_dtype, 3,
+         ("step_0000004/model.safetensors': tensor '", "is stored as torch.int32 but the model's is torch.float32",
+          "delete its step_* directory")),
+    Case("bit flip in a tensor, eval", lambda env: setup_bit_flip(env, "eval"), 3,
+         ("step_0000004/model.safetensors': tensor '", "does not match the checksum recorded when it was saved",
+          "delete its step_* directory")),
+    Case("bit flip in a tensor, resume", lambda env: setup_bit_flip(env, "resume"), 3,
+         ("does not match the checksum recorded when it was saved",)),
+    Case("bit flip in a tensor, export", lambda env: setup_bit_flip(env, "export"), 3,
+         ("does not match the checksum recorded when it was saved",)),
+    Case("state.pt of an earlier checkpoint, in a later step",
+         lambda env: edit_state(env, lambda state: None, source="step_0000002"), 3,
+         ("step_0000004/state.pt' is at step 2, but its directory says step 4", "another checkpoint")),
+    Case("state.pt of a run with another model size, in a later step", setup_foreign_state, 3,
+         ("step_0000004/state.pt' is at step 2, but its directory says step 4",)),
+    Case("AdamW moment of another shape in state.pt", lambda env: edit_state(env, reshape_moment), 3,
+         ("state.pt': the optimizer's exp_avg for '", "has shape (3, 5), but the parameter (",
+          "from another run")),
+    Case("AdamW step counter past the checkpoint's step",
+         lambda env: edit_state(env, lambda state: state["optimizer"]["state"][0].update(step=torch.tensor(99.0))), 3,
+         ("state.pt': the optimizer's step counter for '", "is 99.0, but the checkpoint is at step 4",)),
+    Case("state.pt with a non-integer step", lambda env: edit_state(env, lambda state: state.update(step=4.5)), 3,
+         ("state.pt' has step=4.5, which is not a whole number",)),
+    Case("state.pt with a tensor step", lambda env: edit_state(env, lambda state: state.update(step=torch.tensor(4))),
+         3, ("state.pt' has step=tensor(4), which is not a whole number",)),
+    Case("safetensors aliases that are not a mapping",
+         lambda env: (set_metadata(step4(env) / "model.safetensors", aliases="[1, 2]"),
+                      ["eval", env.run(), "--checkpoint", "4"])[1], 3,
+         ("model.safetensors': metadata 'aliases' is not a JSON object of names",)),
+    Case("safetensors aliases naming a missing tensor",
+         lambda env: (set_metadata(step4(env) / "model.safetensors", aliases='{"head.weight": "nope"}'),
+                      ["eval", env.run(), "--checkpoint", "4"])[1], 3,
+         ("model.safetensors': alias 'head.weight' names 'nope', which the file does not hold",)),
+    Case("safetensors aliases that are not JSON",
+         lambda env: (set_metadata(step4(env) / "model.safetensors", aliases="{not json"), resume(env))[1], 3,
+         ("model.safetensors': metadata 'aliases' is not a JSON object of names",)),
+    Case("safetensors checksums that are not JSON",
+         lambda env: (set_metadata(step4(env) / "model.safetensors", sha256="[]"), resume(env))[1], 3,
+         ("model.safetensors': metadata 'sha256' is not a JSON object of names",)),
+    Case("latest checkpoint without state.pt", lambda env: ((step4(env) / "state.pt").unlink(), resume(env))[1], 3,
+         ("checkpoint state '", "step_0000004/state.pt' is missing: the checkpoint is incomplete",
+          "delete its step_* directory")),
+    Case("latest checkpoint without model.safetensors",
+         lambda env: ((step4(env) / "model.safetensors").unlink(), resume(env))[1], 3,
+         ("step_0000004/model.safetensors' is missing: the checkpoint is incomplete",)),
+    Case("eval of a checkpoint without model.safetensors",
+         lambda env: ((step4(env) / "model.safetensors").unlink(), ["eval", env.run(), "--checkpoint", "4"])[1], 3,
+         ("step_0000004/model.safetensors' is missing",)),
     # ---- issue 20 item 3: shards that changed after prepare, and prepare's own reads
     Case("one token of a run's train.bin edited, then --resume",
          lambda env: (edit_one_token(env.run() / "data" / "train.bin"), resume(env))[1], 3,

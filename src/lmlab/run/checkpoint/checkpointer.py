@@ -72,7 +72,46 @@ class TrainState:
             if not (ok(value) or (value is None and key in ("best_val", "best_step"))):
                 raise CorruptFile(f"checkpoint state {str(where)!r} has {key}={value!r}, which is not {what}; "
                                   f"{ckpt.REMEDY}")
-        return cls(**fields)
+        state = cls(**fields)
+        named = ckpt.step_of(where.parent)
+        if named is not None and named != state.step:
+            raise CorruptFile(f"checkpoint state {str(where)!r} is at step {state.step}, but its directory says step "
+                              f"{named}: it belongs to another checkpoint; {ckpt.REMEDY}")
+        return state
+
+
+def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, step: int, where: Path) -> None:
+    """CorruptFile naming the first way ``saved`` (state.pt's optimizer state dict, file ``where``,
+    checkpoint ``step``) does not fit ``optimizer``: groups of other sizes, a moment whose shape is not
+    its parameter's, a step counter past the checkpoint's. torch's own ``load_state_dict`` checks only
+    the group sizes, and a moment of another shape fails (or broadcasts) later, inside a step."""
+    def bad(what: str) -> CorruptFile:
+        return CorruptFile(f"checkpoint state {str(where)!r}: {what}; it is damaged or from another run; "
+                           f"{ckpt.REMEDY}")
+
+    groups, state = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
+    if not (isinstance(groups, list) and isinstance(state, dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        raise bad("its optimizer entry is not an optimizer's state dict")
+    sizes, ours = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
+        raise bad(f"its optimizer has parameter groups of {sizes} tensors, this model's {ours}")
+    params = [(p, name) for g in optimizer.param_groups
+              for p, name in zip(g["params"], g.get("names") or [f"#{i}" for i in range(len(g["params"]))])]
+    by_id = dict(zip([i for g in groups for i in g["params"]], params))
+    for i, entry in state.items():
+        if i not in by_id or not isinstance(entry, dict):
+            raise bad(f"its optimizer state has an entry {i!r} for no parameter")
+        param, name = by_id[i]
+        for key, value in entry.items():
+            if key == "step":
+                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if not (_is_number(count) and 0 <= count <= step and float(count).is_integer()):
+                    raise bad(f"the optimizer's step counter for {name!r} is {count!r}, but the checkpoint is at step "
+                              f"{step}")
+            elif isinstance(value, torch.Tensor) and value.shape != param.shape:
+                raise bad(f"the optimizer's {key} for {name!r} has shape {tuple(value.shape)}, but the parameter "
+                          f"{tuple(param.shape)}")
 
 
 def _is_whole(value: Any) -> bool:
@@ -170,6 +209,7 @@ class LocalCheckpointer(Checkpointer):
         ckpt.load_weights(self.model, path / ckpt.WEIGHTS)
         raw = ckpt.load_state(path)
         state = TrainState.from_dict(raw, path / ckpt.STATE, also=("optimizer",))
+        check_optimizer_state(raw["optimizer"], self.optimizer, state.step, path / ckpt.STATE)
         self.optimizer.load_state_dict(raw["optimizer"])
         return state
 

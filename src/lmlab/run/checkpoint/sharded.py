@@ -39,7 +39,6 @@ from .atomic import atomic_write, fsync_dir
 from .dcp_index import read_index
 from ..config import flatten
 from ..parallel.group import Dist
-from ..errors import CorruptFile
 from ..parallel.plan import Parallel
 
 DCP_DIR = "dcp"
@@ -205,14 +204,15 @@ def load_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
+    weights = None if is_distributed(path) else ckpt.read_weights(path / ckpt.WEIGHTS)  # checked against its sha256
     state = ckpt.load_state(path)
     names = [g.get("names") for g in optimizer.param_groups]
-    if is_distributed(path):
+    if weights is None:
         load_distributed(path, model, optimizer, plan, state.get("model_config"))
     else:
-        model_state = read_full_weights(path / ckpt.WEIGHTS)
+        model_state = weights[0]
         check_shapes(path, {k: tuple(v.shape) for k, v in model_state.items()}, model, plan,
-                     json.loads(read_weights_metadata(path / ckpt.WEIGHTS).get("model_config", "null")))
+                     json.loads(weights[1].get("model_config", "null")))
         optim_state = by_name(state["optimizer"])
         set_state_dict(model, optimizer, model_state_dict=plan.slice_full_state(model_state),
                        optim_state_dict=plan.slice_full_state(optim_state),
@@ -267,25 +267,8 @@ def check_shapes(path: Path, found: dict[str, tuple], model: nn.Module, plan: Pa
 
 
 def read_full_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A single-file checkpoint's tensors by name, tied tensors re-tied."""
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint weights {str(path)!r} do not exist")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for damaged files
-        raise CorruptFile(f"checkpoint weights {str(path)!r} cannot be read ({e}); the file is damaged") from None
-    for alias, name in json.loads(read_weights_metadata(path).get("aliases", "{}")).items():
-        tensors[alias] = tensors[name]
-    return tensors
-
-
-def read_weights_metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
+    """A single-file checkpoint's tensors by name, tied tensors re-tied, checked (:func:`local.read_weights`)."""
+    return ckpt.read_weights(path)[0]
 
 
 def by_name(optim_state: dict[str, Any]) -> dict[str, Any]:
