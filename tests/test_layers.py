@@ -179,3 +179,14 @@ def test_the_checker_accepts_downward_imports(tmp_path):
                                    "experiments/sweep.py": "from ..run.trainer import Trainer\nfrom ..model import M\n",
                                    "cli.py": "from .experiments import sweep\nfrom .run import trainer\n"})
     assert problems(pkg, "pkg") == []
+
+
+def test_no_class_is_over_350_lines():
+    """A class is a few screens at most (STYLE.md): the trainer's setup, step, evaluation, checkpointing
+    and logging are pieces it calls, not code it holds."""
+    big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350:
+                big.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not big, f"classes over 350 lines: {big}"

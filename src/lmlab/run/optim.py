@@ -96,6 +96,14 @@ def learning_rate(step: int, cfg: OptimConfig, steps: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_warning(cfg: OptimConfig, steps: int) -> str | None:
+    """A warning when the schedule never leaves its warmup (warmup_steps >= steps), else None."""
+    if cfg.warmup_steps < steps:
+        return None
+    return (f"warning: optim.warmup_steps={cfg.warmup_steps} >= train.steps={steps}: "
+            "the learning rate never leaves its warmup and never decays")
+
+
 def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
     """Scale gradients to global L2 norm <= ``max_norm`` (0 = leave them); return the norm before
     clipping, which is non-finite when any gradient is."""

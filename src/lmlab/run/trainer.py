@@ -64,7 +64,7 @@ from .data.binding import (
     saved_provenance,
 )
 from .metrics import MetricsLog, exp_or_none, jsonable
-from .optim import build_optimizer, learning_rate
+from .optim import build_optimizer, learning_rate, schedule_warning
 from .parallel.compile import compile_blocks, eager
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
@@ -257,7 +257,12 @@ class Trainer:
     def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None) -> None:
         check_processes(cfg, self.dist.world)
         cfg = resolve_data_config(cfg)  # absolute paths; with --data DIR, how DIR was prepared
-        self.dist.on_main(lambda: self._claim(cfg, resume, overwrite))  # before any rank reads it
+
+        def claim() -> None:  # rank 0 locks the run directory for the life of the run, then checks what it holds
+            self.lock = self.run.lock()
+            self.run.check(cfg, resume=resume, overwrite=overwrite)
+
+        self.dist.on_main(claim)  # before any rank reads it
         check_training_memory(cfg, self.device)  # before the data is prepared: a refused size leaves nothing behind
         self.task = TASKS[cfg.task]()
         self.cfg = self._setup_data(cfg, resume, overwrite)
@@ -274,17 +279,11 @@ class Trainer:
             from .init_from import init_source
 
             init_source(self.cfg.train.init_from).load_into(self.model)
-        if self.cfg.optim.warmup_steps >= self.cfg.train.steps:
-            self.progress.print(f"warning: optim.warmup_steps={self.cfg.optim.warmup_steps} >= train.steps="
-                                f"{self.cfg.train.steps}: the learning rate never leaves its warmup and never decays")
+        if (warning := schedule_warning(self.cfg.optim, self.cfg.train.steps)) is not None:
+            self.progress.print(warning)
         if self.dist.main:
             self._start_records(overwrite, command)
         self.dist.barrier()
-
-    def _claim(self, cfg: RunConfig, resume: bool, overwrite: bool) -> None:
-        """Rank 0: lock the run directory for the life of the run, then check what it holds."""
-        self.lock = self.run.lock()
-        self.run.check(cfg, resume=resume, overwrite=overwrite)
 
     def _start_records(self, overwrite: bool, command: Sequence[str] | None) -> None:
         """Rank 0's first writes, after every check has passed: replace an earlier run (``overwrite``),
@@ -466,8 +465,7 @@ class Trainer:
     # ---- evaluation, checkpoints, samples
     @property
     def _takes_part(self) -> bool:
-        """Does this process evaluate, sample and save? Rank 0, or every rank when the model is
-        sharded (FSDP, expert parallel): a forward then needs them all."""
+        """Does this process evaluate, sample and save? Rank 0, or all when sharded (a forward needs all)."""
         return self.dist.main or self.parallel.sharded
 
     def _evaluate(self) -> tuple[float | None, bool]:
@@ -556,8 +554,7 @@ class Trainer:
         self.stop.signal = signum
 
     def close(self, peers_lost: bool = False) -> None:
-        """Close the metrics and leave the process group; ``peers_lost``: other processes are gone
-        (see :meth:`Dist.close`)."""
+        """Finish the checkpoints, close the metrics, leave the group; ``peers_lost``: see :meth:`Dist.close`."""
         if self.checkpointer is not None and not peers_lost:
             self.checkpointer.finish()
         self._release(peers_lost)
