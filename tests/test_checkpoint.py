@@ -8,13 +8,12 @@ import stat
 
 import pytest
 import torch
+from helpers import TINY
 from safetensors import safe_open
 
 import lmlab
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
-from helpers import TINY
-
 
 
 def model(preset: str = "llama", **kw) -> lmlab.Transformer:
@@ -59,7 +58,8 @@ def test_mismatch_names_the_tensor_and_the_config_field(tmp_path):
     msg = str(e.value)
     assert "blocks.0.attn.qkv.weight" in msg and "(96, 32) in the checkpoint but (64, 32) in the model" in msg
     assert "model.n_kv_heads is 4 in the checkpoint but 2 here" in msg
-    with pytest.raises(ValueError, match="tensor 'blocks.2.attn.qkv.weight' is missing from the checkpoint.*model.n_layers is 2"):
+    with pytest.raises(ValueError,
+                       match="tensor 'blocks.2.attn.qkv.weight' is missing from the checkpoint.*model.n_layers is 2"):
         ckpt.load_weights(model(n_layers=3), tmp_path / "m.safetensors")
 
 

@@ -34,12 +34,12 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_ARGS, WORDS, corpus, fast_args
 
 import lmlab
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.errors import CorruptFile
-from helpers import TINY_ARGS, WORDS, corpus, fast_args
 
 TINY = TINY_ARGS
 FAST = fast_args()
@@ -150,8 +150,15 @@ def deny_writes(monkeypatch: pytest.MonkeyPatch, under: Path, code: int) -> None
 
 def llama_tensors() -> dict[str, torch.Tensor]:
     """The weights of hf_dir's one-layer llama (hidden 32, 4 heads of 8, 2 kv heads, ffn 64, vocab 64)."""
-    layer = {"self_attn.q_proj": (32, 32), "self_attn.k_proj": (16, 32), "self_attn.v_proj": (16, 32),
-             "self_attn.o_proj": (32, 32), "mlp.gate_proj": (64, 32), "mlp.up_proj": (64, 32), "mlp.down_proj": (32, 64)}
+    layer = {
+        "self_attn.q_proj": (32, 32),
+        "self_attn.k_proj": (16, 32),
+        "self_attn.v_proj": (16, 32),
+        "self_attn.o_proj": (32, 32),
+        "mlp.gate_proj": (64, 32),
+        "mlp.up_proj": (64, 32),
+        "mlp.down_proj": (32, 64),
+    }
     g = torch.Generator().manual_seed(0)
     out = {f"model.layers.0.{k}.weight": torch.randn(shape, generator=g) * 0.02 for k, shape in layer.items()}
     out.update({f"model.layers.0.{k}.weight": torch.ones(32) for k in ("input_layernorm", "post_attention_layernorm")})
@@ -331,7 +338,9 @@ def setup_token_ids(env: Env) -> list:
 
 def setup_bpe_tokenizer(env: Env) -> list:
     data = env.tmp / "bpe"
-    assert cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "bpe", "--vocab-size", "280"]) == 0
+    assert (
+        cli.main(["prepare", str(env.corpus()), "--out", str(data), "--tokenizer", "bpe", "--vocab-size", "280"]) == 0
+    )
     garbage(data / "tokenizer.json")
     return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
 
@@ -622,25 +631,30 @@ CASES = [
                       ["prepare", env.corpus(), "--out", env.tmp / "data"])[1], 3,
          ("no space left on the device holding", "data/train.bin'")),
     Case("prepare into an unwritable directory",
-         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES), ["prepare", env.corpus(), "--out", env.tmp / "ro" / "d"])[1],
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES),
+                      ["prepare", env.corpus(), "--out", env.tmp / "ro" / "d"])[1],
          3, ("permission denied for", "ro/d'")),
     Case("prepare onto a read-only file system",
-         lambda env: (env.deny_writes(env.tmp / "ro", errno.EROFS), ["prepare", env.corpus(), "--out", env.tmp / "ro" / "d"])[1],
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EROFS),
+                      ["prepare", env.corpus(), "--out", env.tmp / "ro" / "d"])[1],
          3, ("read-only file system holds", "ro/d'")),
     Case("train into an unwritable directory",
          lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES),
                       ["train", "--run-dir", env.tmp / "ro" / "r", "--data.source", env.corpus(), *TINY, *FAST])[1],
          3, ("permission denied for", "ro/r'")),
     Case("resume a run on a read-only file system",
-         lambda env: (env.deny_writes(env.run(), errno.EROFS), resume(env))[1], 3, ("read-only file system holds", "run/.lock'")),
+         lambda env: (env.deny_writes(env.run(), errno.EROFS), resume(env))[1],
+         3, ("read-only file system holds", "run/.lock'")),
     Case("sweep into an unwritable directory",
-         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES), ["sweep", env.spec(), "--out", env.tmp / "ro" / "s"])[1],
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EACCES),
+                      ["sweep", env.spec(), "--out", env.tmp / "ro" / "s"])[1],
          3, ("permission denied for", "ro/s'")),
     Case("experiment onto a read-only file system",
          lambda env: (env.deny_writes(env.tmp / "ro", errno.EROFS),
                       ["experiment", "norm", "--quick", "--out", env.tmp / "ro" / "x"])[1],
          3, ("read-only file system holds", "ro/x'")),
-    Case("truncated Hugging Face shard", lambda env: (hf_dir(env.tmp / "hf", truncated_safetensors()), ["generate", env.tmp / "hf"])[1],
+    Case("truncated Hugging Face shard",
+         lambda env: (hf_dir(env.tmp / "hf", truncated_safetensors()), ["generate", env.tmp / "hf"])[1],
          3, ("hf/model.safetensors' is not a readable safetensors file", "download or convert")),
     Case("Hugging Face shard that is not safetensors",
          lambda env: (hf_dir(env.tmp / "hf", b"PK\x03\x04 a zip, a pickle, anything"), ["generate", env.tmp / "hf"])[1],
@@ -658,10 +672,12 @@ CASES = [
          lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "state.pt"), resume(env))[1],
          3, ("step_0000004/state.pt' cannot be read", "delete its step_* directory")),
     Case("state.pt of another program",
-         lambda env: (torch.save({"epoch": 3}, env.run() / "checkpoints" / "step_0000004" / "state.pt"), resume(env))[1],
+         lambda env: (torch.save({"epoch": 3}, env.run() / "checkpoints" / "step_0000004" / "state.pt"),
+                      resume(env))[1],
          3, ("state.pt' lacks ['step', 'optimizer'",)),
     Case("garbage model.safetensors of a run",
-         lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "model.safetensors"), ["eval", env.run(), "--checkpoint", "4"])[1],
+         lambda env: (garbage(env.run() / "checkpoints" / "step_0000004" / "model.safetensors"),
+                      ["eval", env.run(), "--checkpoint", "4"])[1],
          3, ("step_0000004/model.safetensors' cannot be read",)),
     Case("token ids beyond the vocabulary in a shard", setup_token_ids, 3, ("train.bin",)),
     # ---- item 3: arguments that raised tracebacks
@@ -670,7 +686,8 @@ CASES = [
          ("device 'toaster' is not valid; use auto, cpu, cuda, cuda:N or mps",)),
     Case("sweep --out naming a file", lambda env: ["sweep", env.spec(), "--out", garbage(env.tmp / "afile")], 2,
          ("sweep directory", "afile' is a file")),
-    Case("experiment --threads -2", lambda env: ["experiment", "norm", "--quick", "--out", env.tmp / "x", "--threads", "-2"], 2,
+    Case("experiment --threads -2",
+         lambda env: ["experiment", "norm", "--quick", "--out", env.tmp / "x", "--threads", "-2"], 2,
          ("--threads=-2 is not valid",)),
     Case("--overwrite over a symlinked checkpoints/", setup_symlinked_checkpoints, 2,
          ("run/checkpoints' is a symbolic link to", "outside the run directory")),
@@ -811,11 +828,13 @@ CASES = [
     Case("resume with a different model", lambda env: resume(env, "--model.n_layers", "3"), 2,
          ("is missing from the checkpoint", "model.n_layers is 2")),
     # ---- item 6: validation gaps
-    Case("--optim.lr inf", lambda env: new_run(env, "--optim.lr", "inf"), 2, ("lr='inf' is not valid; it must be a finite number",)),
-    Case("--model.init_std inf", lambda env: new_run(env, "--model.init_std", "inf"), 2, ("init_std='inf' is not valid",)),
+    Case("--optim.lr inf", lambda env: new_run(env, "--optim.lr", "inf"), 2,
+         ("lr='inf' is not valid; it must be a finite number",)),
+    Case("--model.init_std inf", lambda env: new_run(env, "--model.init_std", "inf"), 2,
+         ("init_std='inf' is not valid",)),
     Case("optim.lr: .inf in YAML",
-         lambda env: (env.tmp.joinpath("c.yaml").write_text("optim:\n  lr: .inf\n"), ["train", "--config", env.tmp / "c.yaml",
-                                                                                    "--run-dir", env.tmp / "r"])[1],
+         lambda env: (env.tmp.joinpath("c.yaml").write_text("optim:\n  lr: .inf\n"),
+                      ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("lr=inf is not valid",)),
     Case("duplicate key in a run config",
          lambda env: (env.tmp.joinpath("c.yaml").write_text("optim:\n  lr: 0.1\n  eps: 3\n  lr: 0.2\n"),
@@ -826,7 +845,8 @@ CASES = [
                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("gives 'optim.lr' twice",)),
     Case("duplicate key in a sweep spec",
-         lambda env: (env.spec().write_text(env.spec().read_text() + "name: u\n"), ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
+         lambda env: (env.spec().write_text(env.spec().read_text() + "name: u\n"),
+                      ["sweep", env.spec(), "--out", env.tmp / "o"])[1],
          2, ("spec.yaml': key 'name' is given twice (lines 1 and 8)",)),
     # ---- item 9: never write through a link that leaves the run
     Case("dangling metrics.jsonl link", setup_dangling_metrics, 2,
@@ -915,14 +935,16 @@ CASES = [
     Case("tokenizer.json missing from prepared data",
          lambda env: setup_missing_tokenizer_file(env, "bpe", "tokenizer.json"), 3, ("bpe/tokenizer.json is missing",)),
     # ---- bad input that was already handled, kept in the corpus
-    Case("missing data source", lambda env: ["train", "--run-dir", env.tmp / "r", "--data.source", env.tmp / "nope.txt"], 2,
+    Case("missing data source",
+         lambda env: ["train", "--run-dir", env.tmp / "r", "--data.source", env.tmp / "nope.txt"], 2,
          ("nope.txt",)),
     Case("unknown config key", lambda env: ["train", "--run-dir", env.tmp / "r", "--model.n_layer", "2"], 2,
          ("did you mean 'n_layers'?",)),
     Case("invalid YAML", lambda env: (env.tmp.joinpath("c.yaml").write_text("model: [1, 2\n"),
                                       ["train", "--config", env.tmp / "c.yaml", "--run-dir", env.tmp / "r"])[1],
          2, ("is not valid YAML at line",)),
-    Case("resume where nothing is", lambda env: ["train", "--run-dir", env.tmp / "nothing", "--resume"], 2, ("nothing to resume",)),
+    Case("resume where nothing is", lambda env: ["train", "--run-dir", env.tmp / "nothing", "--resume"], 2,
+         ("nothing to resume",)),
     Case("run directory holding another run",
          lambda env: ["train", "--run-dir", env.run(), *replaced(["--model.n_layers", "3"]), "--model.n_layers", "3"],
          2, ("already holds a different run",)),
@@ -978,8 +1000,10 @@ def test_exit_codes_are_documented_in_every_help(capsys):
 
 def test_every_environment_failure_maps_to_exit_3_with_one_line():
     cases = {
-        OSError(errno.ENOSPC, "No space left on device", "/d/f"): "no space left on the device holding '/d/f'; free some space",
-        PermissionError(errno.EACCES, "Permission denied", "/d/f"): "permission denied for '/d/f'; check its permissions",
+        OSError(errno.ENOSPC, "No space left on device", "/d/f"):
+            "no space left on the device holding '/d/f'; free some space",
+        PermissionError(errno.EACCES, "Permission denied", "/d/f"):
+            "permission denied for '/d/f'; check its permissions",
         OSError(errno.EROFS, "Read-only file system", "/d/f"): "read-only file system holds '/d/f'; choose a directory",
         OSError(errno.EIO, "Input/output error", "/d/f"): "I/O error on '/d/f'; the disk may be failing",
         OSError(errno.EFBIG, "File too large", "/d/f"): "file size limit reached writing '/d/f'",
@@ -992,7 +1016,9 @@ def test_every_environment_failure_maps_to_exit_3_with_one_line():
         code, line = cli.exit_status(e)
         assert code == 3 and line.startswith(message) and "\n" not in line, (e, line)
     assert cli.exit_status(FileNotFoundError(2, "No such file or directory", "x"))[0] == 2  # a path the user gave
-    assert cli.exit_status(RuntimeError("a bug")) is None and cli.exit_status(KeyError("k")) is None  # keep the traceback
+    assert (
+        cli.exit_status(RuntimeError("a bug")) is None and cli.exit_status(KeyError("k")) is None
+    )  # keep the traceback
 
 
 def test_checkpoint_files_have_the_usual_permissions(tmp_path):
@@ -1060,7 +1086,9 @@ def test_resume_through_a_damaged_metrics_file(trained, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained / "run", run)
     lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    (run / "metrics.jsonl").write_bytes(b"".join(lines[:2]) + b"\xff\xfe not utf-8\n" + b"".join(lines[2:]) + b'{"step": 5, "lo')
+    (run / "metrics.jsonl").write_bytes(
+        b"".join(lines[:2]) + b"\xff\xfe not utf-8\n" + b"".join(lines[2:]) + b'{"step": 5, "lo'
+    )
     assert cli.main(["train", "--run-dir", str(run), "--resume", "--train.steps", "6"]) == 0
     assert f"note: dropped 2 unreadable line(s) of {run / 'metrics.jsonl'}" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -1098,11 +1126,15 @@ def test_divergence_names_a_checkpoint_that_evaluates_finitely(tmp_path, capsys)
     from lmlab.run.data.config import DataConfig
     from lmlab.run.trainer import Trainer, TrainingDiverged
 
-    cfg = RunConfig(model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
-                    data=DataConfig(source=str(corpus(tmp_path / "c.txt"))),
-                    train=TrainConfig(steps=20, batch_size=4, max_bad_steps=3, device="cpu"),
-                    optim=OptimConfig(warmup_steps=0, lr=3e-3), eval=EvalConfig(every=100, batches=2),
-                    checkpoint=CheckpointConfig(every=1, keep_last=20), log=LogConfig(tensorboard=False, sample_tokens=0))
+    cfg = RunConfig(
+        model=lmlab.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
+        data=DataConfig(source=str(corpus(tmp_path / "c.txt"))),
+        train=TrainConfig(steps=20, batch_size=4, max_bad_steps=3, device="cpu"),
+        optim=OptimConfig(warmup_steps=0, lr=3e-3),
+        eval=EvalConfig(every=100, batches=2),
+        checkpoint=CheckpointConfig(every=1, keep_last=20),
+        log=LogConfig(tensorboard=False, sample_tokens=0),
+    )
 
     def explode(trainer, record):
         if record["step"] == 3:
@@ -1163,7 +1195,8 @@ def test_size_check_refuses_before_allocating_and_names_the_sizes():
 
     huge = lmlab.ModelConfig.from_preset("llama", d_model=2**30, n_heads=4, n_kv_heads=2, n_layers=4, max_seq_len=128)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(ValueError, match=r"^training needs at least .* EiB \(9,223,372,311,732,682,752 parameters: weights "):
+    with pytest.raises(ValueError,
+                       match=r"^training needs at least .* EiB \(9,223,372,311,732,682,752 parameters: weights "):
         check_fits(lambda n: training_memory(huge, batch_size=16, seq_len=128, parameters=n), huge, torch.device("cpu"),
                    what="training")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing was built
@@ -1175,7 +1208,9 @@ def test_size_check_refuses_before_allocating_and_names_the_sizes():
     with pytest.raises(ValueError, match=r"^x needs about 83\.4 KiB \(20,576 parameters: weights 80\.4 KiB, "
                                          r"rotary tables 3\.0 KiB\), more than the limit of 20\.0 KiB; "
                                          r"make the model smaller$"):
-        check_fits(lambda n: loading_memory(small, parameters=n), small, torch.device("cpu"), what="x", limit_bytes=20 * 1024)
+        check_fits(
+            lambda n: loading_memory(small, parameters=n), small, torch.device("cpu"), what="x", limit_bytes=20 * 1024
+        )
 
 
 def test_lengths_are_counted_as_the_model_allocates_them():
@@ -1204,7 +1239,8 @@ def test_lengths_are_counted_as_the_model_allocates_them():
 def test_from_hf_refuses_an_absurd_config_before_reading_or_allocating(tmp_path):
     hf_dir(tmp_path / "hf", weights=b"never read", hidden_size=1e9, intermediate_size=4e9)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(ValueError, match=r"config.json' needs at least [\d.,]+ EiB .* more than the [\d.,]+ GiB of memory"):
+    with pytest.raises(ValueError,
+                       match=r"config.json' needs at least [\d.,]+ EiB .* more than the [\d.,]+ GiB of memory"):
         lmlab.from_hf(tmp_path / "hf")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000
 
@@ -1214,7 +1250,8 @@ def test_lock_refuses_a_second_holder_and_is_gone_when_released(tmp_path):
 
     first = DirLock(tmp_path / "a" / "run").acquire()
     assert (tmp_path / "a" / "run" / ".lock").read_text() == f"{os.getpid()}\n"
-    with pytest.raises(DirectoryInUse, match=rf"run directory '.*a/run' is in use by process {os.getpid()} \(this one\)"):
+    with pytest.raises(DirectoryInUse,
+                       match=rf"run directory '.*a/run' is in use by process {os.getpid()} \(this one\)"):
         DirLock(tmp_path / "a" / "run").acquire()
     inner = DirLock(tmp_path / "a" / "run", "data directory").acquire(wait=True)  # waiting for itself: proceeds
     inner.release()

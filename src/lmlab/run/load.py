@@ -16,12 +16,12 @@ from ..hf import from_hf
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
 from .checkpoint import local as ckpt
+from .checkpoint.directory import CHECKPOINTS, CONFIG_FILE
 from .config import RunConfig, load_config
 from .data.config import run_data_dir
 from .data.meta import DataMeta
-from .checkpoint.directory import CHECKPOINTS, CONFIG_FILE
-from .tasks import TASKS
 from .data.tokenizer import HF_FILE, load_tokenizer, tokenizer_from_path
+from .tasks import TASKS
 
 
 @dataclasses.dataclass

@@ -31,12 +31,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import local as ckpt
-from . import sharded
 from ..errors import CorruptFile
 from ..optim import apply_hyperparameters, hyperparameters
 from ..parallel.group import Dist
 from ..parallel.plan import Parallel
+from . import local as ckpt
+from . import sharded
 
 
 # ============================================================== the training state

@@ -26,9 +26,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..config import RunConfig, config_diff, load_config
 from . import local as ckpt
 from .atomic import atomic_write_text, write_atomic
-from ..config import RunConfig, config_diff, load_config
 from .lock import DirLock
 
 CONFIG_FILE = "config.yaml"

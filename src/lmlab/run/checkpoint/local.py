@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .atomic import atomic_write, atomic_write_text, fsync_dir
 from ..errors import CorruptFile, EnvironmentFailure, one_line
+from .atomic import atomic_write, atomic_write_text, fsync_dir
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import local as ckpt
-from .atomic import atomic_write, fsync_dir
-from .dcp_index import read_index
 from ..config import flatten
 from ..parallel.group import Dist
 from ..parallel.plan import Parallel
+from . import local as ckpt
+from .atomic import atomic_write, fsync_dir
+from .dcp_index import read_index
 
 DCP_DIR = "dcp"
 
