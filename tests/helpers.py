@@ -57,3 +57,16 @@ def corpus(path: Path, n_words: int = 6000) -> Path:
     idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
     path.write_text(" ".join(WORDS[i] for i in idx) + "\n")
     return path
+
+
+def overriding(args: list[str], *extra: str) -> list[str]:
+    """``args`` then ``extra``, leaving out the ``--SECTION.FIELD VALUE`` pairs of ``args`` that ``extra``
+    gives again: the command line refuses a field given twice."""
+    given = {str(a).split("=")[0] for a in extra if str(a).startswith("--")}
+    kept, i = [], 0
+    while i < len(args):
+        pair = str(args[i]).startswith("--") and "." in str(args[i]) and "=" not in str(args[i])
+        if str(args[i]).split("=")[0] not in given:
+            kept += args[i:i + 1 + pair]
+        i += 1 + pair
+    return [*kept, *extra]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_ARGS, corpus
+from helpers import TINY_ARGS, corpus, overriding
 
 from lmlab import cli
 from lmlab.run.checkpoint import local as ckpt
@@ -140,8 +140,8 @@ def test_kill_9_anywhere_then_resume_is_bit_exact_and_loses_no_record(reference,
 def test_a_second_process_is_refused_while_the_first_trains_and_takes_over_after_kill_9(tmp_path, capsys):
     source = corpus(tmp_path / "c.txt")
     run = tmp_path / "run"
-    args = ["train", "--run-dir", str(run), "--data.source", str(source), *RUN, "--train.steps", "100000",
-            "--checkpoint.every", "1", "--eval.every", "100000"]
+    args = ["train", "--run-dir", str(run), "--data.source", str(source),
+            *overriding(RUN, "--train.steps", "100000", "--checkpoint.every", "1", "--eval.every", "100000")]
     first = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *args], env=ENV, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120

@@ -128,6 +128,8 @@ def prepare(
         return prepare_unlocked(cfg, out_dir, **kwargs)
     for stale in Path(out_dir).glob(".*.tmp"):  # an atomic write a killed process left half-done
         stale.unlink(missing_ok=True)
+    if _lmlab_meta(Path(out_dir)):  # killed after meta.json was written (or before the old one was dropped)
+        (Path(out_dir) / PREPARING).unlink(missing_ok=True)
     try:
         meta = prepare_unlocked(cfg, out_dir, **kwargs)
     except BaseException:
