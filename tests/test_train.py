@@ -291,27 +291,18 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
 
 
 # ============================================================== DDP
+def torchrun_train(config: Path, run_dir: Path) -> list[str]:
+    """``lmlab train --config CONFIG --run-dir RUN_DIR --quiet`` on 2 processes under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "lmlab.cli", "train", "--config", str(config), "--run-dir", str(run_dir), "--quiet"]
+
+
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
     cfg = run_config(tmp_path, {"train.steps": 4, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 4})
     train(cfg, tmp_path / "one")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "lmlab.cli",
-        "train",
-        "--config",
-        str(tmp_path / "run.yaml"),
-        "--run-dir",
-        str(tmp_path / "two"),
-        "--quiet",
-    ]
+    cmd = torchrun_train(tmp_path / "run.yaml", tmp_path / "two")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -344,22 +335,7 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path)
                                 "checkpoint.every": 100000})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "lmlab.cli",
-        "train",
-        "--config",
-        str(tmp_path / "run.yaml"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--quiet",
-    ]
+    cmd = torchrun_train(tmp_path / "run.yaml", tmp_path / "run")
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
