@@ -230,6 +230,29 @@ def test_threads_sets_torch_threads_and_refuses_zero(trained, capsys, command):
     assert torch.get_num_threads() == before
 
 
+def test_prepare_takes_threads_for_torch_and_the_tokenizer(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)  # restored after the test, as torch's count is
+    before, threads, source = torch.get_num_threads(), other_thread_count(), corpus(tmp_path / "corpus.txt")
+    try:
+        code, out, err = run(capsys, "prepare", source, "--out", tmp_path / "data", "--tokenizer", "bpe",
+                             "--vocab-size", "300", "--quiet", "--threads", str(threads))
+        assert code == 0 and out.startswith("prepared "), err
+        assert torch.get_num_threads() == threads and os.environ["RAYON_NUM_THREADS"] == str(threads)
+    finally:
+        torch.set_num_threads(before)
+    err = bad_input(capsys, "prepare", source, "--out", tmp_path / "other", "--threads", "0")
+    assert "lmlab prepare: error: --threads 0 is not valid; give 1 or more" in err
+    assert not (tmp_path / "other").exists()
+
+
+def test_threads_is_one_flag_on_every_command_that_computes():
+    """train, eval, generate, prepare, sweep and experiment share one --threads (add_threads_arg)."""
+    for name in ("train", "eval", "generate", "prepare", "sweep", "experiment"):
+        sub = cli.build_parser([name])._subparsers._group_actions[0].choices[name]
+        action = next(a for a in sub._actions if "--threads" in a.option_strings)
+        assert action.type is int and action.default is None and action.metavar == "N", name
+
+
 def test_sweep_and_experiment_bad_input_is_one_line_exit_2(capsys, tmp_path):
     code, _, err = run(capsys, "sweep", tmp_path / "missing.yaml")
     assert code == 2 and "missing.yaml" in err and "does not exist" in err and len(err.strip().splitlines()) == 1
