@@ -266,6 +266,35 @@ def test_print_config_resolves_overrides(capsys, tmp_path):
     assert code == 0 and "n_layers: 3" in out and "lr: 0.0001" in out and not (Path("runs") / "default").exists()
 
 
+def test_print_config_is_what_the_run_uses_on_prepared_data(capsys, tmp_path):
+    """With --data DIR, --print-config shows the prepared data's fields and vocabulary, exactly the config the
+    run then saves (it printed vocab_size 256, tokenizer byte, source builtin before)."""
+    import yaml
+
+    source, data = corpus(tmp_path / "corpus.txt"), tmp_path / "bpe"
+    assert run(capsys, "prepare", source, "--out", data, "--tokenizer", "bpe", "--vocab-size", "300", "--quiet")[0] == 0
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    args = ["train", "--data", data, "--run-dir", tmp_path / "run", *TINY, *FAST, "--train.steps", "1"]
+    code, out, err = run(capsys, *args, "--print-config")
+    assert code == 0 and not (tmp_path / "run").exists(), err
+    printed = yaml.safe_load(out)
+    assert printed["model"]["vocab_size"] == vocab != 256
+    assert printed["data"]["tokenizer"] == "bpe" and printed["data"]["source"] == str(source.resolve())
+    assert printed["data"]["prepared"] == str(data.resolve())
+    assert cli.main([str(a) for a in args]) == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    saved.pop("provenance")
+    assert saved == printed
+
+
+def test_print_config_says_when_only_preparing_decides_the_vocabulary(capsys, tmp_path):
+    source = corpus(tmp_path / "corpus.txt")
+    code, out, err = run(capsys, "train", "--data.source", source, "--data.tokenizer", "char", "--print-config")
+    assert code == 0 and "model.vocab_size is the vocabulary of tokenizer 'char'" in err and "vocab_size" in out
+    code, out, err = run(capsys, "train", "--data.source", source, "--model.vocab_size", "512", "--print-config")
+    assert code == 0 and "vocab_size: 256" in out and not err  # the byte tokenizer's, as the run trains with
+
+
 # ============================================================== bad input: exit 2, one line, nothing written
 def test_missing_and_empty_files(capsys, tmp_path):
     err = bad_input(capsys, "train", "--run-dir", tmp_path / "run", "--data.source", tmp_path / "nope.txt")

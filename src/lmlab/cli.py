@@ -484,8 +484,13 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         cfg = load_config(run_dir / CONFIG_FILE, overrides)
     else:
         cfg = load_config(args.config, overrides)
-    if args.print_config:
+    if args.print_config:  # what the run will use: the prepared data's fields and vocabulary included
+        from .run.data.binding import planned_config
+
+        cfg, note = planned_config(cfg, run_dir, resume=args.resume)
         print(cfg.to_yaml(), end="")
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr)
         return 0
     with Trainer(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
                  command=["lmlab", *argv]) as trainer:
