@@ -1161,6 +1161,40 @@ def test_resume_through_a_damaged_metrics_file(trained, tmp_path, capsys):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+DEEP = b'{"step": 3, "loss": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # too deep for Python's JSON parser
+
+
+def test_a_metrics_line_nested_100000_deep_is_an_unreadable_line(trained, tmp_path, capsys):
+    """Read back, it is a CorruptFile naming the file and line (not a RecursionError); on resume it is
+    dropped like any unreadable line, and the run completes."""
+    from lmlab.run.metrics import read_metrics
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_bytes(b"".join(lines[:2]) + DEEP + b"\n" + b"".join(lines[2:]))
+    with pytest.raises(CorruptFile, match=r"metrics.jsonl' line 3 is not a metrics record; delete that line"):
+        read_metrics(run)
+    assert cli.main(["train", "--run-dir", str(run), "--resume", "--train.steps", "6"]) == 0
+    assert f"note: dropped 1 unreadable line(s) of {run / 'metrics.jsonl'}" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_sweep_curve_is_read_like_metrics(tmp_path):
+    """curve.jsonl (the sweep tables' source): a torn last line is skipped, any other unreadable line
+    (garbage, nested 100,000 deep) is a CorruptFile naming the file and line."""
+    from lmlab.experiments.sweep.layout import read_curve
+
+    curve = tmp_path / "curve.jsonl"
+    curve.write_bytes(b'{"step": 1, "loss": 2.5}\n\n{"step": 2, "loss": 2.')
+    assert read_curve(tmp_path) == [{"step": 1, "loss": 2.5}]
+    for bad in (DEEP, b"\xff\xfe not utf-8", b"[1, 2]"):
+        curve.write_bytes(b'{"step": 1, "loss": 2.5}\n' + bad + b'\n{"step": 4}\n')
+        with pytest.raises(CorruptFile, match=r"curve.jsonl' line 2 is not a curve record; delete that line"):
+            read_curve(tmp_path)
+    assert read_curve(tmp_path / "none") == []
+
+
 def test_a_record_survives_a_crash_right_after_its_checkpoint(tmp_path, monkeypatch, capsys):
     """The old order (checkpoint, then log) lost step 4's record for good when the process died in
     between: resume restarts after the checkpoint. Records now reach the file first."""
