@@ -413,4 +413,7 @@ def test_compare_and_describe():
                            f"TOST p={tost_p:.3f} (±0.100); sign-flip p=0.125; n=3; power {c.power:.2f} for 0.500")
     assert describe(compare(d, 0.1, "lower")).startswith("-1.000 [-2.242, +0.242] nats; p=0.037; TOST")
     ni = describe(compare([0.001, -0.001, 0.0, 0.0005, -0.0005], 0.02, "not_higher"))
-    assert "p<0.001 for < +0.020; sign-flip" in ni and "TOST" not in ni and "power" not in ni
+    assert "p<0.001 for d < +0.020; sign-flip p=0.031; n=5" in ni  # d - 0.02 all negative: 1/32
+    assert "TOST" not in ni and "power" not in ni
+    j = c.to_json()
+    assert (j["verdict"], j["p_holm"], j["n"], j["sign_flip_p"]) == ("inconclusive", 0.074, 3, 0.125)

@@ -352,15 +352,17 @@ def decide_registered(diffs: Sequence[float], margin: float, claimed: Claimed = 
     p_eq = float("nan") if claimed == "not_higher" else tost(diffs, margin)
     ivs = mean_interval(diffs), mean_interval(diffs, 1.0 - 2.0 * alpha)
     hit, against = p_adj <= alpha, p_opp <= alpha  # False when nan
+    verdict: Verdict = "inconclusive"
+    negligible = False
     if ivs[0].n < 2 or not (math.isfinite(ivs[0].mean) and math.isfinite(margin)):
-        verdict, negligible = "inconclusive", False
-    elif claimed == "not_higher":
+        pass  # too few seeds, a diverged difference, or no registered margin
+    elif claimed == "not_higher":  # non-inferiority: shown below +margin, perhaps significantly above 0
         verdict, negligible = ("reproduced", against) if hit else ("opposite" if against else "inconclusive", False)
-    elif p_eq <= alpha:
+    elif p_eq <= alpha:  # equivalence wins over a significant difference: it is smaller than the margin
         verdict, negligible = "tie", hit or against
-    else:
-        verdict, negligible = ("reproduced" if hit else "opposite" if against else "inconclusive"), False
-    return Decision(verdict, negligible, claimed, margin, alpha, p, p_adj, p_opp, p_eq, *ivs)  # type: ignore[arg-type]
+    elif hit or against:
+        verdict = "reproduced" if hit else "opposite"
+    return Decision(verdict, negligible, claimed, margin, alpha, p, p_adj, p_opp, p_eq, *ivs)
 
 
 # ============================================================== power (noncentral t)
@@ -387,10 +389,9 @@ def nct_cdf(t: float, df: float, nc: float) -> float:
     log_c = math.log(2.0) + (df / 2.0) * math.log(df / 2.0) - math.lgamma(df / 2.0)
 
     def f(s: float) -> float:
-        dens = 0.0 if s <= 0.0 else math.exp(log_c + (df - 1.0) * math.log(s) - df * s * s / 2.0)
-        if s <= 0.0 and df == 1:
-            dens = math.exp(log_c)  # s^0 at s = 0
-        return dens * _normal_cdf(t * s - nc)
+        if s <= 0.0:  # the density's s^(df - 1) at 0: 1 for df = 1, else 0
+            return math.exp(log_c) * _normal_cdf(-nc) if df == 1 else 0.0
+        return math.exp(log_c + (df - 1.0) * math.log(s) - df * s * s / 2.0) * _normal_cdf(t * s - nc)
 
     h = (s_hi - s_lo) / _SIMPSON_INTERVALS
     total = f(s_lo) + f(s_hi)
@@ -553,7 +554,8 @@ def extend_grid(values: Sequence[float], losses_by_value: Mapping[float, Sequenc
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """Everything a report states about one paired comparison: the decision, the sign-flip p beside it
-    (same direction as the claim's p; two-sided for "not_higher"), and the power for ``power_effect``."""
+    (the same hypothesis as the claim's p: d < 0, d > 0, or for "not_higher" d - margin < 0), and the
+    power for ``power_effect``."""
 
     decision: Decision
     sign_flip_p: float
@@ -565,18 +567,31 @@ class Comparison:
     def verdict(self) -> Verdict:
         return self.decision.verdict
 
+    def to_json(self) -> dict[str, object]:
+        """The fields verdict.json records per claim (floats may be nan: write them through jsonable)."""
+        d = self.decision
+        return {"verdict": d.verdict, "negligible": d.negligible, "claimed": d.claimed, "margin": d.margin,
+                "alpha": d.alpha, "difference": d.interval.mean, "ci95": [d.interval.lo, d.interval.hi],
+                "ci90": [d.interval90.lo, d.interval90.hi], "n": d.interval.n, "sd": d.interval.std,
+                "p": d.p, "p_holm": d.p_adjusted, "p_opposite": d.p_opposite, "p_tost": d.p_tost,
+                "sign_flip_p": self.sign_flip_p, "power": self.power, "power_effect": self.power_effect,
+                "unit": self.unit}
+
 
 def compare(diffs: Sequence[float], margin: float, claimed: Claimed = "lower", alpha: float = ALPHA,
             p_adjusted: float | None = None, power_effect: float | None = None, unit: str = "nats") -> Comparison:
     """:func:`decide_registered`, plus the sign-flip test and the power to detect ``power_effect`` with the
     seeds measured (one-sided, at the sample sd of ``diffs``)."""
     d = decide_registered(diffs, margin, claimed, alpha, p_adjusted)
-    side: Alternative = {"lower": "less", "higher": "greater", "not_higher": "two-sided"}[claimed]  # type: ignore
+    if claimed == "not_higher":
+        flip = sign_flip_test([x - margin for x in diffs], "less") if math.isfinite(margin) else float("nan")
+    else:
+        flip = sign_flip_test(diffs, "less" if claimed == "lower" else "greater")
     sd, n = d.interval.std, d.interval.n
     power = float("nan")
     if power_effect is not None and n >= 2 and math.isfinite(sd) and sd > 0:
         power = power_paired(power_effect, sd, n, alpha)
-    return Comparison(d, sign_flip_test(diffs, side), power_effect, power, unit)
+    return Comparison(d, flip, power_effect, power, unit)
 
 
 def p_text(p: float) -> str:
@@ -595,7 +610,7 @@ def describe(c: Comparison, digits: int = 3) -> str:
     if d.p_adjusted != d.p and not (math.isnan(d.p) and math.isnan(d.p_adjusted)):
         parts[-1] += f" (Holm {p_text(d.p_adjusted)[2:]})"
     if d.claimed == "not_higher":
-        parts[-1] += f" for < +{d.margin:.{digits}f}"
+        parts[-1] += f" for d < +{d.margin:.{digits}f}"
     elif math.isfinite(d.margin):
         parts.append(f"TOST {p_text(d.p_tost)} (±{d.margin:.{digits}f})")
     parts.append(f"sign-flip {p_text(c.sign_flip_p)}")
