@@ -338,7 +338,8 @@ def test_hf_source_from_save_to_disk_and_from_data_files(tmp_path):
     with pytest.raises(ValueError,
                        match=r"hf:.*notes\.xyz is a file of unknown kind; use \.parquet, \.csv, \.json\(l\) or \.txt"):
         texts(f"hf:{write(tmp_path / 'notes.xyz', 'x')}")
-    with pytest.raises(ValueError, match=r"has no column 'text' \(columns: \['content', 'n'\]\); set data.text_field"):
+    with pytest.raises(ValueError, match=r"has no column 'text' \(columns: \['content', 'n'\]\); name the column that "
+                       r"holds the text with --text-field \(lmlab prepare\) or data.text_field"):
         texts(f"hf:{tmp_path / 'saved'}")
     with pytest.raises(ValueError, match=r"hf dataset path '.*nope' does not exist; lmlab reads only local datasets"):
         texts(f"hf:{tmp_path / 'nope'}")
