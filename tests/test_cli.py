@@ -605,3 +605,13 @@ def test_export_bad_input_is_one_line_exit_2_and_writes_nothing(trained, capsys,
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+def test_load_run_and_read_metrics_are_lmlab_names(trained):
+    """Reading a run back is public API: ``lmlab.load_run`` and ``lmlab.read_metrics`` (documented in training.md)."""
+    import lmlab
+    from lmlab.run.metrics import read_metrics
+
+    assert {"load_run", "read_metrics"} <= set(lmlab.__all__) and lmlab.read_metrics is read_metrics
+    assert lmlab.load_run is load_run and lmlab.load_run(trained / "run").step == 12
+    assert [r["step"] for r in lmlab.read_metrics(trained / "run") if "val_loss" in r] == [6, 12]

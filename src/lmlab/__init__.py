@@ -15,17 +15,20 @@ if TYPE_CHECKING:  # the real imports, for readers and type checkers; at run tim
     from .config import PRESETS, ModelConfig, MoEConfig, RopeConfig
     from .loss import IGNORE_INDEX
     from .model import LMOutput, SequenceClassifier, Transformer
+    from .run.load import load_run
+    from .run.metrics import read_metrics
 
 __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX", "KVCache", "LMOutput", "ModelConfig", "MoEConfig", "PRESETS", "RopeConfig",
-    "SequenceClassifier", "Transformer", "__version__", "from_hf", "to_hf",
+    "SequenceClassifier", "Transformer", "__version__", "from_hf", "load_run", "read_metrics", "to_hf",
 ]
 
 EXPORTS = {"KVCache": "attention", "PRESETS": "config", "ModelConfig": "config", "MoEConfig": "config",
            "RopeConfig": "config", "IGNORE_INDEX": "loss", "LMOutput": "model", "SequenceClassifier": "model",
-           "Transformer": "model"}  # public name -> the module that defines it
+           "Transformer": "model", "load_run": "run.load", "read_metrics": "run.metrics",
+           }  # public name -> the module that defines it
 
 
 def __getattr__(name: str) -> Any:
