@@ -715,7 +715,8 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
     check_apart(args.out, source, "run directory" if (source / CONFIG_FILE).is_file() else "checkpoint directory")
     run = load_run(source, checkpoint=checkpoint)
     done = to_hf(run.model, args.out, run.tokenizer, architecture=args.architecture, dtype=args.dtype,
-                 max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE, overwrite=args.overwrite)
+                 max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE, overwrite=args.overwrite,
+                 trained_length=run.config.seq_len if run.config is not None else None)
     print(f"exported {args.run} ({run.checkpoint.name}) as {done.model_type} to {done.path}: {', '.join(done.files)}")
     kind = getattr(run.tokenizer, "kind", "") or "the checkpoint's"
     print(

@@ -146,6 +146,7 @@ def model_config(model: torch.nn.Module) -> ModelConfig:
 def to_hf(
     model: torch.nn.Module, out: str | Path, tokenizer: Any = None, *, architecture: str | None = None,
     dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE, overwrite: bool = False,
+    trained_length: int | None = None,
 ) -> Exported:
     """Write ``model`` as a Hugging Face checkpoint directory ``out`` that
     ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads with the same logits.
@@ -156,8 +157,9 @@ def to_hf(
     stored dtype (default: the weights' own). ``max_shard_size``: bytes, or "500MB" / "5GB";
     larger checkpoints are split into shards listed in model.safetensors.index.json. ``out`` must
     not exist or be empty, unless ``overwrite``, which replaces only a directory an earlier export
-    wrote (it holds the marker file ``.lmlab-export``). Every refusal is a ValueError raised before
-    anything is written."""
+    wrote (it holds the marker file ``.lmlab-export``). ``trained_length``: the context the model was
+    trained at (a run's ``train.seq_len``), written as ``max_position_embeddings`` where nothing is computed
+    from it (see :func:`trained_context`). Every refusal is a ValueError raised before anything is written."""
     cfg = model_config(model)
     out = Path(out)
     model_type, target = choose_architecture(cfg, architecture)
@@ -165,11 +167,11 @@ def to_hf(
     stored = _resolve_dtype(dtype, tensors)
     limit = parse_size(max_shard_size)
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
-    config = hf_config(cfg, model_type, bos_id=bos, eos_id=eos, dtype=stored)
+    config = trained_context(hf_config(cfg, model_type, bos_id=bos, eos_id=eos, dtype=stored), cfg, trained_length)
     texts = {
         "config.json": _json(config),
         "generation_config.json": _json({"bos_token_id": bos, "eos_token_id": eos}),
-        **tokenizer_files(tokenizer, cfg),
+        **tokenizer_files(tokenizer, cfg, config.get("max_position_embeddings", cfg.max_seq_len)),
     }
     _check_out(out, overwrite)
     shards = plan_shards(tensors, stored, limit)
@@ -179,7 +181,18 @@ def to_hf(
 
 
 # ============================================================== tokenizer
-def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
+def trained_context(config: dict[str, Any], cfg: ModelConfig, trained_length: int | None) -> dict[str, Any]:
+    """config.json with ``max_position_embeddings`` the length the model was trained at, where it is shorter
+    than ``cfg.max_seq_len`` (a preset's 256 for a run trained at 128), so that the export says how long a
+    context the model has seen. Only where no weight or rope frequency depends on it: rotary positions without
+    a scaling (transformers derives YaRN's factor and dynamic NTK from it); learned tables keep their size."""
+    if (trained_length is None or trained_length >= cfg.max_seq_len or "max_position_embeddings" not in config
+            or cfg.positions != "rope" or cfg.rope.scaling not in ("none", "ntk")):
+        return config
+    return {**config, "max_position_embeddings": trained_length}
+
+
+def tokenizer_files(tokenizer: Any, cfg: ModelConfig, model_max_length: int | None = None) -> dict[str, str]:
     """{file name: text} of ``tokenizer`` as Hugging Face files: its own ``hf_files()`` (at least
     tokenizer.json), plus a tokenizer_config.json naming the special tokens if it brings none."""
     if tokenizer is None:
@@ -209,7 +222,7 @@ def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
     if "tokenizer_config.json" not in files:
         special = {name: _token(tok, getattr(tokenizer, f"{name}_id", None)) for name in ("bos", "eos")}
         files["tokenizer_config.json"] = _json({
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length or cfg.max_seq_len,
             "clean_up_tokenization_spaces": False, "bos_token": special["bos"], "eos_token": special["eos"],
         })
     return files
