@@ -188,6 +188,31 @@ def test_pretrained_wordlevel_tokenizer_counts_unknowns_in_prepare(tmp_path):
     assert "unknown tokens" in meta.describe()
 
 
+def test_a_pretrained_tokenizer_without_eos_warns_that_documents_run_together(tmp_path, capsys):
+    """prepare and train say, in one line, that documents are concatenated without a separator (eod_id null)."""
+    pytest.importorskip("tokenizers")
+    from lmlab import cli
+
+    gpt2_style_tokenizer(pytest.importorskip("tokenizers"), specials=()).save(str(tmp_path / "tokenizer.json"))
+    source = jsonl(tmp_path / "c.jsonl", many_docs(40))
+    assert cli.main(["prepare", str(source), "--tokenizer", str(tmp_path / "tokenizer.json"), "--out",
+                     str(tmp_path / "d"), "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["eod_id"] is None
+    warning = ("warning: the pretrained tokenizer has no end-of-document (eos) token, so the documents are "
+               "concatenated without a separator")
+    assert err.startswith(warning) and err.count("\n") == 1 and out.startswith("prepared ")
+    assert cli.main(["train", "--data", str(tmp_path / "d"), "--run-dir", str(tmp_path / "run"), "--model.d_model",
+                     "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.max_seq_len", "16",
+                     "--train.steps", "1", "--train.batch_size", "2", "--eval.batches", "1", "--log.sample_tokens",
+                     "0", "--log.tensorboard", "false", "--train.device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert lines[data + 1].startswith(warning)  # under the banner's data line
+    meta = prepare(DataConfig(source=str(source)), tmp_path / "bytes")  # a tokenizer with an end: nothing to say
+    assert meta.separator_warning is None
+
+
 def test_a_file_that_is_not_a_tokenizer(tmp_path):
     pytest.importorskip("tokenizers")
     with pytest.raises(ValueError,

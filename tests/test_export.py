@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import lmlab
 from lmlab import ModelConfig, Transformer
+from lmlab.config import DEFAULT_BALANCE
 from lmlab.hf import config_from_hf, hf_config, hf_tensors, read_safetensors, to_hf
 
 transformers = pytest.importorskip("transformers")
@@ -271,7 +272,8 @@ def test_router_options_both_ways(tmp_path):
     original.save_pretrained(tmp_path / "original")
     ours = lmlab.from_hf(tmp_path / "original")
     moe = ours.config.moe
-    assert (moe.load_balance_coef, moe.expert_balance_coef, moe.z_loss_coef) == (0.0, 0.0, 0.0)
+    # router_aux_loss_coef (0.02) is not mapped: a loaded MoE balances with lmlab's default, as any MoE does
+    assert (moe.load_balance_coef, moe.expert_balance_coef, moe.z_loss_coef) == (0.0, DEFAULT_BALANCE, 0.0)
     written = json.loads((to_hf(ours, tmp_path / "out").path / "config.json").read_text())
     assert (written["output_router_logits"], written["router_jitter_noise"]) == (False, 0.0)
     assert "router_aux_loss_coef" not in written

@@ -467,6 +467,8 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
     meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite, task=args.task,
                    progress=not args.quiet)
     print(f"prepared {args.out}: {meta.describe()}")
+    if meta.separator_warning is not None:
+        print(meta.separator_warning, file=sys.stderr)
     return 0
 
 
