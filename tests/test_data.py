@@ -607,7 +607,8 @@ BAD_SOURCES = {
     ),
     "jsonl no field": (
         lambda t: str(write(t / "c.jsonl", '{"text": "ok"}\n\n{"body": "x"}\n')),
-        r"c\.jsonl:3: no 'text' field \(found \['body'\]\); set data\.text_field",
+        r"c\.jsonl:3: no 'text' field \(found \['body'\]\); name the field that holds the text with --text-field "
+        r"\(lmlab prepare\) or data\.text_field",
     ),
     "jsonl not a string": (lambda t: str(write(t / "c.jsonl", '{"text": 5}\n')),
                            r"c\.jsonl:1: field 'text' is int, not a string"),
@@ -792,3 +793,29 @@ def test_encoding_reads_batches_ahead_in_a_thread_and_reraises_its_errors():
 
     with pytest.raises(ValueError, match="c.jsonl:2"):
         list(shards_mod.prefetch(failing()))
+
+
+def test_meta_json_names_the_validation_documents(tmp_path):
+    """meta.json says which documents went to validation: the rule, in words exact enough to recompute (done
+    here from them alone), and their indices in the source; by token stream, the rule says so."""
+    import hashlib
+
+    docs = many_docs(60)
+    docs[7] = docs[3]  # a duplicate: dropped, but counted in the indices
+    prepare(DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), val_fraction=0.2), tmp_path / "d")
+    split = json.loads((tmp_path / "d" / "meta.json").read_text())["split"]
+    assert split["by"] == "document" and "low 32 bits of the blake2b digest" in split["rule"]
+
+    def key(text: str) -> int:  # split["rule"], as written
+        digest = hashlib.blake2b("".join(w + " " for w in text.split()).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & 0xFFFFFFFF
+
+    first = {d: i for i, d in reversed(list(enumerate(docs)))}
+    expected = [i for i, d in enumerate(docs) if first[d] == i and key(d) < int(0.2 * 2**32)]
+    assert split["val_documents"] == expected and len(expected) == split["documents"]["val"] > 0
+    val_text = ByteTokenizer().decode(split_ids(tmp_path / "d", "val"))
+    assert all(docs[i] in val_text for i in expected)
+    prepare(DataConfig(source=str(write(tmp_path / "one.txt", TEXT))), tmp_path / "t")
+    split = json.loads((tmp_path / "t" / "meta.json").read_text())["split"]
+    assert split["by"] == "token stream" and split["rule"].startswith("validation is the end of the token stream")
+    assert split["val_documents"] is None

@@ -53,6 +53,9 @@ class Split:
     reason: str  # why, in words (prepare's output says it when the split is by token stream)
     val_fraction: float
     documents: dict[str, int] | None = None  # {"train": n, "val": n} unique documents; None by token stream
+    rule: str | None = None  # which documents went to validation, in words exact enough to recompute
+    # the validation documents' indices in the source (0-based, duplicates counted), when at most MAX_LISTED
+    val_documents: list[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
