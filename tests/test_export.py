@@ -170,6 +170,20 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
                 "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "glm4_moe"}[preset]
 
 
+def test_a_preset_no_family_computes_is_refused_with_the_field_to_set(tmp_path):
+    """deepseekmoe's ungated shared expert has no transformers family: the refusal names the one-field changes
+    that give one (each checked), and the model with that change exports as that family."""
+    model = Transformer(ModelConfig.from_preset("deepseekmoe", **{**BASE, "n_layers": 2}))
+    with pytest.raises(ValueError) as refused:
+        to_hf(model, tmp_path / "as-is")
+    assert str(refused.value).endswith("; to export, train with --model.moe.shared_gate sigmoid for qwen2_moe or "
+                                       "--model.moe.scoring sigmoid for glm4_moe")
+    assert not (tmp_path / "as-is").exists()
+    for field, value, family in (("moe.shared_gate", "sigmoid", "qwen2_moe"), ("moe.scoring", "sigmoid", "glm4_moe")):
+        changed = Transformer(model.config.override({field: value}))
+        assert to_hf(changed, tmp_path / family).model_type == family
+
+
 # ================================================================== transformers -> lmlab -> transformers
 def randomized_hf(model, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -95,7 +96,8 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
         if why:
             raise ValueError(f"cannot export as {architecture!r}: {why}")
         return architecture, target
-    reasons = []
+    reasons: list[str] = []
+    fixes: list[str] = []
     for name, target in targets.items():
         if target.moe != (cfg.moe is not None):
             continue
@@ -103,7 +105,34 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
         if why is None:
             return name, target
         reasons.append(f"{name}: {why}")
-    raise ValueError(f"cannot export: no transformers architecture computes this model exactly; {'; '.join(reasons)}")
+        fixes += [f"--model.{field} {value} for {name}" for field, value in one_field_fixes(cfg, target, why)]
+    fix = f"; to export, train with {' or '.join(fixes)}" if fixes else ""
+    raise ValueError(f"cannot export: no transformers architecture computes this model exactly; {'; '.join(reasons)}"
+                     f"{fix}")
+
+
+def one_field_fixes(cfg: ModelConfig, target: Export, why: str) -> list[tuple[str, str]]:
+    """(field, value) changes of the one field a refusal names (``moe.shared_gate='none' (...)``) that make
+    ``target`` accept the model: each other choice of a field with named choices, or the other truth value,
+    checked by asking the target again. What a preset would need to export as that family."""
+    field = why.split("=", 1)[0].strip()
+    if not re.fullmatch(r"[a-z_]+(\.[a-z_]+)?", field):
+        return []
+    owner, name = (cfg.moe, field.split(".")[1]) if field.startswith("moe.") else (cfg, field)
+    if owner is None or name not in {f.name for f in dataclasses.fields(owner)}:
+        return []
+    hint = typing.get_type_hints(type(owner))[name]
+    current = getattr(owner, name)
+    choices = [not current] if hint is bool else [c for c in typing.get_args(hint) if isinstance(c, str)]
+    fixes = []
+    for value in (c for c in choices if c != current):
+        try:
+            changed = cfg.override({field: value})
+        except ValueError:
+            continue
+        if target.refuse(changed) is None and not universal_refusal(changed):
+            fixes.append((field, str(value).lower() if isinstance(value, bool) else str(value)))
+    return fixes
 
 
 def _kind_mismatch(cfg: ModelConfig, target: Export) -> str | None:
