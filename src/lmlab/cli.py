@@ -562,14 +562,16 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         return _report_classifier(args, run, report, result, time.perf_counter() - start)
     r = result.details["result"]
     buckets = r.buckets(args.buckets, boundary=train_len)
-    report.update(sequences=r.sequences, tokens=r.tokens, perplexity=r.perplexity, buckets=buckets,
-                  per_position=r.per_position, seconds=time.perf_counter() - start)
+    report.update(sequences=r.sequences, tokens=r.tokens, perplexity=r.perplexity, bytes=r.bytes,
+                  bits_per_byte=r.bits_per_byte, buckets=buckets, per_position=r.per_position,
+                  seconds=time.perf_counter() - start)
     if args.json:
         print(json.dumps(report))
         return 0
     print(
-        f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f} "
-        f"({r.sequences} sequences x {seq_len} tokens"
+        f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f}"
+        + ("" if r.bits_per_byte is None else f", {r.bits_per_byte:.4f} bits/byte")
+        + f" ({r.sequences} sequences x {seq_len} tokens"
         f"{', trained at ' + str(train_len) if seq_len != train_len else ''})"
     )
     if seq_len != train_len or args.buckets > 1:
