@@ -1,7 +1,8 @@
 """Validation loss, perplexity, bits per byte and loss by position.
 
 Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the evaluated target tokens
-decode to (``TokenData.byte_lengths``, from data/token_bytes.py; special tokens count 0), so runs with different tokenizers compare.
+decode to (``TokenData.byte_lengths``, from data/token_bytes.py; special tokens count 0), so runs
+with different tokenizers compare.
 
 Loss by position is what length extrapolation is measured with: evaluate at a sequence length
 longer than training (with any rope scaling override) and compare the mean loss at positions the
@@ -83,5 +84,6 @@ def evaluate(
         raise ValueError(f"no evaluation data: the split holds fewer than seq_len + 1 = {seq_len + 1} tokens")
     per_position = (total / sequences).tolist()
     covered = None if table is None else int(n_bytes)
+    bpb = bits_per_byte(float(total.sum()), covered)
     return EvalResult(loss=sum(per_position) / seq_len, tokens=sequences * seq_len, sequences=sequences,
-                      per_position=per_position, bytes=covered, bits_per_byte=bits_per_byte(float(total.sum()), covered))
+                      per_position=per_position, bytes=covered, bits_per_byte=bpb)
