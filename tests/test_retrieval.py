@@ -195,7 +195,7 @@ def test_copy_probe_scores_a_perfect_copier_at_its_distance_and_nothing_else():
 
 
 def test_copy_metrics_report_each_distance_with_log_prob_accuracy_and_errors():
-    m = positions.copy_metrics(Oracle(50, 64 - 16), probe_data(40000), 64, positions.LONG, n=8)
+    m = positions.copy_metrics(Oracle(50, 64 - 16), probe_data(40000), 64, {1: 8, 8: 8, 16: 4})
     probes = ["copy_1x", *(f"copy_{m}x_{d}" for m in positions.LONG for d in ("far", "near"))]
     assert set(m) == {f"{p}_{s}" for p in probes for s in ("logp", "logp_se", "acc", "acc_se")}
     assert m["copy_1x_acc"] == 1.0 and m["copy_8x_far_acc"] < 0.2  # the oracle copies 48 back only
@@ -212,3 +212,6 @@ def test_the_retrieval_fine_tunes_are_measured_at_eight_points():
     assert spec.configs["rope-copy"].model == spec.configs["rope"].model  # the same size as rope
     quick = load_experiment_spec("positions", quick=True)
     assert quick.configs["rope-copy-ft-yarn"].train.steps <= 4
+    hooks = positions.Hooks(spec)  # the gate's (1x) and the claim's (8x) probes at a run's end: SE ~0.02
+    assert hooks.copy_end[1] == hooks.copy_end[8] == positions.COPY_N >= (0.85 / 0.02) ** 2 * 0.99
+    assert max(positions.Hooks(quick).copy_end.values()) <= 32  # the quick profile stays a smoke test

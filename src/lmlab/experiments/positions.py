@@ -48,7 +48,15 @@ DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 # of a fine-tune's steps: with its last, 8 points (12, 25, 50, 100, 150, 200, 300, 400 of 400), a curve
 # rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
 SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
-COPY_K, COPY_N = 16, 32  # copy-probe segment length and probes (windows)
+COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
+# Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
+# 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
+# 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)). At a run's end the in-range and 8x
+# probes (the gate's and the claim's) use COPY_N; the 16x probes and the fine-tune snapshots' 8x
+# probes use COPY_N_CURVE (standard error ~0.04) at a quarter of the cost: 1800 probes at 8x are
+# 0.9M tokens of forward passes (400 took 83 s on one thread of a loaded 2-core CPU).
+COPY_N, COPY_N_CURVE = 1800, 450
+COPY_N_QUICK = 32  # the quick profile's: a smoke test, seconds
 COPY_BATCH = 8  # probe windows per forward pass
 COPY_GATE = 0.5  # in-range copy accuracy (copy_1x_acc) a model must reach before its retrieval beyond range is judged
 COPY_LEARNED = 0.1  # in-range copy accuracy below which the models have no retrieval to extend (chance ~ 1/vocab)
@@ -117,18 +125,20 @@ def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int 
     return out
 
 
-def copy_metrics(model, data, L: int, multiples, n: int = COPY_N) -> dict[str, float]:
-    """copy_1x_* (first copy at 0: in range), and at each long length m, copy_{m}x_far_* (first copy
-    at 0, about the window length back) and copy_{m}x_near_* (L/2 back, at positions beyond L):
-    each ``logp``, ``acc`` and their ``_se`` (:func:`copy_probe`)."""
+def copy_metrics(model, data, L: int, probes: dict[int, int]) -> dict[str, float]:
+    """For each multiple m of ``probes`` (m -> how many probes): copy_1x_* for m = 1 (first copy at
+    0: in range), else copy_{m}x_far_* (first copy at 0, about the window length back) and
+    copy_{m}x_near_* (L/2 back, at positions beyond L); each ``logp``, ``acc`` and their ``_se``
+    (:func:`copy_probe`)."""
     k = min(COPY_K, L // 4)
-    probes = {"copy_1x": (L, 0)}
-    for m in multiples:
+    where: dict[str, tuple[int, int, int]] = {}  # key -> (window, first copy at, probes)
+    for m, n in probes.items():
         T = m * L
-        if model.config.positions == "learned" and T > model.config.max_seq_len:
-            continue
-        probes.update({f"copy_{m}x_far": (T, 0), f"copy_{m}x_near": (T, T - k - L // 2)})
-    return {f"{key}_{name}": v for key, (T, first) in probes.items()
+        if m == 1:
+            where["copy_1x"] = (L, 0, n)
+        elif model.config.positions != "learned" or T <= model.config.max_seq_len:
+            where.update({f"copy_{m}x_far": (T, 0, n), f"copy_{m}x_near": (T, T - k - L // 2, n)})
+    return {f"{key}_{name}": v for key, (T, first, n) in where.items()
             for name, v in copy_probe(model, data, T, first, k, n).items()}
 
 
@@ -166,6 +176,9 @@ class Hooks(SweepHooks):
         self.L = spec.configs["rope"].seq_len  # the training length of every scheme
         self.tokens = eval_tokens(spec)
         self.steps = {name: cfg.train.steps for name, cfg in spec.configs.items()}
+        n, curve = (COPY_N_QUICK, COPY_N_QUICK) if spec.is_quick else (COPY_N, COPY_N_CURVE)
+        self.copy_end = {1: n, 8: n, 16: curve}  # at a run's end: the claim's lengths at COPY_N
+        self.copy_snapshot = {1: n, 8: curve}  # at a fine-tune's snapshots
 
     def ft_measure(self, model, data) -> dict[str, Any]:
         m = {
@@ -173,7 +186,7 @@ class Hooks(SweepHooks):
             for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
             if not k.startswith("pp_")
         }
-        return {**m, **copy_metrics(model, data, self.L, LONG)}
+        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot)}
 
     def callbacks(self, variant, seed, run_dir):
         steps = snapshot_steps(self.steps[variant.name])
@@ -181,7 +194,8 @@ class Hooks(SweepHooks):
 
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
-        out = {**length_metrics(model, data, L, MULTIPLES, self.tokens), **copy_metrics(model, data, L, LONG)}
+        out = {**length_metrics(model, data, L, MULTIPLES, self.tokens),
+               **copy_metrics(model, data, L, self.copy_end)}
         if variant.init_from:
             snaps = Snapshots(run_dir, set(), self.ft_measure).read()
             out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
@@ -191,7 +205,8 @@ class Hooks(SweepHooks):
                     r = length_metrics(rescaled(model, method, float(m), L), data, L, (m,), self.tokens)
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
-                    probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4))
+                    probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4),
+                                       self.copy_end[m])
                     out.update({f"zs_{name}_copy_{m}x_far_{k}": v for k, v in probe.items()})
         return out
 
