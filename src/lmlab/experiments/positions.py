@@ -51,7 +51,8 @@ SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
 # Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
 # 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
-# 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)). At a run's end the in-range and 8x
+# 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)); that model does not copy yet, and a
+# model that does should spread less (its log-probs pile up near 0). At a run's end the in-range and 8x
 # probes (the gate's and the claim's) use COPY_N; the 16x probes and the fine-tune snapshots' 8x
 # probes use COPY_N_CURVE (standard error ~0.04) at a quarter of the cost: 1800 probes at 8x are
 # 0.9M tokens of forward passes (400 took 83 s on one thread of a loaded 2-core CPU).
