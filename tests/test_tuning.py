@@ -229,3 +229,74 @@ def test_tune_problems_names_an_arm_tuned_on_another_variants_runs(tmp_path):
     by_both = load_spec(write_spec(tmp_path, variants=None, grid=grid, tune=tune([1e-3, 2e-3], by=["arch", "depth"])))
     assert tune_problems(by_both, ["pre-L2", "post-L2"]) == []
     assert sorted(by_both.tune_groups()) == ["post-L1", "post-L2", "pre-L1", "pre-L2"]
+
+
+# ============================================================== a grid axis grows past its edge
+LR_GRID = [
+    {"axis": "depth", "levels": [{"name": "L1"}, {"name": "L2", "overrides": {"model.n_layers": 2}}]},
+    {"axis": "warm", "levels": [{"name": "w1"}, {"name": "w2", "overrides": {"optim.warmup_steps": 2}}]},
+    {"axis": "lr", "levels": [{"name": "lr1e-3", "overrides": {"optim.lr": 1e-3}},
+                              {"name": "lr2e-3", "overrides": {"optim.lr": 2e-3}},
+                              {"name": "lr4e-3", "overrides": {"optim.lr": 4e-3}}],
+     "extend": {"by": ["depth"], "max": 3}},
+]
+
+
+def test_a_grid_axis_extends_past_its_edge_for_that_group_only_and_a_rerun_trains_nothing(tmp_path):
+    path = write_spec(tmp_path, variants=None, grid=LR_GRID, seeds=2)
+    trainer = lr_trainer(best=2e-3, by_layers={1: 1.6e-2})  # L1's best lies beyond the grid's top; L2's inside
+    out = tmp_path / "out"
+    lines: list[str] = []
+    outcome = sweep_outcome(load_spec(path), out, trainer_cls=trainer, log=lines.append)
+    info = json.loads((out / "extend.json").read_text())
+    assert outcome.extend == info and info["axis"] == "lr" and info["field"] == "optim.lr" and info["factor"] == 2.0
+    l1, l2 = info["groups"]["L1"], info["groups"]["L2"]
+    assert [t["level"] for t in l1["tried"]] == ["lr1e-3", "lr2e-3", "lr4e-3", "lr0.008", "lr0.016", "lr0.032"]
+    assert [e["value"] for e in l1["extensions"]] == [8e-3, 1.6e-2, 3.2e-2]
+    assert l1["best"] == "lr0.016" and l1["stopped"] == "interior"
+    assert l1["extensions"][0]["because"].startswith("the best value 0.004 (mean final loss 1.4005) was the largest")
+    assert l2 == {"tried": [{"level": "lr1e-3", "value": 1e-3}, {"level": "lr2e-3", "value": 2e-3},
+                            {"level": "lr4e-3", "value": 4e-3}], "extensions": [], "best": "lr2e-3",
+                  "stopped": "interior"}
+    assert info["levels"]["lr0.032"] == 3.2e-2 and info["levels"]["lr1e-3"] == 1e-3
+    # every seed of every variant of the group (both warmups) trained at each new level; L2 at none
+    assert len(trainer.made) == (12 + 3 * 2) * 2
+    new = [r for r in outcome.rows if r["lr"] not in ("lr1e-3", "lr2e-3", "lr4e-3")]
+    assert sorted({(r["variant"], r["depth"], r["warm"], r["lr"]) for r in new}) == [
+        (f"L1-{w}-{lv}", "L1", w, lv) for w in ("w1", "w2") for lv in ("lr0.008", "lr0.016", "lr0.032")]
+    assert lr_of(out, "L1-w2-lr0.016/seed1") == 1.6e-2 and outcome.spec.configs["L1-w2-lr0.016"].optim.warmup_steps == 2
+    csv_rows = (out / "results.csv").read_text().splitlines()
+    assert len(csv_rows) == 1 + 36 and any(",lr0.032," in line for line in csv_rows)
+    assert any(m.startswith("extending lr for L1: the best value 0.004") and "(lr0.008)" in m for m in lines)
+
+    trainer.made.clear()
+    again = sweep_outcome(load_spec(path), out, trainer_cls=trainer, log=quiet)
+    assert trainer.made == [] and again.extend == info and len(again.rows) == 36
+
+
+def test_a_grid_axis_extension_stops_at_max_and_is_checked_before_training(tmp_path):
+    grid = [LR_GRID[0], {**LR_GRID[2], "extend": {"by": "depth", "max": 1, "factor": 4}}]
+    trainer = lr_trainer(best=0.1)
+    outcome = sweep_outcome(load_spec(write_spec(tmp_path, variants=None, grid=grid)), tmp_path / "out",
+                            trainer_cls=trainer, log=quiet)
+    assert [t["value"] for t in outcome.extend["groups"]["L2"]["tried"]] == [1e-3, 2e-3, 4e-3, 1.6e-2]
+    assert outcome.extend["groups"]["L2"]["stopped"] == "still at an edge after 1 extensions (max 1)"
+
+    for change, message in (
+        ({"by": ["width"]}, r"grid\[2\].extend: by names 'width', which is not another grid axis"),
+        ({"by": ["lr"]}, "by names 'lr', which is not another grid axis"),
+        ({"max": -1}, "max=-1 is not valid"), ({"factor": 0.5}, "factor=0.5 is not valid"),
+        ({"step": 2}, "unknown key 'step'"), ({"field": "optim.min_lr"}, "level 'lr1e-3' sets optim.min_lr=None"),
+    ):
+        bad = [*LR_GRID[:2], {**LR_GRID[2], "extend": {"by": ["depth"], **change}}]
+        with pytest.raises(ValueError, match=message):
+            load_spec(write_spec(tmp_path, variants=None, grid=bad))
+    with pytest.raises(ValueError, match="grid axes 0 and 1 both declare extend:"):
+        load_spec(write_spec(tmp_path, variants=None, grid=[{**LR_GRID[0], "extend": {"by": []}},
+                                                            {**LR_GRID[2], "extend": {}}]))
+    with pytest.raises(ValueError, match=r"cannot tell which field the levels set \(none"):
+        load_spec(write_spec(tmp_path, variants=None, grid=[{**LR_GRID[0], "extend": {}}]))
+    with pytest.raises(ValueError, match="the axis sets optim.lr, which tune: also chooses"):
+        load_spec(write_spec(tmp_path, variants=None, grid=LR_GRID, tune=tune([1e-3, 2e-3], by=["depth"])))
+    with pytest.raises(ValueError, match=r"grid\[0\]: unknown key 'extends'"):
+        load_spec(write_spec(tmp_path, variants=None, grid=[{**LR_GRID[0], "extends": {}}]))

@@ -81,6 +81,7 @@ from ...run.trainer import Trainer, check_training_memory
 from ...schema import read_yaml
 from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
+from .extend import extend_axis, only
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
 from .workers import SweepFailed, check_parallel, execute
@@ -117,6 +118,7 @@ class Outcome:
     data_dir: Path
     corpus: dict | None  # corpus.json, when the spec names a corpus
     tune: dict | None  # tune.json, when the spec tunes
+    extend: dict | None = None  # extend.json, when a grid axis extends past its edge
 
 
 def run_sweep(
@@ -148,8 +150,15 @@ def sweep_outcome(
         spec, tune = tune_and_apply(spec, out, trainer_cls, quiet, log, jobs, threads)
     sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
     rows = execute(sw, jobs, threads, log)
+    extended = None
+    if spec.axis_extend is not None:  # new levels beyond an edge, trained after the spec's own
+        def run(s: SweepSpec, names: list[str]) -> list[dict[str, Any]]:
+            return execute(only(setup(s, out, hooks, trainer_cls, quiet, log)[0], names), jobs, threads, log)
+
+        spec, rows, extended = extend_axis(spec, rows, out, run, log)
+        sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
     write_tables(sw.spec, rows, out)
     with contextlib.suppress(ImportError):
         plot_loss_curves(sw.spec, out, out / "loss_curves.png")
     first = sw.data_dirs[sw.spec.variants[0].name]
-    return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune)
+    return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune, extended)
