@@ -15,8 +15,6 @@ if TYPE_CHECKING:  # the real imports, for readers and type checkers; at run tim
     from .config import PRESETS, ModelConfig, MoEConfig, RopeConfig
     from .loss import IGNORE_INDEX
     from .model import LMOutput, SequenceClassifier, Transformer
-    from .run.load import load_run
-    from .run.metrics import read_metrics
 
 __version__ = "0.1.0"
 
@@ -27,8 +25,10 @@ __all__ = [
 
 EXPORTS = {"KVCache": "attention", "PRESETS": "config", "ModelConfig": "config", "MoEConfig": "config",
            "RopeConfig": "config", "IGNORE_INDEX": "loss", "LMOutput": "model", "SequenceClassifier": "model",
-           "Transformer": "model", "load_run": "run.load", "read_metrics": "run.metrics",
-           }  # public name -> the module that defines it
+           "Transformer": "model",
+           # reading a run back (lmlab.run.load, lmlab.run.metrics): the package's front door names them, loaded
+           # on first use like the rest, so that the model layer imports nothing of the run layer
+           "load_run": "run.load", "read_metrics": "run.metrics"}  # public name -> the module that defines it
 
 
 def __getattr__(name: str) -> Any:
