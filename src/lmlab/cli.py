@@ -267,6 +267,7 @@ def build_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="check that each split holds at least one context")
     p.add_argument("--overwrite", action="store_true", help="replace data prepared differently in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_threads_arg(p)
 
 
 def build_train(t: argparse.ArgumentParser) -> None:
@@ -380,9 +381,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
 
 
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch CPU threads (torch.set_num_threads); torch's choice when not given")
+def add_threads_arg(p: argparse.ArgumentParser, per_process: bool = False) -> None:
+    """``--threads N``, one definition for every command that computes (checked by :func:`set_threads`)."""
+    help = ("torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)" if per_process
+            else "CPU threads for torch and the tokenizer (torch.set_num_threads, RAYON_NUM_THREADS); "
+            "their choice when not given")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=help)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -451,6 +455,7 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
     from .run.data.config import DataConfig
     from .run.data.prepare import prepare
 
+    set_threads(args.threads)
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      bpe_sample_mb=args.bpe_sample_mb, val_fraction=args.val_fraction, text_field=args.text_field,
                      label_field=args.label_field, errors=args.errors)
@@ -480,8 +485,13 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         cfg = load_config(run_dir / CONFIG_FILE, overrides)
     else:
         cfg = load_config(args.config, overrides)
-    if args.print_config:
+    if args.print_config:  # what the run will use: the prepared data's fields and vocabulary included
+        from .run.data.binding import planned_config
+
+        cfg, note = planned_config(cfg, run_dir, resume=args.resume)
         print(cfg.to_yaml(), end="")
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr)
         return 0
     with Trainer(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
                  command=["lmlab", *argv]) as trainer:
@@ -710,16 +720,22 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
 
 
 def set_threads(n: int | None) -> None:
+    """Apply ``--threads``: torch's intra-op threads, and the Hugging Face tokenizer's (its Rayon pool reads
+    RAYON_NUM_THREADS when it first encodes, which comes later)."""
     if n is None:
         return
     if n < 1:
         raise UsageError(f"--threads {n} is not valid; give 1 or more (or leave it out for torch's choice)")
+    import os
+
     import torch
 
+    os.environ["RAYON_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
 
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .experiments.registration import spec_status
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
     from .experiments.sweep.workers import worker_count
     from .run.checkpoint.lock import locked
@@ -727,6 +743,8 @@ def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
     spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds, profile=args.profile)
+    spec = dataclasses.replace(spec, registration_status=spec_status(args.spec))  # recorded in sweep.json
+    print(spec.registration_status.text(), flush=True)
     out = Path(args.out or Path("sweeps") / spec.name)
     try:
         with locked(out, "sweep directory"):
@@ -749,17 +767,21 @@ def sweep_stopped(e: Exception) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .experiments import run_experiment
+    from .experiments import experiment_registration, run_experiment
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel
     from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
     command = " ".join(["lmlab", *argv]) if args.command_line is None else args.command_line
+    # before the lock: a refused start leaves the file system as it was
+    registration = experiment_registration(args.name, spec_file=args.spec, quick=args.quick, draft=args.draft)
+    print(registration.text(), flush=True)
     try:
         with locked(args.out, "experiment directory"):
             report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command,
-                                    profile=args.profile, jobs=args.jobs, threads=args.threads)
+                                    profile=args.profile, jobs=args.jobs, threads=args.threads, draft=args.draft,
+                                    spec_file=args.spec, registration=registration)
     except (SweepInterrupted, SweepFailed) as e:
         return sweep_stopped(e)
     print(f"wrote {report}")
@@ -779,8 +801,7 @@ def build_sweep(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
     )
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
+    add_threads_arg(s, per_process=True)
 
 
 def build_experiment(e: argparse.ArgumentParser) -> None:
@@ -791,6 +812,12 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
     e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
+    e.add_argument("--draft", action="store_true",
+                   help="run main runs from a spec that is not registered (committed, unchanged, with a registration "
+                        "id); the report is then marked UNREGISTERED. --quick never needs registration")
+    e.add_argument("--spec", default=None, metavar="FILE",
+                   help="the experiment's spec file; the shipped <name>.yaml when not given (a copy must keep the "
+                        "variant names the analysis reads)")
     e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
     e.add_argument(
         "--profile", default=None, help="a named size: gpu sizes the experiment for one modern GPU (~15 min)"
@@ -798,8 +825,7 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
     )
-    e.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
+    add_threads_arg(e, per_process=True)
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
 
 

@@ -5,6 +5,7 @@
                .../result.json   written atomically when the run is finished: its row of the table
                .../curve.jsonl   (step, tokens, wall_s, loss | val_loss) as the run goes
     locks/                    one lock file per run: a run is trained by one process at a time
+    sweep.json                the spec file and whether it was committed, at which revision (latest invocation)
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from ...run.checkpoint.atomic import atomic_write_text
+from ...run.checkpoint.directory import metrics_record
+from ...run.errors import CorruptFile
 from ...run.metrics import jsonable
 
 __all__ = ["CurveLogger", "clear_run", "lock_file", "read_curve", "read_result", "read_start", "run_dir_of",
-           "write_result", "write_start"]
+           "write_result", "write_start", "write_sweep_record"]
 
 _RESULT_FILE = "result.json"  # a finished run: its row of the table
 _START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
 _CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, loss | val_loss) as the run goes
+_SWEEP_FILE = "sweep.json"  # the spec file and its registration status (experiments.registration)
 
 
 def run_dir_of(out: Path, variant: str, seed: int) -> Path:
@@ -57,6 +61,11 @@ def write_start(run_dir: Path, start: dict[str, Any]) -> None:
     atomic_write_text(run_dir / _START_FILE, json.dumps(start) + "\n")
 
 
+def write_sweep_record(out: Path, record: dict[str, Any]) -> None:
+    """sweep.json: the spec file and whether it was committed and at which revision (each invocation rewrites it)."""
+    atomic_write_text(Path(out) / _SWEEP_FILE, json.dumps(jsonable(record), indent=1) + "\n")
+
+
 def clear_run(run_dir: Path) -> None:
     """Remove a run's files so it starts again (its lock lives elsewhere and stays held)."""
     if run_dir.is_dir():
@@ -64,9 +73,20 @@ def clear_run(run_dir: Path) -> None:
 
 
 def read_curve(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's curve.jsonl (empty before it logged any)."""
+    """The rows of a run's curve.jsonl (empty before it logged any). A last line cut short by a crash
+    is skipped; any other line that is not a row (garbage, JSON nested too deep) is a CorruptFile
+    naming the file and line."""
     p = Path(run_dir) / _CURVE_FILE
-    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
+    lines = p.read_bytes().splitlines() if p.is_file() else []
+    rows = []
+    for i, line in enumerate(lines, 1):
+        row = metrics_record(line) if line.strip() else {}
+        if row is None and i < len(lines):
+            raise CorruptFile(f"{str(p)!r} line {i} is not a curve record; delete that line (the run's checkpoints "
+                              "are unaffected)")
+        if row:
+            rows.append(row)
+    return rows
 
 
 class CurveLogger:
