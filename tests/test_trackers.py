@@ -22,8 +22,9 @@ from lmlab import cli
 from lmlab.run.checkpoint.directory import RunDir
 from lmlab.run.config import LogConfig, RunConfig, load_config, one_section_dict
 from lmlab.run.data.config import DataConfig
+from lmlab.run.errors import EnvironmentFailure
 from lmlab.run.metrics import MetricsLog, read_samples
-from lmlab.run.trackers import flat_hparams, grouped_scalars
+from lmlab.run.trackers import WandbTracker, flat_hparams, grouped_scalars, open_trackers
 from lmlab.run.trainer import Trainer
 
 # 4 steps, a record every step, evaluations at 2 and 4, samples at 2 and at the end
@@ -156,7 +157,7 @@ def test_lmlab_tb_on_a_run_trained_without_tensorboard(tmp_path, capsys):
     assert events["scalars"] == expected_scalars(tmp_path / "run") and events["texts"] == {}
 
 
-def test_lmlab_tb_refuses_a_missing_or_damaged_metrics_file_in_one_line(tmp_path, capsys):
+def test_lmlab_tb_refuses_a_missing_or_damaged_metrics_file_in_one_line(tmp_path, capsys, monkeypatch):
     assert cli.main(["tb", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err == f"lmlab tb: error: run directory {str(tmp_path / 'nothing')!r} does not exist\n"
     run = tmp_path / "run"
@@ -167,6 +168,11 @@ def test_lmlab_tb_refuses_a_missing_or_damaged_metrics_file_in_one_line(tmp_path
     assert cli.main(["tb", str(run)]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "metrics.jsonl' line 2 is not a metrics record" in err
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    assert cli.main(["tb", str(run)]) == 2
+    assert capsys.readouterr().err == ("lmlab tb: error: tensorboard is not installed; pip install "
+                                       "'lmlab[tensorboard]' to write TensorBoard events\n")
     assert not (run / "tb").exists()
 
 
@@ -296,6 +302,20 @@ def test_the_default_tensorboard_is_skipped_with_a_note_when_not_installed(tmp_p
     assert notes == ["note: tensorboard is not installed, so the run writes no tensorboard records "
                      "(pip install 'lmlab[tensorboard]')"]
     assert not (tmp_path / "run" / "tb").exists()
+
+
+def test_a_broken_tracker_install_is_the_environment_and_a_default_one_only_a_note(tmp_path, monkeypatch):
+    def import_fails(*args):
+        raise ImportError("bad wheel")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))  # installed, but its import fails
+    monkeypatch.setattr(WandbTracker, "__init__", import_fails)
+    with pytest.raises(EnvironmentFailure, match=r"^wandb is installed but cannot be imported \(bad wheel\); "
+                                                 r"reinstall it: pip install --force-reinstall 'lmlab\[wandb\]'$"):
+        open_trackers(["wandb"], tmp_path, purge_step=None)
+    notes: list[str] = []
+    assert not open_trackers(["wandb"], tmp_path, purge_step=None, required=False, say=notes.append)
+    assert notes == ["note: wandb is not installed, so the run writes no wandb records (pip install 'lmlab[wandb]')"]
 
 
 def test_resume_drops_the_samples_after_the_checkpoint(tmp_path):

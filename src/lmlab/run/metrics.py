@@ -29,7 +29,7 @@ from .checkpoint.directory import METRICS_FILE, SAMPLES_FILE, RunDir, metrics_re
 from .checkpoint.lock import locked
 from .config import RunConfig, load_config
 from .errors import CorruptFile, write_failure
-from .trackers import TensorBoardTracker, Trackers, check_trackers, open_trackers
+from .trackers import TensorBoardTracker, Trackers, installed, open_trackers
 
 
 class MetricsLog:
@@ -185,7 +185,8 @@ def rebuild_tensorboard(run_dir: str | Path, out: str | Path | None = None, *,
         raise FileNotFoundError(f"run directory {str(run.path)!r} does not exist")
     records, samples = read_metrics(run.path), read_samples(run.path)
     config = load_config(run.config).to_dict() if run.config.is_file() else None
-    check_trackers(["tensorboard"], required=True)
+    if not installed(TensorBoardTracker):
+        raise ValueError("tensorboard is not installed; pip install 'lmlab[tensorboard]' to write TensorBoard events")
     target = Path(out) if out is not None else run.tensorboard
     if target.exists() and not target.is_dir():
         raise ValueError(f"{str(target)!r} is a file; give --out a directory for the events")

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
+from .errors import EnvironmentFailure, one_line
+
 VAL_PREFIX = "val_"  # a record's evaluation fields: val_loss, val_perplexity, val_accuracy
 SUMMARY_METRICS = ("val/loss", "train/loss")  # what TensorBoard's HParams table shows per run
 
@@ -218,16 +220,23 @@ def check_trackers(names: Sequence[str], required: bool) -> None:
 def open_trackers(names: Sequence[str], run_dir: Path, *, purge_step: int | None, required: bool = True,
                   say: Callable[[str], None] = print) -> "Trackers":
     """The named trackers, opened for the run in ``run_dir``. Not ``required`` (the default TensorBoard), a
-    tracker that is not installed is skipped with a note; required, it is refused (see :func:`check_trackers`)."""
+    tracker that is not installed is skipped with a note; required, it is refused (see :func:`check_trackers`),
+    and one installed but broken (its import fails) is an :class:`EnvironmentFailure`."""
     check_trackers(names, required)
     opened: list[Tracker] = []
     try:
         for name in names:
-            if installed(TRACKERS[name]):
-                opened.append(TRACKERS[name](run_dir, purge_step))
-            else:
+            tracker = TRACKERS[name]
+            try:
+                if not installed(tracker):
+                    raise ModuleNotFoundError(f"No module named {tracker.module!r}")
+                opened.append(tracker(run_dir, purge_step))
+            except ImportError as e:
+                if required:
+                    raise EnvironmentFailure(f"{name} is installed but cannot be imported ({one_line(e)[:200]}); "
+                                             f"reinstall it: pip install --force-reinstall 'lmlab[{tracker.extra}]'")
                 say(f"note: {name} is not installed, so the run writes no {name} records "
-                    f"(pip install 'lmlab[{TRACKERS[name].extra}]')")
+                    f"(pip install 'lmlab[{tracker.extra}]')")
     except BaseException:
         Trackers(opened).close()
         raise
