@@ -346,3 +346,12 @@ def test_mlflow_writes_a_local_file_store_inside_the_run_directory(tmp_path, mon
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, pytest.approx(m.value)) for m in history] == expected_scalars(tmp_path / "run")["train/loss"]
     assert run.data.params["optim.lr"] == str(load_config(tmp_path / "run" / "config.yaml").optim.lr)
+
+
+def test_overwrite_clears_the_earlier_runs_samples_and_tracker_records(tmp_path):
+    run = RunDir(tmp_path / "run")
+    for d in ("tb", "wandb/offline-run-1", "mlruns/0", "checkpoints"):
+        (run.path / d).mkdir(parents=True)
+    run.samples.write_text('{"step": 2, "tag": "sample", "text": "The "}\n')
+    run.clear()
+    assert list(run.path.iterdir()) == []

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
+from .checkpoint.directory import MLFLOW, RunDir
 from .errors import EnvironmentFailure, one_line
 
 VAL_PREFIX = "val_"  # a record's evaluation fields: val_loss, val_perplexity, val_accuracy
@@ -108,7 +109,7 @@ class TensorBoardTracker(Tracker):
         from torch.utils.tensorboard import SummaryWriter
 
         # TensorBoard drops events at purge_step and later: a resumed run keeps every step up to its checkpoint
-        self.writer = SummaryWriter(str(log_dir or run_dir / "tb"), purge_step=purge_step)
+        self.writer = SummaryWriter(str(log_dir or RunDir(run_dir).tensorboard), purge_step=purge_step)
 
     def log_hparams(self, config: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams
@@ -137,7 +138,7 @@ class WandbTracker(Tracker):
     def __init__(self, run_dir: Path, purge_step: int | None):
         import wandb
 
-        self.wandb = wandb
+        # wandb writes into <dir>/wandb (checkpoint.directory.WANDB, which --overwrite clears)
         options: dict[str, Any] = {"dir": str(run_dir), "name": run_dir.resolve().name,
                                    "project": os.environ.get("WANDB_PROJECT", "lmlab")}
         if not os.environ.get("WANDB_MODE"):  # never the network unless the user asked for it
@@ -169,7 +170,7 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric, Param
 
         self.Metric, self.Param = Metric, Param
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir.resolve() / "mlruns").as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir.resolve() / MLFLOW).as_uri()
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "lmlab")
         experiment = self.client.get_experiment_by_name(name)

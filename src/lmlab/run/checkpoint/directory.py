@@ -37,6 +37,7 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
+WANDB, MLFLOW = "wandb", "mlruns"  # W&B's offline runs and MLflow's file store, with those trackers (run/trackers.py)
 
 
 class RunDir:
@@ -141,8 +142,9 @@ class RunDir:
         return "a run"
 
     def clear(self) -> None:
-        """Remove an earlier run's config, metrics, samples, checkpoints and events (``--overwrite``)."""
-        for p in (self.checkpoints, self.tensorboard, self.metrics, self.samples, self.config):
+        """Remove an earlier run's config, metrics, samples, checkpoints and trackers' records (``--overwrite``)."""
+        trackers = (self.tensorboard, self.path / WANDB, self.path / MLFLOW)
+        for p in (self.checkpoints, *trackers, self.metrics, self.samples, self.config):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
     def sweep_temporaries(self) -> None:
