@@ -253,8 +253,10 @@ EXPECTED = {
     },
     "positions": {
         "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
-                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
-        "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x", "copy_8x_far"],
+                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn", "rope-copy", "rope-copy-ft-none",
+                 "rope-copy-ft-pi", "rope-copy-ft-yarn"],
+        "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x_acc", "copy_1x_logp", "copy_8x_far_logp",
+                    "copy_8x_far_logp_se", "copy_8x_near_acc"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],
     },
     "moe": {
@@ -318,7 +320,7 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
         learned = next(r for r in rows if r["variant"] == "learned")
         assert learned["loss_2x"] == "n/a — learned table ends at 16" and float(learned["loss_1x"]) > 0
         ft = json.loads((out / "runs/rope-ft-yarn/seed0/result.json").read_text())
-        assert sorted(ft["snapshots"], key=int) == ["1", "4"] and "copy_8x_far" in ft["snapshots"]["1"]
+        assert sorted(ft["snapshots"], key=int) == ["1", "2", "3", "4"] and "copy_8x_far_logp" in ft["snapshots"]["1"]
     if name == "moe":
         by_arm = {r["variant"]: r for r in rows}
         dense = int(by_arm["dense"]["active_params"])
@@ -461,3 +463,25 @@ def test_the_committed_readmes_match_the_committed_verdict_files():
         assert claims.replace_table(text, table, link) == text, (
             f"{readme}: rerun python -m lmlab.experiments.readme_table results README.md results/README.md"
         )
+
+
+def test_shipped_experiments_resolve_to_the_models_their_runs_were_hashed_with():
+    """Every variant of every shipped experiment, in every profile, resolves to the model config it resolved to
+    when MoE balancing became the default (hashes in fixtures/experiment_models.json): the runs are keyed by their
+    resolved config, so a changed default must not change an arm (the no-balancing arm sets its 0 explicitly).
+    Update the fixture only for a change that is meant to rerun those arms."""
+    import hashlib
+
+    from lmlab.experiments import EXPERIMENTS, load_experiment_spec, spec_path
+    from lmlab.schema import read_yaml
+
+    expected = json.loads((Path(__file__).parent / "fixtures" / "experiment_models.json").read_text())
+    now = {}
+    for name in sorted(EXPERIMENTS):
+        for profile in [None, *sorted(read_yaml(spec_path(name), name).get("profiles") or {})]:
+            for variant, cfg in load_experiment_spec(name, profile=profile).configs.items():
+                blob = json.dumps(cfg.model.to_dict(), sort_keys=True).encode()
+                now[f"{name}/{profile or 'default'}/{variant}"] = hashlib.sha256(blob).hexdigest()[:16]
+    assert now == expected
+    nobalance = load_experiment_spec("moe").configs["fg-m4-shared-nobalance"].model.moe
+    assert nobalance.balancing == []  # the ablation's arm stays unbalanced

@@ -61,6 +61,29 @@ class Section(Config):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class RepeatsConfig(Section):
+    """Planted repeats (``train.repeats``): about ``fraction`` of training windows carry a segment of
+    their own text copied later in the same window, tokens [p, p+length) written again at [q, q+length)
+    with q >= p + length, so a model can learn to retrieve (an induction/copy task, Olsson et al. 2022).
+
+    A field of ``train:``, not ``data:``: it changes how training batches are drawn from the shards,
+    not which data they are, so prepared data stays shared between runs with and without it, and
+    validation windows never carry it (run/data/batches.py, ``plant_repeats``)."""
+
+    section: ClassVar[str] = "train.repeats"
+    fraction: float = 0.1  # share of training windows that carry one planted repeat
+    length: int = 16  # tokens in the repeated segment
+
+    def validate(self) -> None:
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"train.repeats.fraction={self.fraction!r} is out of range; it must be in (0, 1], "
+                             "e.g. 0.1 (leave train.repeats unset for none)")
+        if self.length < 2:
+            raise ValueError(f"train.repeats.length={self.length} is too short; a repeat needs at least 2 tokens "
+                             "(the first cues the copy), e.g. 16")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class TrainConfig(Section):
     """What is trained, for how long and where. The defaults of all sections are the ``lmlab train``
     demo: a few minutes on a 2-core CPU."""
@@ -78,6 +101,7 @@ class TrainConfig(Section):
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
     max_memory_gib: float | None = None  # refuse to start a run estimated to need more; None = the device's memory
+    repeats: RepeatsConfig | None = None  # plant repeated segments in training windows; None = the text as it is
 
     def validate(self) -> None:
         self.positive("steps", "batch_size", "grad_accum", "max_bad_steps", "seq_len", "max_memory_gib")
@@ -222,6 +246,13 @@ class RunConfig(Config):
                 f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}, "
                 "the model's training context; raise model.max_seq_len or lower train.seq_len"
             )
+        r = self.train.repeats
+        if r is not None and self.task != "lm":
+            raise ValueError(f"train.repeats plants repeats in a token stream; task={self.task!r} trains on rows, "
+                             "leave train.repeats unset")
+        if r is not None and 2 * r.length > self.seq_len + 1:
+            raise ValueError(f"train.repeats.length={r.length} does not fit twice in a window of seq_len + 1 = "
+                             f"{self.seq_len + 1} tokens; choose length <= {(self.seq_len + 1) // 2}")
         n = self.parallel.experts
         if n > 1:
             if self.model.moe is None:
