@@ -26,7 +26,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping
+from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
 
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
@@ -356,6 +356,14 @@ def config_diff(a: RunConfig, b: RunConfig) -> list[str]:
     """Dotted fields that differ: ["model.d_model: 64 vs 128", ...]."""
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return [f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def differing_fields(configs: Sequence[RunConfig]) -> dict[str, list[Any]]:
+    """:func:`config_diff` for any number of runs: {dotted field: its value in each config} for the
+    fields whose values are not all the same."""
+    flat = [flatten(c.to_dict()) for c in configs]
+    keys = sorted(set().union(*flat)) if flat else []
+    return {k: [f.get(k) for f in flat] for k in keys if len({repr(f.get(k)) for f in flat}) > 1}
 
 
 # ============================================================== the old keys, read for one release

@@ -15,6 +15,7 @@ state alone, so a trainer that saves the generator resumes exactly; planted repe
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -100,6 +101,15 @@ class TokenData:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @functools.cached_property
+    def byte_lengths(self) -> np.ndarray:
+        """(V,) int64: the UTF-8 bytes each token id of this data's tokenizer decodes to (special
+        tokens 0; ``token_bytes.token_byte_lengths``), for bits per byte. Read on first use."""
+        from .token_bytes import token_byte_lengths
+        from .tokenizer import load_tokenizer
+
+        return token_byte_lengths(load_tokenizer(self.dir))
 
     # pickled (DataLoader workers, spawned processes) as a path, reopened on arrival, never copied
     def __getstate__(self) -> dict:
