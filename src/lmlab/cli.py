@@ -11,6 +11,7 @@
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
+    lmlab tb runs/default                          # TensorBoard events rebuilt from metrics.jsonl
 
 Each subcommand is one :class:`Command` record in ``COMMANDS`` (at the end of this file): its name, its
 line in ``lmlab --help``, the function that adds its arguments, its handler, and the config sections
@@ -865,6 +866,26 @@ def build_consolidate(c: argparse.ArgumentParser) -> None:
     c.add_argument("--checkpoint", default="best", help="best, latest, a step number, or all")
 
 
+def build_tb(t: argparse.ArgumentParser) -> None:
+    t.description = paragraphs(
+        "Rebuild a run's TensorBoard events from its files alone: the train/ and val/ scalars of metrics.jsonl, "
+        "the text samples of samples.jsonl and the config.yaml as HParams, as training writes them. For a run "
+        "trained without TensorBoard, or events that were lost. View with: tensorboard --logdir OUT.")
+    t.add_argument("run", metavar="RUN", help="run directory")
+    t.add_argument("--out", default=None, help="directory for the events; RUN/tb when not given")
+    t.add_argument("--overwrite", action="store_true", help="replace the event files already in --out")
+
+
+def cmd_tb(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .run.metrics import rebuild_tensorboard
+
+    out, records, samples, hparams = rebuild_tensorboard(args.run, args.out, overwrite=args.overwrite)
+    print(f"wrote {out}: {records} metrics records, {samples} samples"
+          + (", the config as hyper-parameters" if hparams else " (no config.yaml: no hyper-parameters)")
+          + f"; view with: tensorboard --logdir {shlex.quote(str(out))}")
+    return 0
+
+
 def cmd_consolidate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.checkpoint.sharded import consolidate_run
 
@@ -929,6 +950,7 @@ COMMANDS = {c.name: c for c in (
             build_consolidate, cmd_consolidate),
     Command("compare", "compare runs: a table with bits per byte, loss curves with seed bands", build_compare,
             cmd_compare),
+    Command("tb", "rebuild a run's TensorBoard events from its metrics.jsonl", build_tb, cmd_tb),
 )}
 
 
