@@ -376,7 +376,7 @@ def build_export(x: argparse.ArgumentParser) -> None:
     )
     x.add_argument("--dtype", default=None, help="stored dtype (float32, bfloat16, float16); default: as trained")
     x.add_argument("--max-shard-size", default=None,  # lmlab.hf.export.DEFAULT_SHARD_SIZE: torch is not loaded here
-                   help="largest weights file, e.g. 500MB or 5GB (default: 5GB, as transformers 4.x)")
+                   help="largest weights file, e.g. 500MB; transformers 4.x's own (default: 5GB)")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that an earlier export wrote")
 
 
@@ -402,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"lmlab {command}" if known else "lmlab"
     try:
         rest, overrides = split_overrides(argv, known.sections() if known else ())
+        threads = next((k for k in overrides if k.rsplit(".", 1)[-1] == "threads"), None)
+        if threads is not None:  # `--train.threads 1` once answered "did you mean 'betas'?"
+            raise UsageError(f"--{threads} is not a config field; torch's CPU threads are --threads N")
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
