@@ -46,17 +46,18 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(
     model: nn.Module, data, *, batch_size: int, seq_len: int, max_batches: int | None = None,
-    autocast: Callable[[], Any] = contextlib.nullcontext,
+    autocast: Callable[[], Any] = contextlib.nullcontext, spread: bool = False,
 ) -> EvalResult:
     """Cross-entropy of ``model`` on ``data`` (a :class:`lmlab.data.TokenData`), read in order as
-    non-overlapping windows of ``seq_len`` tokens, ``batch_size`` at a time, at most ``max_batches``."""
+    non-overlapping windows of ``seq_len`` tokens, ``batch_size`` at a time, at most ``max_batches``
+    (``spread``: that many batches' windows spread evenly over the whole split)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     total = torch.zeros(seq_len, dtype=torch.float64, device=device)  # (T,) summed over sequences
     sequences = 0
     try:
-        for x, y in data.iter_eval(batch_size, seq_len, max_batches):
+        for x, y in data.iter_eval(batch_size, seq_len, max_batches, spread=spread):
             x, y = x.to(device), y.to(device)  # (B, T)
             with autocast():
                 logits = model(x).logits  # (B, T, V)
