@@ -23,10 +23,11 @@ from ..model import Transformer
 from ..run.config import RunConfig, build_config, config_changes, upgrade_keys
 from ..run.errors import one_line
 from ..schema import suggest
+from .claims import ClaimSpec, parse_claims
 
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
 SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "seed_fields", "quick", "profiles",
-             "diverged_above", "match_active_params", "corpus", "final_eval", "tune")
+             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "claims")
 VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds")
 PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
 TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides")
@@ -102,6 +103,7 @@ class SweepSpec:
     tune: Tune | None = None
     profile: str | None = None
     tuned: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> tuned overrides
+    claims: list[ClaimSpec] = dataclasses.field(default_factory=list)  # registered before the runs (claims.py)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -402,7 +404,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         variants=variants,
         seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
-        **_options(data, source, names),
+        claims=parse_claims(data.get("claims"), source, variants), **_options(data, source, names),
     )
 
 
