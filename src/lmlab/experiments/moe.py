@@ -95,15 +95,17 @@ def multiplier(rows: list[dict], init_loss: float) -> dict[str, Any] | None:
     curves = [[(tokens["dense"], one[s]), (tokens["dense-2x"], two[s])] for s in seeds]
     m = stats.compute_multiplier(curves, [moe[s] for s in seeds], tokens["fg-m4-shared"])
     flops = next(r["flops_per_token"] for r in rows if r["variant"] == "dense")
-    return {"seeds": seeds, "result": m, "dense_tokens": tokens["dense"], "dense_2x_tokens": tokens["dense-2x"],
-            "moe_tokens": tokens["fg-m4-shared"], "dense_flops_per_token": flops}
+    return {"seeds": seeds, "text": m.text(), "mean": m.mean, "ci95": [m.lo, m.hi], "ratios": list(m.ratios),
+            "status": list(m.status), "dense_tokens": tokens["dense"], "dense_2x_tokens": tokens["dense-2x"],
+            "moe_tokens": tokens["fg-m4-shared"], "dense_flops_per_token": flops,
+            "flops_to_match": [x * tokens["fg-m4-shared"] * flops for x in m.ratios]}
 
 
 def multiplier_text(m: dict[str, Any] | None) -> str:
     if m is None:
         return "Not measured: the runs of dense, dense-2x and fg-m4-shared have no seed in common yet.\n"
     return (f"Dense at {m['dense_tokens']:,} and {m['dense_2x_tokens']:,} tokens against m=4 + shared at "
-            f"{m['moe_tokens']:,} (seeds {m['seeds']}): {stats.multiplier_text(m['result'])} "
+            f"{m['moe_tokens']:,} (seeds {m['seeds']}): {m['text']}. "
             f"Dense costs {m['dense_flops_per_token'] / 1e6:.2f}M training FLOPs per token, as every arm does "
             "(equal active parameters), so the token multiplier is also the FLOPs multiplier.\n")
 
