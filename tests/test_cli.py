@@ -230,6 +230,29 @@ def test_threads_sets_torch_threads_and_refuses_zero(trained, capsys, command):
     assert torch.get_num_threads() == before
 
 
+def test_prepare_takes_threads_for_torch_and_the_tokenizer(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)  # restored after the test, as torch's count is
+    before, threads, source = torch.get_num_threads(), other_thread_count(), corpus(tmp_path / "corpus.txt")
+    try:
+        code, out, err = run(capsys, "prepare", source, "--out", tmp_path / "data", "--tokenizer", "bpe",
+                             "--vocab-size", "300", "--quiet", "--threads", str(threads))
+        assert code == 0 and out.startswith("prepared "), err
+        assert torch.get_num_threads() == threads and os.environ["RAYON_NUM_THREADS"] == str(threads)
+    finally:
+        torch.set_num_threads(before)
+    err = bad_input(capsys, "prepare", source, "--out", tmp_path / "other", "--threads", "0")
+    assert "lmlab prepare: error: --threads 0 is not valid; give 1 or more" in err
+    assert not (tmp_path / "other").exists()
+
+
+def test_threads_is_one_flag_on_every_command_that_computes():
+    """train, eval, generate, prepare, sweep and experiment share one --threads (add_threads_arg)."""
+    for name in ("train", "eval", "generate", "prepare", "sweep", "experiment"):
+        sub = cli.build_parser([name])._subparsers._group_actions[0].choices[name]
+        action = next(a for a in sub._actions if "--threads" in a.option_strings)
+        assert action.type is int and action.default is None and action.metavar == "N", name
+
+
 def test_sweep_and_experiment_bad_input_is_one_line_exit_2(capsys, tmp_path):
     code, _, err = run(capsys, "sweep", tmp_path / "missing.yaml")
     assert code == 2 and "missing.yaml" in err and "does not exist" in err and len(err.strip().splitlines()) == 1
@@ -241,6 +264,35 @@ def test_print_config_resolves_overrides(capsys, tmp_path):
     (tmp_path / "run.yaml").write_text("model:\n  n_layers: 3\noptim:\n  lr: 0.01\n")
     code, out, _ = run(capsys, "train", "--config", tmp_path / "run.yaml", "--optim.lr", "1e-4", "--print-config")
     assert code == 0 and "n_layers: 3" in out and "lr: 0.0001" in out and not (Path("runs") / "default").exists()
+
+
+def test_print_config_is_what_the_run_uses_on_prepared_data(capsys, tmp_path):
+    """With --data DIR, --print-config shows the prepared data's fields and vocabulary, exactly the config the
+    run then saves (it printed vocab_size 256, tokenizer byte, source builtin before)."""
+    import yaml
+
+    source, data = corpus(tmp_path / "corpus.txt"), tmp_path / "bpe"
+    assert run(capsys, "prepare", source, "--out", data, "--tokenizer", "bpe", "--vocab-size", "300", "--quiet")[0] == 0
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    args = ["train", "--data", data, "--run-dir", tmp_path / "run", *TINY, *FAST, "--train.steps", "1"]
+    code, out, err = run(capsys, *args, "--print-config")
+    assert code == 0 and not (tmp_path / "run").exists(), err
+    printed = yaml.safe_load(out)
+    assert printed["model"]["vocab_size"] == vocab != 256
+    assert printed["data"]["tokenizer"] == "bpe" and printed["data"]["source"] == str(source.resolve())
+    assert printed["data"]["prepared"] == str(data.resolve())
+    assert cli.main([str(a) for a in args]) == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    saved.pop("provenance")
+    assert saved == printed
+
+
+def test_print_config_says_when_only_preparing_decides_the_vocabulary(capsys, tmp_path):
+    source = corpus(tmp_path / "corpus.txt")
+    code, out, err = run(capsys, "train", "--data.source", source, "--data.tokenizer", "char", "--print-config")
+    assert code == 0 and "model.vocab_size is the vocabulary of tokenizer 'char'" in err and "vocab_size" in out
+    code, out, err = run(capsys, "train", "--data.source", source, "--model.vocab_size", "512", "--print-config")
+    assert code == 0 and "vocab_size: 256" in out and not err  # the byte tokenizer's, as the run trains with
 
 
 # ============================================================== bad input: exit 2, one line, nothing written

@@ -266,6 +266,7 @@ def build_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="check that each split holds at least one context")
     p.add_argument("--overwrite", action="store_true", help="replace data prepared differently in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_threads_arg(p)
 
 
 def build_train(t: argparse.ArgumentParser) -> None:
@@ -379,9 +380,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
 
 
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch CPU threads (torch.set_num_threads); torch's choice when not given")
+def add_threads_arg(p: argparse.ArgumentParser, per_process: bool = False) -> None:
+    """``--threads N``, one definition for every command that computes (checked by :func:`set_threads`)."""
+    help = ("torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)" if per_process
+            else "CPU threads for torch and the tokenizer (torch.set_num_threads, RAYON_NUM_THREADS); "
+            "their choice when not given")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=help)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -450,6 +454,7 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
     from .run.data.config import DataConfig
     from .run.data.prepare import prepare
 
+    set_threads(args.threads)
     cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      bpe_sample_mb=args.bpe_sample_mb, val_fraction=args.val_fraction, text_field=args.text_field,
                      label_field=args.label_field, errors=args.errors)
@@ -479,8 +484,13 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         cfg = load_config(run_dir / CONFIG_FILE, overrides)
     else:
         cfg = load_config(args.config, overrides)
-    if args.print_config:
+    if args.print_config:  # what the run will use: the prepared data's fields and vocabulary included
+        from .run.data.binding import planned_config
+
+        cfg, note = planned_config(cfg, run_dir, resume=args.resume)
         print(cfg.to_yaml(), end="")
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr)
         return 0
     with Trainer(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
                  command=["lmlab", *argv]) as trainer:
@@ -709,12 +719,17 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
 
 
 def set_threads(n: int | None) -> None:
+    """Apply ``--threads``: torch's intra-op threads, and the Hugging Face tokenizer's (its Rayon pool reads
+    RAYON_NUM_THREADS when it first encodes, which comes later)."""
     if n is None:
         return
     if n < 1:
         raise UsageError(f"--threads {n} is not valid; give 1 or more (or leave it out for torch's choice)")
+    import os
+
     import torch
 
+    os.environ["RAYON_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
 
 
@@ -778,8 +793,7 @@ def build_sweep(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
     )
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
+    add_threads_arg(s, per_process=True)
 
 
 def build_experiment(e: argparse.ArgumentParser) -> None:
@@ -797,8 +811,7 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
     )
-    e.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads per process; torch's choice when not given (use 1 with --jobs = cores)")
+    add_threads_arg(e, per_process=True)
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
 
 

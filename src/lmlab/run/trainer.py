@@ -62,6 +62,7 @@ from .data.binding import (
     open_run_data,
     resolve_data_config,
     saved_provenance,
+    with_data_vocab,
 )
 from .metrics import MetricsLog, exp_or_none, jsonable
 from .optim import build_optimizer, learning_rate, schedule_warning
@@ -322,9 +323,7 @@ class Trainer:
         note = check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size)
         if note:
             self.progress.print(note)
-        if cfg.train.init_from is None and cfg.model.vocab_size != self.tokenizer.vocab_size:
-            cfg = cfg.override({"model.vocab_size": self.tokenizer.vocab_size})  # the data decides the vocabulary
-        return cfg
+        return with_data_vocab(cfg, self.tokenizer.vocab_size)
 
     def _setup_model(self) -> None:
         p = self.cfg.parallel

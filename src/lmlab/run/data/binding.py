@@ -105,6 +105,32 @@ def resolve_data_config(cfg: RunConfig) -> RunConfig:
     return cfg.override(changes)
 
 
+def with_data_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
+    """``cfg`` with the vocabulary of its data, ``vocab_size`` (the tokenizer's): the data decides it, unless the
+    run starts from ``train.init_from``, whose vocabulary the data is checked against instead."""
+    if cfg.train.init_from is None and cfg.model.vocab_size != vocab_size:
+        return cfg.override({"model.vocab_size": vocab_size})
+    return cfg
+
+
+def planned_config(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> tuple[RunConfig, str | None]:
+    """The config a run of ``cfg`` in ``run_dir`` will use, read without writing anything (``--print-config``):
+    :func:`resolve_data_config`, and the vocabulary of the data it will train on where that data exists
+    (``data.prepared``, or the run's own when resuming). Also a note when the vocabulary is only known once
+    ``data.source`` is prepared (a char or bpe tokenizer), else None."""
+    cfg = resolve_data_config(cfg)
+    where = run_data_dir(run_dir, cfg.data)
+    meta = DataMeta.open(where) if cfg.data.prepared is not None else DataMeta.read(where) if resume else None
+    if meta is not None:
+        return with_data_vocab(cfg, meta.vocab_size), None
+    if cfg.data.tokenizer == "byte":
+        return with_data_vocab(cfg, 256), None  # every byte is a token, whatever the text
+    if cfg.train.init_from is not None:
+        return cfg, None
+    return cfg, (f"model.vocab_size is the vocabulary of tokenizer {cfg.data.tokenizer!r}, known once data.source is "
+                 "prepared; to see it, prepare first (lmlab prepare ... --out DIR) and pass --data DIR")
+
+
 def _init_tokenizer_dir(init_from: str) -> str | None:
     from ..init_from import init_source
 
