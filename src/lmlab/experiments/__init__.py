@@ -3,7 +3,8 @@
     spec.py        a sweep spec: variants, grid, seeds, profiles (quick, gpu), tuning
     sweep/         ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
                    (engine, workers, tuning, tables, measure, layout: see its docstring)
-    stats.py       Student's t, paired intervals over seeds, tie margins, verdicts
+    stats.py       Student's t, paired tests, TOST, Holm, sign-flip, power, the compute multiplier, verdicts
+    decide.py      registered claims decided: per-seed endpoints, Holm over an experiment, verdict.json
     claims.py      claims with their intervals -> verdict.json and the README's results table
     corpus.py      the experiment corpus: the stdlib's source, deduplicated; split overlap
     report.py      tables, mean ± std, seed-band plots, report headers
