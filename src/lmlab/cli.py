@@ -734,6 +734,7 @@ def set_threads(n: int | None) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .experiments.registration import spec_status
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
     from .experiments.sweep.workers import worker_count
     from .run.checkpoint.lock import locked
@@ -741,6 +742,8 @@ def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
     spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds, profile=args.profile)
+    spec = dataclasses.replace(spec, registration_status=spec_status(args.spec))  # recorded in sweep.json
+    print(spec.registration_status.text(), flush=True)
     out = Path(args.out or Path("sweeps") / spec.name)
     try:
         with locked(out, "sweep directory"):
@@ -763,17 +766,21 @@ def sweep_stopped(e: Exception) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .experiments import run_experiment
+    from .experiments import experiment_registration, run_experiment
     from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel
     from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
     command = " ".join(["lmlab", *argv]) if args.command_line is None else args.command_line
+    # before the lock: a refused start leaves the file system as it was
+    registration = experiment_registration(args.name, spec_file=args.spec, quick=args.quick, draft=args.draft)
+    print(registration.text(), flush=True)
     try:
         with locked(args.out, "experiment directory"):
             report = run_experiment(args.name, args.out, quick=args.quick, seeds=args.seeds, command=command,
-                                    profile=args.profile, jobs=args.jobs, threads=args.threads)
+                                    profile=args.profile, jobs=args.jobs, threads=args.threads, draft=args.draft,
+                                    spec_file=args.spec, registration=registration)
     except (SweepInterrupted, SweepFailed) as e:
         return sweep_stopped(e)
     print(f"wrote {report}")
@@ -804,6 +811,12 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
     e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
+    e.add_argument("--draft", action="store_true",
+                   help="run main runs from a spec that is not registered (committed, unchanged, with a registration "
+                        "id); the report is then marked UNREGISTERED. --quick never needs registration")
+    e.add_argument("--spec", default=None, metavar="FILE",
+                   help="the experiment's spec file; the shipped <name>.yaml when not given (a copy must keep the "
+                        "variant names the analysis reads)")
     e.add_argument("--seeds", type=int, default=None, help="seeds per variant; the experiment's when not given")
     e.add_argument(
         "--profile", default=None, help="a named size: gpu sizes the experiment for one modern GPU (~15 min)"

@@ -6,6 +6,7 @@
     stats.py       Student's t, paired tests, TOST, Holm, sign-flip, power, the compute multiplier, verdicts
     decide.py      registered claims decided: per-seed endpoints, Holm over an experiment, verdict.json
     claims.py      claims with their intervals -> verdict.json and the README's results table
+    registration.py  a spec committed before its main runs: its registration commit and the changes after it
     corpus.py      the experiment corpus: the stdlib's source, deduplicated; split overlap
     report.py      tables, mean ± std, seed-band plots, report headers
     norm.py        claim 1: pre-norm vs post-norm vs DeepNorm over init, depth and warmup
@@ -17,19 +18,23 @@ measurements (sweep ``Hooks``) and ``analyze``, which splits into a pure verdict
 result rows, plots and markdown. A report's verdicts are computed from the numbers with criteria
 the report states before them; nothing is hard-coded.
 ``lmlab experiment norm|positions|moe [--quick | --profile gpu] --out DIR [--jobs N --threads T]`` runs one.
+Main runs (not --quick) start only from a registered spec (committed, unchanged, with a registration
+id; see registration.py); ``--draft`` runs anyway and the report says UNREGISTERED.
 
 Dependencies run one way: this package imports ``lmlab.run`` and the model modules, never ``lmlab.cli``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.data.meta import DataMeta
-from . import corpus, moe, norm, positions
+from . import claims, corpus, decide, moe, norm, positions, stats
+from .registration import Registration, spec_status
 from .spec import SweepSpec
 from .sweep import Outcome, load_spec, sweep_outcome
 from .sweep.engine import data_identity
@@ -42,10 +47,24 @@ def spec_path(name: str) -> Path:
 
 
 def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = None,
-                         profile: str | None = None) -> SweepSpec:
+                         profile: str | None = None, spec_file: str | Path | None = None) -> SweepSpec:
+    """Experiment ``name``'s spec: the shipped ``<name>.yaml``, or ``spec_file`` (a copy keeping its variant names)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
-    return load_spec(spec_path(name), quick=quick, seeds=seeds, profile=profile)
+    return load_spec(spec_file or spec_path(name), quick=quick, seeds=seeds, profile=profile)
+
+
+def experiment_registration(name: str, *, spec_file: str | Path | None = None, quick: bool = False,
+                            draft: bool = False) -> Registration:
+    """The registration of experiment ``name``'s spec file (later commits to its analysis module,
+    stats.py, claims.py and decide.py listed too). Raises NotRegistered (a ValueError: exit 2), before anything
+    is written, for a main run (not ``quick``) of a spec that is not registered, unless ``draft``."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
+    related = [EXPERIMENTS[name].__file__, stats.__file__, claims.__file__, decide.__file__]
+    status = dataclasses.replace(spec_status(spec_file or spec_path(name), related), draft=draft)
+    status.refuse_unless(quick or draft)
+    return status
 
 
 def data_report(out: Path, outcome: Outcome) -> dict:
@@ -64,17 +83,23 @@ def data_report(out: Path, outcome: Outcome) -> dict:
 
 def run_experiment(name: str, out: str | Path, *, quick: bool = False, seeds: int | None = None,
                    profile: str | None = None, command: str | None = None, log=print, jobs: int = 1,
-                   threads: int | None = None) -> Path:
-    """Run experiment ``name`` into ``out`` (resuming what is there) and write its report; returns report.md."""
+                   threads: int | None = None, draft: bool = False, spec_file: str | Path | None = None,
+                   registration: Registration | None = None) -> Path:
+    """Run experiment ``name`` into ``out`` (resuming what is there) and write its report; returns report.md.
+    A main run needs a registered spec unless ``draft`` (see :func:`experiment_registration`; pass its
+    ``registration`` when already asked). ``spec_file`` replaces the shipped spec."""
+    registration = registration or experiment_registration(name, spec_file=spec_file, quick=quick, draft=draft)
     module = EXPERIMENTS[name]
-    spec = load_experiment_spec(name, quick=quick, seeds=seeds, profile=profile)
+    spec = load_experiment_spec(name, quick=quick, seeds=seeds, profile=profile, spec_file=spec_file)
+    spec = dataclasses.replace(spec, registration_status=registration)
     out = Path(out)
     t0 = time.perf_counter()
     outcome = sweep_outcome(spec, out, hooks=module.Hooks(spec), quiet=True, log=lambda m: log(m, flush=True),
                             jobs=jobs, threads=threads)
     data = data_report(out, outcome)
     wall = time.perf_counter() - t0
-    flags = " --quick" if quick else (f" --profile {profile}" if profile else "")
+    flags = (" --quick" if quick else (f" --profile {profile}" if profile else "")) + (" --draft" if draft else "")
+    flags += f" --spec {spec_file}" if spec_file else ""
     command = command or f"lmlab experiment {name}{flags} --out {out}"
     return module.analyze(outcome.spec, out, outcome.rows, command=command, wall_s=wall, data=data,
                           limits=outcome.limits, tune=outcome.tune)

@@ -25,6 +25,7 @@ from ..run.checkpoint.atomic import atomic_write_text
 from . import stats
 from .claims import capped
 from .decide import decide_claims, registration_text, write_decisions
+from .registration import registration_record
 from .report import band_plot, figure, markdown_table, read_csv, report_header, save
 from .sweep import Hooks as SweepHooks
 from .sweep.tables import eval_slice_text, seed_curves
@@ -266,5 +267,5 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
                                                   data=data, m=m, previous=previous))
     write_decisions(out, "moe", decisions, {"plots": [p for p in plots if p], "tune": tune, "data": data,
                                             "seeds": spec.seeds, "multiplier": m,
-                                            "registration": getattr(spec, "registration_record", None)})
+                                            "registration": registration_record(spec)})
     return out / "report.md"

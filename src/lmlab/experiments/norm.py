@@ -29,6 +29,7 @@ import torch
 from ..run.checkpoint.atomic import atomic_write_text
 from .claims import capped
 from .decide import decide_claims, registration_text, write_decisions
+from .registration import registration_record
 from .report import band_plot, figure, markdown_table, report_header, save
 from .sweep import Hooks as SweepHooks
 from .sweep.tables import eval_slice_text, seed_curves
@@ -352,5 +353,5 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     atomic_write_text(out / "report.md", markdown(spec, rows, decisions, command=command, wall_s=wall_s, data=data,
                                                   limits=limits, extended=extended))
     write_decisions(out, "norm", decisions, {"plots": plots, "data": data, "seeds": spec.seeds,
-                                             "registration": getattr(spec, "registration_record", None)})
+                                             "registration": registration_record(spec)})
     return out / "report.md"

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.metrics import jsonable
+from .registration import banner, changes_section
 
 
 # ============================================================== numbers and tables
@@ -185,12 +186,13 @@ def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict
     seeds = f"seeds {spec.seeds}, each setting {' and '.join(spec.seed_fields)}"
     size = "  (quick size: checks the machinery, not the claim)" if spec.is_quick else (
         f"  (profile {spec.profile})" if spec.profile else "")
+    status = getattr(spec, "registration_status", None)  # the spec file's Registration, when a command set it
     return (
-        f"# {title}\n\n"
-        f"Made by: `{command}`{size}\n\n"
+        f"# {title}\n\n" + banner(status)
+        + f"Made by: `{command}`{size}\n\n"
         f"{provenance_text(rows)} {timing.capitalize()}. Machine: {machine(rows)}; wall times and tokens/s depend on "
         f"whatever else ran on it at the time.\n\n" + data_text(data)
-        + f"Runs: {len(rows)}, {seeds}.\n\n"
+        + f"Runs: {len(rows)}, {seeds}.\n\n" + changes_section(status, getattr(spec, "registration", None))
     )
 
 

@@ -24,10 +24,11 @@ from ..run.config import RunConfig, build_config, config_changes, upgrade_keys
 from ..run.errors import one_line
 from ..schema import suggest
 from .claims import ClaimSpec, parse_claims
+from .registration import check_block
 
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
 SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "seed_fields", "quick", "profiles",
-             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "claims")
+             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "registration", "claims")
 VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds")
 PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
 TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides")
@@ -93,6 +94,8 @@ class SweepSpec:
     diverged_above: float | str = "init"  # a final val loss above this counts as diverged; "init" = ln(vocab)
     match_active_params: dict[str, Any] | None = None
     description: str = ""
+    registration: dict[str, Any] | None = None  # id, correction, alpha, amendments (experiments/registration.py)
+    registration_status: Any = None  # the spec file's Registration, set by the command that runs it
     source: str = "<spec>"
     configs: dict[str, Any] = dataclasses.field(default_factory=dict)  # variant -> RunConfig, filled by resolve()
     is_quick: bool = False
@@ -404,6 +407,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         variants=variants,
         seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
+        registration=check_block(data.get("registration"), source),
         claims=parse_claims(data.get("claims"), source, variants), **_options(data, source, names),
     )
 

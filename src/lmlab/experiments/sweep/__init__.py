@@ -43,7 +43,8 @@ Out directory::
     locks/                    one lock file per run: a run is trained by one process at a time
     tune.csv, tune.json       the tuning runs and the value chosen for each group (with tune:)
     results.csv               one row per variant x seed
-    summary.md                mean ± std over seeds per variant
+    summary.md                mean ± std over seeds per variant (and whether the spec was committed)
+    sweep.json                the spec file, whether it was committed and at which revision (registration)
     loss_curves.png           validation loss against training tokens, mean and ±1 std band over seeds
 
 Resuming and reuse: run the same command again. A finished run is reused only if its resolved
@@ -79,8 +80,10 @@ from typing import Any, Callable
 from ...run.parallel.group import resolve_device
 from ...run.trainer import Trainer, check_training_memory
 from ...schema import read_yaml
+from ..registration import spec_status
 from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
+from .layout import write_sweep_record
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
 from .workers import SweepFailed, check_parallel, execute
@@ -142,6 +145,9 @@ def sweep_outcome(
         check_training_memory(cfg, resolve_device(cfg.train.device))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    status = spec.registration_status or spec_status(spec.source)
+    spec = dataclasses.replace(spec, registration_status=status)
+    write_sweep_record(out, {"spec": spec.source, "registration": status.to_json()})
     trainer_cls, hooks = trainer_cls or Trainer, hooks or Hooks()
     tune = None
     if spec.tune is not None:

@@ -5,6 +5,7 @@
                .../result.json   written atomically when the run is finished: its row of the table
                .../curve.jsonl   (step, tokens, wall_s, loss | val_loss) as the run goes
     locks/                    one lock file per run: a run is trained by one process at a time
+    sweep.json                the spec file and whether it was committed, at which revision (latest invocation)
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from ...run.checkpoint.atomic import atomic_write_text
 from ...run.metrics import jsonable
 
 __all__ = ["CurveLogger", "clear_run", "lock_file", "read_curve", "read_result", "read_start", "run_dir_of",
-           "write_result", "write_start"]
+           "write_result", "write_start", "write_sweep_record"]
 
 _RESULT_FILE = "result.json"  # a finished run: its row of the table
 _START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
 _CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, loss | val_loss) as the run goes
+_SWEEP_FILE = "sweep.json"  # the spec file and its registration status (experiments.registration)
 
 
 def run_dir_of(out: Path, variant: str, seed: int) -> Path:
@@ -55,6 +57,11 @@ def read_start(run_dir: Path) -> dict | None:
 
 def write_start(run_dir: Path, start: dict[str, Any]) -> None:
     atomic_write_text(run_dir / _START_FILE, json.dumps(start) + "\n")
+
+
+def write_sweep_record(out: Path, record: dict[str, Any]) -> None:
+    """sweep.json: the spec file and whether it was committed and at which revision (each invocation rewrites it)."""
+    atomic_write_text(Path(out) / _SWEEP_FILE, json.dumps(jsonable(record), indent=1) + "\n")
 
 
 def clear_run(run_dir: Path) -> None:

@@ -73,6 +73,8 @@ def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None
             f"{' and '.join(spec.seed_fields)}). {eval_slice_text(spec)}. diverged: the loss went non-finite or ended "
             f"above {'ln(vocab)' if spec.diverged_above == 'init' else spec.diverged_above}; no better than unigram: "
             "ended at or above the loss of predicting token frequencies only.\n\n" + markdown_table(_summarize(rows)))
+    if spec.registration_status is not None:
+        text += f"\n{spec.registration_status.text()}.\n"
     atomic_write_text(out / "summary.md", text)
 
 
