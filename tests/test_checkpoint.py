@@ -321,3 +321,59 @@ def test_a_resumed_optimizer_keeps_its_moments_but_takes_the_configs_hyperparame
     m3, opt3 = trained(3, weight_decay=0.0)  # the same config as saved: nothing to note
     checkpointer(tmp_path, "local", m3, opt3, notes=notes).load_latest()
     assert len(notes) == 1 and notes[0].startswith("resumed from")
+
+
+# ============================================================== checksums of state.pt and of DCP's files
+def test_state_pt_records_the_sha256_of_each_tensor_and_of_the_rest(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 2, model(), state(2)) / ckpt.STATE
+    raw = torch.load(path, weights_only=True)
+    sums = raw.pop(ckpt.CHECKSUMS)
+    assert sums["tensors"] == {"optimizer.state.0.exp_avg": ckpt.tensor_digest(torch.full((3,), 2.0))}
+    assert sums == ckpt.state_checksums(state(2)) and len(sums["rest"]) == 64
+    loaded = ckpt.load_state(path)  # checked, and the checksums are not part of the state
+    assert loaded.keys() == state(2).keys() and torch.equal(loaded["optimizer"]["state"][0]["exp_avg"],
+                                                            torch.full((3,), 2.0))
+
+    for edit, says in ((lambda s: s["optimizer"]["state"][0]["exp_avg"][1].add_(1.0),
+                        "tensor 'optimizer.state.0.exp_avg' does not match the checksum recorded when it was saved"),
+                       (lambda s: s["optimizer"]["state"][0].pop("exp_avg"), "tensor 'optimizer.state.0.exp_avg' is "
+                        "missing"),
+                       (lambda s: s["optimizer"]["state"][0].update(exp_avg_sq=torch.ones(3)),
+                        "tensor 'optimizer.state.0.exp_avg_sq' was not there when it was saved"),
+                       (lambda s: s.update(best_val=1.5), "its counters or optimizer settings do not match"),
+                       (lambda s: s.update(step=torch.tensor(2)), "tensor 'step' was not there")):
+        damaged = {**state(2), ckpt.CHECKSUMS: sums}
+        edit(damaged)
+        torch.save(damaged, path)
+        with pytest.raises(CorruptFile, match="step_0000002/state.pt': " + says.replace("(", r"\(")):
+            ckpt.load_state(path)
+    torch.save(state(2), path)  # written before the checksums existed: loads unchecked
+    assert ckpt.load_state(path).keys() == state(2).keys()
+
+
+def test_a_sharded_checkpoint_records_the_sha256_of_each_file_and_refuses_a_bit_flip(tmp_path):
+    from lmlab.run.checkpoint import sharded
+    from lmlab.run.checkpoint.checkpointer import TrainState
+
+    m, opt = trained(1)
+    path = checkpointer(tmp_path, "sharded", m, opt).save(TrainState(step=3))
+    files = sorted(p.name for p in (path / "dcp").iterdir())
+    recorded = torch.load(path / ckpt.STATE, weights_only=True)[sharded.FILE_CHECKSUMS]
+    assert sorted(recorded) == files and ".metadata" in files
+    assert all(recorded[n] == sharded.file_digest(path / "dcp" / n) for n in files)
+
+    shard = max((path / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    says = f"checkpoint shard '{shard}' does not match the sha256 recorded when it was saved"
+    for reader in ("local", "sharded"):  # a resume, whichever layout reads it
+        m2, opt2 = trained(2)
+        with pytest.raises(CorruptFile, match=says):
+            checkpointer(tmp_path, reader, m2, opt2).load_latest()
+    with pytest.raises(CorruptFile, match=says):  # lmlab consolidate
+        sharded.consolidate(path, m.config)
+    assert not (path / ckpt.WEIGHTS).exists()
+    shard.unlink()
+    with pytest.raises(CorruptFile, match=f"checkpoint shard '{shard}' is missing: the checkpoint is incomplete"):
+        sharded.consolidate(path, m.config)

@@ -189,6 +189,36 @@ def test_help_loads_without_torch():
     assert not [m for m in imported if m.split(".")[0] == "torch"]
 
 
+def test_progress_off_a_terminal_is_one_plain_line_per_record(tmp_path):
+    """Under `| tee` or in a batch job's log: no progress-bar redraws (\r), and every step's line starts a line,
+    so that `grep ^step` finds them all (a logged step, a validation, the final one)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1]), "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, "-m", "lmlab", "train", "--run-dir", str(tmp_path / "run"),
+                           "--data.source", str(corpus(tmp_path / "corpus.txt")), *TINY,
+                           *fast_args(quiet=False), "--train.steps", "4", "--eval.every", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, env=env)
+    text = proc.stdout.decode()
+    assert proc.returncode == 0, text
+    assert "\r" not in text and "\x1b" not in text
+    steps = re.findall(r"(?m)^step .*$", text)  # grep ^step
+    assert [s.split(":")[0] for s in steps if "loss" in s and "val" not in s] == [f"step {i}/4" for i in range(1, 5)]
+    assert [s.split(":")[0] for s in steps if "val loss" in s] == ["step 2", "step 4"]
+
+
+def test_moe_balancing_is_named_in_the_first_lines(capsys, tmp_path):
+    """A run's first lines say how its experts are balanced, and say loudly when they are not (an explicit 0)."""
+    source, moe = corpus(tmp_path / "corpus.txt"), ["--model.moe.n_experts", "4", "--model.moe.top_k", "2"]
+    fast = [*fast_args(quiet=False), "--train.steps", "3"]
+    code, out, err = run(capsys, "train", "--run-dir", tmp_path / "on", "--data.source", source, *TINY, *moe, *fast)
+    assert code == 0, err
+    first = out.splitlines()[:3]  # training ..., data: ..., moe: ...
+    assert first[0].startswith("training ") and first[2] == "moe: 4 experts, top 2; balancing: expert_balance_coef=0.01"
+    code, out, err = run(capsys, "train", "--run-dir", tmp_path / "off", "--data.source", source, *TINY, *moe, *fast,
+                         "--model.moe.expert_balance_coef", "0")
+    assert code == 0, err
+    assert out.splitlines()[2].startswith("moe: 4 experts, top 2; balancing: OFF (every balancing coefficient")
+
+
 def other_thread_count() -> int:
     """A torch thread count different from the current one, so that setting it is observable."""
     return 2 if torch.get_num_threads() == 1 else 1

@@ -10,7 +10,7 @@ import torch
 import yaml
 from helpers import TINY, tiny_config
 
-from lmlab import ModelConfig, Transformer
+from lmlab import ModelConfig, MoEConfig, Transformer
 
 # ---------------------------------------------------------------- bad configurations
 # (fields, text the message must contain: field=value and what would be valid)
@@ -242,3 +242,23 @@ def test_sizes_derived_in_a_nested_model_config_follow_an_override_through_the_p
     assert run.model == run.model.override({})  # and an explicit size stays put
     pinned = RunConfig().override({"model.d_ff": 100}).override({"model.d_model": 256})
     assert pinned.model.d_ff == 100
+
+
+def test_moe_balances_by_default_and_off_is_explicit():
+    """Any MoE trains with the presets' balance loss (DEFAULT_BALANCE) unless another term balances it; no balancing
+    at all is asked for with expert_balance_coef=0. The default follows the other terms through overrides."""
+    from lmlab.config import DEFAULT_BALANCE
+
+    on = MoEConfig(n_experts=4, top_k=2)
+    assert on.expert_balance_coef == DEFAULT_BALANCE == 0.01 and on.balancing == ["expert_balance_coef=0.01"]
+    for other in ("load_balance_coef", "device_balance_coef", "bias_update_rate"):
+        moe = MoEConfig(n_experts=4, top_k=2, n_groups=2, **{other: 1e-3})
+        assert moe.expert_balance_coef == 0.0 and moe.balancing == [f"{other}=0.001"]
+    off = MoEConfig(n_experts=4, top_k=2, expert_balance_coef=0)
+    assert off.expert_balance_coef == 0.0 and off.balancing == []
+    assert off.override({"n_experts": 8}).balancing == []  # an explicit 0 stays 0
+    assert on.override({"bias_update_rate": 1e-3}).expert_balance_coef == 0.0  # the default follows
+    # turned on field by field, as --model.moe.* does
+    model = ModelConfig(n_layers=2).override({"moe.n_experts": 4, "moe.bias_update_rate": 1e-3})
+    assert model.moe.balancing == ["bias_update_rate=0.001"]
+    assert MoEConfig.from_dict(on.to_dict()) == on and on.to_dict()["expert_balance_coef"] == 0.01  # saved explicit

@@ -259,9 +259,29 @@ def test_a_distributed_checkpoint_index_never_unpickles_code(dense, tmp_path):
 
     index.write_bytes(pickle.dumps(Payload()))
     cfg = lmlab.run.load_config(run / "config.yaml", {"parallel.strategy": "ddp"})
+    with pytest.raises(CorruptFile, match=r"shard '.*\.metadata' does not match the sha256 recorded"):
+        Trainer(cfg, run, resume=True, quiet=True)  # its hash in state.pt refuses it before it is read
+    state = ckpt.load_state(index.parent.parent)  # a crafted checkpoint records the payload's hash too
+    state[dcp.FILE_CHECKSUMS][".metadata"] = dcp.file_digest(index)
+    ckpt.save_state(index.parent.parent / ckpt.STATE, state)
     with pytest.raises(CorruptFile, match=r"cannot be read .*posix.system is not part of a checkpoint index"):
         Trainer(cfg, run, resume=True, quiet=True)
     assert not marker.exists()
+
+
+def test_a_bit_flip_in_a_distributed_checkpoint_is_refused_on_resume_and_consolidate(dense, tmp_path, capsys):
+    run = copy_to_step(dense / "two", tmp_path / "run", 4)
+    shard = max((ckpt.step_dir(run / "checkpoints", 4) / dcp.DCP_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for command in (["consolidate", str(run), "--checkpoint", "4"],
+                    ["train", "--resume", "--run-dir", str(run), "--quiet", "--parallel.strategy", "ddp"]):
+        assert cli(command) == 3
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"checkpoint shard '{shard}' does not match the sha256 recorded" in err, err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.slow

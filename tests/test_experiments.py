@@ -461,3 +461,25 @@ def test_the_committed_readmes_match_the_committed_verdict_files():
         assert claims.replace_table(text, table, link) == text, (
             f"{readme}: rerun python -m lmlab.experiments.readme_table results README.md results/README.md"
         )
+
+
+def test_shipped_experiments_resolve_to_the_models_their_runs_were_hashed_with():
+    """Every variant of every shipped experiment, in every profile, resolves to the model config it resolved to
+    when MoE balancing became the default (hashes in fixtures/experiment_models.json): the runs are keyed by their
+    resolved config, so a changed default must not change an arm (the no-balancing arm sets its 0 explicitly).
+    Update the fixture only for a change that is meant to rerun those arms."""
+    import hashlib
+
+    from lmlab.experiments import EXPERIMENTS, load_experiment_spec, spec_path
+    from lmlab.schema import read_yaml
+
+    expected = json.loads((Path(__file__).parent / "fixtures" / "experiment_models.json").read_text())
+    now = {}
+    for name in sorted(EXPERIMENTS):
+        for profile in [None, *sorted(read_yaml(spec_path(name), name).get("profiles") or {})]:
+            for variant, cfg in load_experiment_spec(name, profile=profile).configs.items():
+                blob = json.dumps(cfg.model.to_dict(), sort_keys=True).encode()
+                now[f"{name}/{profile or 'default'}/{variant}"] = hashlib.sha256(blob).hexdigest()[:16]
+    assert now == expected
+    nobalance = load_experiment_spec("moe").configs["fg-m4-shared-nobalance"].model.moe
+    assert nobalance.balancing == []  # the ablation's arm stays unbalanced

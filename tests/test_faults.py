@@ -495,12 +495,62 @@ def setup_bit_flip(env: Env, command: str) -> list:
             "export": ["export", env.run(), "--checkpoint", "4", "--out", env.tmp / "hf"]}[command]
 
 
-def edit_state(env: Env, edit: Callable[[dict], object], source: str = "step_0000004") -> list:
-    """Rewrite step 4's state.pt as ``edit`` makes ``source``'s (another step's, or another run's, file)."""
+def edit_state(env: Env, edit: Callable[[dict], object], source: str = "step_0000004", *, resum: bool = True) -> list:
+    """Rewrite step 4's state.pt as ``edit`` makes ``source``'s (another step's, or another run's, file).
+    ``resum``: record checksums of the edited contents, as a file that is whole but wrong would have
+    (the checks behind the checksums are what the case tests); else keep the ones saved with it."""
     state = torch.load(env.run() / "checkpoints" / source / "state.pt", weights_only=True)
+    if resum:
+        state.pop(ckpt.CHECKSUMS, None)
     edit(state)
-    torch.save(state, step4(env) / "state.pt")
+    if resum:
+        ckpt.save_state(step4(env) / "state.pt", state)
+    else:
+        torch.save(state, step4(env) / "state.pt")
     return resume(env)
+
+
+def flip_in_zip_entry(path: Path, entry: Callable[[list], object]) -> None:
+    """Flip the lowest bit of the first byte of one stored entry of a zip file (torch.save's format):
+    ``entry`` picks it from the ZipInfo list. The zip's own CRC is left stale, as a bit flip would."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = entry(z.infolist())
+    raw = bytearray(path.read_bytes())
+    header = info.header_offset
+    start = header + 30 + int.from_bytes(raw[header + 26:header + 28], "little") + int.from_bytes(
+        raw[header + 28:header + 30], "little")
+    raw[start] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def setup_state_bit_flip(env: Env) -> list:
+    """A bit flip in the largest tensor of step 4's state.pt (an AdamW moment of the embedding)."""
+    flip_in_zip_entry(step4(env) / "state.pt",
+                      lambda infos: max((i for i in infos if "/data/" in i.filename), key=lambda i: i.file_size))
+    return resume(env)
+
+
+def setup_init_from_bit_flip(env: Env) -> list:
+    """A new run that starts from the trained run (train.init_from), whose weights took a bit flip."""
+    for step in ("step_0000002", "step_0000004"):  # whichever best.json names
+        flip_bit(env.run() / "checkpoints" / step / "model.safetensors")
+    return new_run(env, "--train.init_from", env.run())
+
+
+def setup_sweep_on_edited_data(env: Env) -> list:
+    """A finished one-run sweep on prepared data (``data: {prepared: DIR}``), then one token of that
+    data's train.bin edited: the sweep is run again."""
+    data = prepared(env)
+    spec = env.tmp / "s.yaml"
+    spec.write_text("name: t\nbase:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
+                    "  train: {steps: 2, batch_size: 2, device: cpu}\n  eval: {every: 2}\n"
+                    f"  data: {{prepared: {data}}}\nvariants:\n  - {{name: a, overrides: {{}}}}\n")
+    assert cli.main(["sweep", str(spec), "--out", str(env.tmp / "out")]) == 0
+    assert (env.tmp / "out" / "runs" / "a" / "seed0" / "result.json").is_file()
+    edit_one_token(data / "train.bin")
+    return ["sweep", spec, "--out", env.tmp / "out"]
 
 
 def setup_foreign_state(env: Env) -> list:
@@ -873,6 +923,20 @@ CASES = [
     Case("AdamW step counter past the checkpoint's step",
          lambda env: edit_state(env, lambda state: state["optimizer"]["state"][0].update(step=torch.tensor(99.0))), 3,
          ("state.pt': the optimizer's step counter for '", "is 99.0, but the checkpoint is at step 4",)),
+    Case("bit flip in an AdamW moment in state.pt, resume", setup_state_bit_flip, 3,
+         ("step_0000004/state.pt': tensor 'optimizer.state.", "does not match the checksum recorded when it was saved",
+          "delete its step_* directory")),
+    Case("state.pt's token count edited, its checksums kept",
+         lambda env: edit_state(env, lambda state: state.update(tokens=state["tokens"] + 1), resum=False), 3,
+         ("step_0000004/state.pt': its counters or optimizer settings do not match the checksum",)),
+    Case("state.pt's AdamW moment replaced, its checksums kept",
+         lambda env: edit_state(env, lambda state: state["optimizer"]["state"][0]["exp_avg"].add_(1.0), resum=False),
+         3, ("state.pt': tensor 'optimizer.state.0.exp_avg' does not match the checksum",)),
+    Case("state.pt whose checksums are not lmlab's",
+         lambda env: edit_state(env, lambda state: state.update({ckpt.CHECKSUMS: [1, 2]}), resum=False), 3,
+         ("state.pt': its 'sha256' entry is not lmlab's checksums",)),
+    Case("train.init_from a run whose weights took a bit flip", setup_init_from_bit_flip, 3,
+         ("run/checkpoints/step_", "model.safetensors': tensor '", "does not match the checksum recorded")),
     Case("state.pt with a non-integer step", lambda env: edit_state(env, lambda state: state.update(step=4.5)), 3,
          ("state.pt' has step=4.5, which is not a whole number",)),
     Case("state.pt with a tensor step", lambda env: edit_state(env, lambda state: state.update(step=torch.tensor(4))),
@@ -915,6 +979,8 @@ CASES = [
          lambda env: (edit_one_token(prepared(env) / "train.bin"),
                       ["prepare", env.corpus(), "--out", env.tmp / "data"])[1], 3,
          ("data/train.bin' does not match the sha256", "--overwrite")),
+    Case("one token of data: {prepared: DIR} edited, then the sweep that trained on it runs again",
+         setup_sweep_on_edited_data, 3, ("data/train.bin' does not match the sha256 meta.json recorded",)),
     Case("a prepared shard deleted, then train --data",
          lambda env: ((prepared(env) / "val.bin").unlink(),
                       ["train", "--run-dir", env.tmp / "new", "--data", env.tmp / "data", *TINY, *FAST])[1], 3,
@@ -1093,6 +1159,40 @@ def test_resume_through_a_damaged_metrics_file(trained, tmp_path, capsys):
     assert f"note: dropped 2 unreadable line(s) of {run / 'metrics.jsonl'}" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+DEEP = b'{"step": 3, "loss": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # too deep for Python's JSON parser
+
+
+def test_a_metrics_line_nested_100000_deep_is_an_unreadable_line(trained, tmp_path, capsys):
+    """Read back, it is a CorruptFile naming the file and line (not a RecursionError); on resume it is
+    dropped like any unreadable line, and the run completes."""
+    from lmlab.run.metrics import read_metrics
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_bytes(b"".join(lines[:2]) + DEEP + b"\n" + b"".join(lines[2:]))
+    with pytest.raises(CorruptFile, match=r"metrics.jsonl' line 3 is not a metrics record; delete that line"):
+        read_metrics(run)
+    assert cli.main(["train", "--run-dir", str(run), "--resume", "--train.steps", "6"]) == 0
+    assert f"note: dropped 1 unreadable line(s) of {run / 'metrics.jsonl'}" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_sweep_curve_is_read_like_metrics(tmp_path):
+    """curve.jsonl (the sweep tables' source): a torn last line is skipped, any other unreadable line
+    (garbage, nested 100,000 deep) is a CorruptFile naming the file and line."""
+    from lmlab.experiments.sweep.layout import read_curve
+
+    curve = tmp_path / "curve.jsonl"
+    curve.write_bytes(b'{"step": 1, "loss": 2.5}\n\n{"step": 2, "loss": 2.')
+    assert read_curve(tmp_path) == [{"step": 1, "loss": 2.5}]
+    for bad in (DEEP, b"\xff\xfe not utf-8", b"[1, 2]"):
+        curve.write_bytes(b'{"step": 1, "loss": 2.5}\n' + bad + b'\n{"step": 4}\n')
+        with pytest.raises(CorruptFile, match=r"curve.jsonl' line 2 is not a curve record; delete that line"):
+            read_curve(tmp_path)
+    assert read_curve(tmp_path / "none") == []
 
 
 def test_a_record_survives_a_crash_right_after_its_checkpoint(tmp_path, monkeypatch, capsys):

@@ -29,8 +29,11 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
 
 
 def layer(module: str) -> str:
-    """model, run, experiments or cli: the second component of the dotted name decides."""
+    """model, run, experiments or cli: the second component of the dotted name decides (``python -m lmlab``,
+    lmlab.__main__, is the command too)."""
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] == "__main__":
+        return "cli"
     return parts[1] if len(parts) > 1 and parts[1] in ("run", "experiments", "cli") else "model"
 
 

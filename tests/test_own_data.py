@@ -227,6 +227,8 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["val_accuracy"] for r in records if "val_accuracy" in r}
     assert sorted(accuracy) == [30, 60] and accuracy[60] >= 0.9  # the first word decides: easy to learn
+    done = next(line for line in out.splitlines() if line.startswith("done:"))
+    assert f"(accuracy {accuracy[60]:.4f})" in done and "perplexity" not in done  # a classifier's measure
     code, out, _ = run(capsys, "eval", tmp_path / "run", "--json", "--checkpoint", "latest", "--max-batches", "0")
     report = json.loads(out)
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())

@@ -165,6 +165,32 @@ def test_a_sweep_reads_its_base_and_variants_as_train_config_reads_a_config(tmp_
     assert saved["data"]["prepared"] == str(prepared.resolve()) and saved["model"]["norm"] == "rmsnorm"
 
 
+@pytest.mark.parametrize("form", ["data: DIR", "data: {prepared: DIR}"])
+def test_a_sweep_on_bpe_prepared_data_takes_its_vocabulary_and_limits_from_it(tmp_path, corpus, form, capsys):
+    """A spec's prepared data is used as it is (nothing prepared under --out), and the model's vocabulary, the
+    divergence threshold (ln vocab) and the unigram baseline are that data's, not the built-in byte corpus's."""
+    from lmlab.experiments.sweep.engine import setup
+
+    bpe = tmp_path / "bpe"
+    prepare(DataConfig(source=str(corpus), tokenizer="bpe", vocab_size=300, val_fraction=0.1), bpe)
+    vocab = json.loads((bpe / "meta.json").read_text())["vocab_size"]
+    assert vocab != 256
+    data = str(bpe) if form == "data: DIR" else {"prepared": str(bpe)}
+    path = spec_file(tmp_path, corpus, base={**TINY, "data": data})
+    out = tmp_path / "out"
+    sw, _ = setup(load_spec(path), out, Hooks(), Trainer, quiet=True, log=quiet)
+    assert set(map(str, sw.data_dirs.values())) == {str(bpe.resolve())} and sw.vocab == {str(bpe.resolve()): vocab}
+    limits = sw.limits[str(bpe.resolve())]
+    assert limits["init"] == pytest.approx(math.log(vocab)) and limits["unigram"] == pytest.approx(unigram_loss(bpe))
+    assert cli.main(["sweep", str(path), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("data")) == []  # nothing prepared twice
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 2 and all(r["status"] != "diverged" for r in rows)
+    for name in ("one", "two"):
+        saved = yaml.safe_load((out / "runs" / name / "seed0" / "config.yaml").read_text())
+        assert saved["model"]["vocab_size"] == vocab and saved["data"]["tokenizer"] == "bpe"
+
+
 def test_grid_expands_to_the_product_with_labels_and_quick_overrides(tmp_path, corpus):
     spec = parse_spec({
         "base": TINY, "quick": {"train.steps": 1},

@@ -277,6 +277,21 @@ def test_moe_statistics_and_aux_losses_are_logged_and_biases_updated(tmp_path):
     assert all(b.abs().sum() > 0 for b in biases)  # update_router_biases ran after the steps
 
 
+def test_moe_balances_by_default_and_its_statistics_cover_every_micro_batch(tmp_path):
+    """A hand-built MoE trains with the presets' balance loss unless told otherwise, and a step's per-expert load
+    counts the tokens of all its micro-batches (it counted the last one only)."""
+    moe = {"moe": {"n_experts": 4, "top_k": 2}, "ffn": "glu"}
+    cfg = run_config(tmp_path, {"train.steps": 2, "eval.every": 2, "train.grad_accum": 2}, model=moe)
+    assert cfg.model.moe.expert_balance_coef == 0.01
+    train(cfg, tmp_path / "run")
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]
+    for r in logged:
+        assert r["aux_losses"]["expert_balance"] > 0
+        for layer in r["moe"]:  # batch 4 x 32 tokens x 2 micro-batches, each token to top_k=2 experts
+            assert sum(layer["tokens_per_expert"]) == 4 * 32 * 2 * 2
+
+
 def test_existing_run_needs_resume_or_overwrite(tmp_path):
     cfg = run_config(tmp_path, {"train.steps": 2, "eval.every": 2, "checkpoint.every": 2})
     train(cfg, tmp_path / "run")

@@ -150,6 +150,11 @@ def test_an_index_that_asks_for_os_system_never_runs_it(sharded_run, tmp_path, c
                                  text(f"touch {marker}"))))
     argv = (["consolidate", str(run), "--checkpoint", "2"] if command == "consolidate"
             else ["train", "--resume", "--run-dir", str(run), "--quiet"])
+    assert cli(argv) == 3  # the index no longer hashes to what state.pt recorded: refused before it is read
+    assert f"checkpoint shard '{index}' does not match the sha256 recorded" in capsys.readouterr().err
+    state = ckpt.load_state(index.parent.parent)  # a crafted checkpoint records its payload's hash too
+    state[dcp.FILE_CHECKSUMS][".metadata"] = dcp.file_digest(index)
+    ckpt.save_state(index.parent.parent / ckpt.STATE, state)
     code = cli(argv)
     err = capsys.readouterr().err
     assert not marker.exists(), "the index's payload ran"

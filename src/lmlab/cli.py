@@ -502,8 +502,10 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
               f"lmlab train --run-dir {run_dir} --resume")
         return 128 + result.stopped_by
     best = "none" if result.best_val_loss is None else f"{result.best_val_loss:.4f}"  # None: no finite val loss
+    quality = (", ".join(f"{k} {v:.4f}" for k, v in result.val_metrics.items()) if result.val_metrics  # classify
+               else f"perplexity {math.exp(min(result.val_loss, 700.0)):.2f}")
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
-          f"(perplexity {math.exp(min(result.val_loss, 700.0)):.2f}), best {best}; checkpoint {result.checkpoint}"
+          f"({quality}), best {best}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
     unigram = trainer.meta.unigram_loss
     if unigram is not None and result.val_loss >= unigram:

@@ -102,9 +102,16 @@ class RopeConfig(Config):
                     )
 
 
+# The balance coefficient every MoE trains with unless it chooses otherwise: the presets' alpha 0.01
+# (Switch sec. 2.2, DeepSeekMoE sec. 4.1). Without any balancing, experts die within a few steps.
+DEFAULT_BALANCE = 0.01
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class MoEConfig(Config):
-    """A mixture-of-experts feed-forward; ``ModelConfig.moe``. Every balancing term is off (0) by default.
+    """A mixture-of-experts feed-forward; ``ModelConfig.moe``. Balancing is on by default: DeepSeekMoE's expert
+    balance loss with the presets' ``DEFAULT_BALANCE`` (0.01), unless another balancing term is set (then it
+    is 0). Training without balancing is explicit: ``expert_balance_coef=0`` and no other term.
 
     Fine-grained segmentation (DeepSeekMoE sec. 3.1) is one switch: ``granularity=m`` turns N experts
     of width d into m*N experts of width d/m with m*K active, at the same compute and parameters.
@@ -133,9 +140,33 @@ class MoEConfig(Config):
     # ---- balancing, each with its own coefficient (0 = off)
     load_balance_coef: float = 0.0  # Switch eq. 4 / GShard: E * sum_e f_e P_e over first choices
     z_loss_coef: float = 0.0  # ST-MoE eq. 5: mean logsumexp(logits)^2
-    expert_balance_coef: float = 0.0  # DeepSeekMoE eq. 12-14: over all K choices
+    # DeepSeekMoE eq. 12-14: over all K choices. None: DEFAULT_BALANCE when no other balancing term is set, else 0
+    expert_balance_coef: float | None = None
     device_balance_coef: float = 0.0  # DeepSeekMoE eq. 15-17, with n_groups devices
     bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.expert_balance_coef is None:  # resolved, so that the saved config is explicit
+            object.__setattr__(self, "expert_balance_coef", self._default_balance())
+
+    def _default_balance(self) -> float:
+        """What expert_balance_coef resolves to when left as None: on, unless another term balances the experts."""
+        others = (self.load_balance_coef, self.device_balance_coef, self.bias_update_rate)
+        return 0.0 if any(v > 0 for v in others) else DEFAULT_BALANCE
+
+    def _editable_dict(self) -> dict[str, Any]:
+        # a default balance keeps following the other terms: override({"bias_update_rate": 1e-3}) turns it off
+        data = super()._editable_dict()
+        if data["expert_balance_coef"] == self._default_balance():
+            data["expert_balance_coef"] = None
+        return data
+
+    @property
+    def balancing(self) -> list[str]:
+        """The balancing terms that are on, as ``name=value`` (empty: the experts are not balanced)."""
+        names = ("load_balance_coef", "expert_balance_coef", "device_balance_coef", "bias_update_rate")
+        return [f"{n}={getattr(self, n):g}" for n in names if getattr(self, n) > 0]
 
     # ---- derived sizes
     @property
@@ -167,7 +198,8 @@ class MoEConfig(Config):
         check_size("moe.n_experts*granularity", self.routed_experts)
         for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef",
                      "bias_update_rate"):
-            check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
+            if getattr(self, name) is not None:  # expert_balance_coef: None until __post_init__ resolves it
+                check_positive(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_positive("moe.routed_scale", self.routed_scale)
         if self.d_expert is not None:
             check_size("moe.d_expert", self.d_expert)

@@ -9,10 +9,11 @@ contain no config branching.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -220,8 +221,20 @@ class Transformer(nn.Module):
         )
 
     def moe_stats(self) -> list[dict[str, float]]:
-        """Load statistics of each MoE layer from the last forward (empty for dense models)."""
+        """Load statistics of each MoE layer from the last forward, or from every forward of the last
+        :meth:`summing_moe_stats` (empty for dense models)."""
         return [moe.stats for moe in self.moe_layers]
+
+    @contextlib.contextmanager
+    def summing_moe_stats(self) -> Iterator[None]:
+        """Within it, :meth:`moe_stats` sums every forward (a training step's micro-batches), not only the last."""
+        for moe in self.moe_layers:
+            moe.sum_stats(True)
+        try:
+            yield
+        finally:
+            for moe in self.moe_layers:
+                moe.sum_stats(False)
 
     @torch.no_grad()
     def update_router_biases(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:

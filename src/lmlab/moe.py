@@ -553,7 +553,9 @@ class MoE(nn.Module):
         self.bias_update_rate = moe.bias_update_rate
         self.register_buffer("load", torch.zeros(self.n_experts), persistent=False)  # sent since update_bias
         self.aux_losses: dict[str, torch.Tensor] = {}
-        self._last: tuple[torch.Tensor, ...] | None = None
+        # (sent_E, kept, entropy sum, forwards) of the last forward, or summed over forwards while ``summing``
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self.summing = False  # see sum_stats (a training step's micro-batches)
         self.set_impl("fast")
 
     def set_impl(self, impl: str) -> None:
@@ -581,7 +583,9 @@ class MoE(nn.Module):
         with torch.no_grad():
             p_TE = r.probs_TE
             entropy = -(p_TE * p_TE.clamp_min(1e-20).log()).sum(dim=-1).mean()
-            self._last = (a.sent_E.detach(), a.kept, entropy)
+            now = (a.sent_E.detach(), a.kept, entropy, 1)
+            last = self._last if self.summing else None
+            self._last = now if last is None else tuple(x + y for x, y in zip(last, now))
         return out_TD.view(B, S, D)
 
     # ---- which token goes to which expert, in routing order
@@ -619,10 +623,12 @@ class MoE(nn.Module):
 
     @property
     def stats(self) -> dict:
-        """Load statistics of the last forward (python numbers; converting syncs with the device once)."""
+        """Load statistics of the last forward, or of every forward while summing (python numbers; converting
+        syncs with the device once)."""
         if self._last is None:
             return {}
-        sent_E, kept, entropy = self._last
+        sent_E, kept, entropy_sum, forwards = self._last
+        entropy = entropy_sum / forwards  # the mean over forwards of equal size
         load_E = sent_E.float()
         mean = load_E.mean().clamp_min(1e-9)
         total = float(load_E.sum())
@@ -635,6 +641,12 @@ class MoE(nn.Module):
         }
 
     # ---- hooks used by the model
+    def sum_stats(self, on: bool) -> None:
+        """From now on, :attr:`stats` sums every forward (``on``, starting from none) or shows the last one."""
+        if on:
+            self._last = None
+        self.summing = on
+
     @torch.no_grad()
     def update_bias(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
         """DeepSeek-V3 loss-free balancing: bias_e += gamma * sign(mean load - load_e), from the

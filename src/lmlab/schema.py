@@ -244,7 +244,7 @@ class Config:
                     if not (isinstance(sub, type) and issubclass(sub, Config)):
                         raise ValueError(f"unknown key {path!r}: {part!r} is not a nested config")
                     if node.get(part) is None:
-                        node[part] = sub().to_dict()  # enable an optional sub-config with its defaults
+                        node[part] = sub()._editable_dict()  # enable an optional sub-config with its defaults
                     node, owner = node[part], sub
         return type(self).from_dict(data)
 

@@ -14,8 +14,9 @@ published layout, and written in the first, which every transformers version rea
 - stacked, as transformers >= 5 holds them in memory (``mlp.experts.gate_up_proj`` (E, 2F, D),
   ``mlp.experts.down_proj`` (E, D, F)), which is lmlab's layout too.
 
-Balancing coefficients are training choices, not part of a checkpoint: loaded models have them
-at 0 (set them with ``cfg.override({"moe.expert_balance_coef": ...})`` to train further), and
+Balancing coefficients are training choices, not part of a checkpoint: loaded models take lmlab's
+default (the expert balance loss at 0.01, for training further; ``cfg.override({"moe.expert_balance_coef":
+0})`` turns it off), and
 exported configs leave ``router_aux_loss_coef`` at the transformers default with
 ``output_router_logits`` false. transformers' balance loss pools the router statistics of all
 layers before multiplying them, which no lmlab coefficient reproduces, so neither is mapped.

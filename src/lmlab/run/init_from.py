@@ -7,6 +7,8 @@ Hugging Face checkpoint directory, with the model config and the tokenizer that 
 
 The run config's model section starts from ``src.model`` (``load_config``); weights that do not
 fit the model a config asks for are a one-line ValueError naming the tensor and the config field.
+lmlab weights are checked against the sha256 of each tensor recorded at save (``local.read_weights``,
+as a resume checks them): a damaged file is a CorruptFile naming it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..hf import config_from_hf, read_config, read_safetensors, state_dict_from_
 from .checkpoint import local as ckpt
 from .data.config import DataConfig, run_data_dir
 from .data.tokenizer import HF_FILE, Tokenizer, load_tokenizer, tokenizer_from_path
+from .errors import CorruptFile, one_line
 
 RUN_CONFIG = "config.yaml"  # a run directory's config (directory.CONFIG_FILE, which imports the run config)
 
@@ -47,16 +50,8 @@ class InitSource:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Its weights under lmlab's names (a classifier's under ``body.`` and ``score.``)."""
-        if self.weights is not None:
-            from safetensors import safe_open
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(self.weights))
-            with safe_open(str(self.weights), framework="pt") as f:
-                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-            for alias, name in aliases.items():
-                tensors[alias] = tensors[name]
-            return tensors
+        if self.weights is not None:  # checked against the sha256 of each tensor recorded at save, as a resume is
+            return ckpt.read_weights(self.weights)[0]
         hf = read_config(self.path)
         return state_dict_from_hf(self.model, read_safetensors(self.path), hf["model_type"],
                                   source=f"checkpoint {str(self.path)!r}")
@@ -149,7 +144,8 @@ def _from_checkpoint(path: Path) -> InitSource:
     except KeyError:
         raise ValueError(f"{path / ckpt.WEIGHTS} records no model config; give the run directory instead") from None
     except Exception as e:  # safetensors raises its own error types for damaged files
-        raise ValueError(f"checkpoint weights {str(path / ckpt.WEIGHTS)!r} cannot be read ({e})") from None
+        raise CorruptFile(f"checkpoint weights {str(path / ckpt.WEIGHTS)!r} cannot be read ({one_line(e)[:160]}); "
+                          "the file is damaged: give another checkpoint, or the run directory") from None
     run = path.parent.parent
     data_dir = _run_section(run)[2] if (run / RUN_CONFIG).is_file() else None
     return InitSource(path, "checkpoint", model, task, path / ckpt.WEIGHTS,

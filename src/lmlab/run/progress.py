@@ -1,7 +1,10 @@
 """What a run shows as it trains: the banner, notes, a progress bar and the throughput of each logged step.
 
 Rank 0 shows them (unless quiet); other ranks keep the same counts silently, so that every process
-computes the same records. Notes go through ``tqdm.write``, which never breaks the bar.
+computes the same records. On a terminal, notes go through ``tqdm.write``, which never breaks the bar.
+Anywhere else (``| tee log``, a batch job's log file) there is no bar: each logged step is one plain
+line (``step 20/200: loss 3.1416, lr 3.0e-04, 12,345 tok/s``), so that no ``\r`` redraw lands in the
+log and ``grep ^step`` finds every step's line.
 
 Under ``lmlab train ... | tee log``, Ctrl-C reaches every process of the terminal's foreground
 group and stops ``tee`` as well: from then on each write to stdout fails with BrokenPipeError
@@ -20,24 +23,30 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..config import MoEConfig
 from .config import RunConfig
 
 
 class Progress:
     """The console of one run (``show``: rank 0, not quiet) and its throughput window."""
 
-    def __init__(self, show: bool):
+    def __init__(self, show: bool, terminal: bool | None = None):
         self.show = show
-        self.bar: Any = None  # tqdm's, while :meth:`running`
+        self.terminal = on_terminal() if terminal is None else terminal  # a bar, or one plain line per logged step
+        self.bar: Any = None  # tqdm's, while :meth:`running` on a terminal
+        self.total = 0
         self.window_start, self.window_tokens = time.perf_counter(), 0  # the throughput window
 
     def print(self, message: str) -> None:
         """One note on stdout (above the bar), flushed; nothing once stdout's reader is gone."""
         if self.show:
-            from tqdm.auto import tqdm
-
             try:
-                tqdm.write(message)
+                if self.bar is not None:
+                    from tqdm.auto import tqdm
+
+                    tqdm.write(message)
+                else:
+                    print(message)
                 sys.stdout.flush()  # a pipe is block-buffered: reach `tee` now, and meet a closed pipe here
             except BrokenPipeError:
                 mute_stdout()
@@ -46,8 +55,8 @@ class Progress:
     def running(self, total: int, initial: int) -> Iterator[None]:
         """A progress bar of ``total`` steps, ``initial`` done, for the duration (where shown); the
         throughput window starts now."""
-        self.window_start, self.window_tokens = time.perf_counter(), 0
-        if not self.show:
+        self.window_start, self.window_tokens, self.total = time.perf_counter(), 0, total
+        if not (self.show and self.terminal):
             yield
             return
         from tqdm.auto import tqdm
@@ -71,8 +80,12 @@ class Progress:
         return tokens_per_s
 
     def advance(self, record: dict[str, Any]) -> None:
-        """Move the bar one step; a logged step's ``record`` shows its loss, lr and throughput."""
+        """Move the bar one step; a logged step's ``record`` shows its loss, lr and throughput (on the bar, or
+        off a terminal as one line of its own)."""
         if self.bar is None:
+            if self.show and "tokens_per_s" in record:
+                self.print(f"step {record['step']}/{self.total}: loss {record['loss']:.4f}, lr {record['lr']:.1e}, "
+                           f"{record['tokens_per_s']:,.0f} tok/s")
             return
         if "tokens_per_s" in record:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
@@ -92,8 +105,24 @@ def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_
         f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "
         f"({t.batch_size} x {cfg.seq_len} x {t.grad_accum} accum) on {device}"
         + (f" x {world} processes ({layout})" if world > 1 else "")
-        + f"\ndata: {data}"
+        + f"\ndata: {data}" + (f"\n{moe_balancing(m.moe)}" if m.moe is not None else "")
     )
+
+
+def moe_balancing(moe: MoEConfig) -> str:
+    """The banner's line on how a mixture of experts is balanced, saying so loudly when it is not."""
+    if moe.balancing:
+        return f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: {', '.join(moe.balancing)}"
+    return (f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: OFF (every balancing coefficient "
+            "and moe.bias_update_rate set to 0): experts may go unused; leave moe.expert_balance_coef unset to balance")
+
+
+def on_terminal() -> bool:
+    """Whether stdout and stderr (where tqdm draws) are both terminals: only then is a redrawn bar shown."""
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
 
 
 def mute_stdout_if_closed() -> None:

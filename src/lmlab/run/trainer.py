@@ -90,6 +90,7 @@ class TrainResult:
     checkpoint: Path | None  # the last checkpoint written
     stopped_by: int | None = None  # the signal that stopped training early, or None
     sample: str | None = None  # text generated at the end
+    val_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's, e.g. classify: accuracy
 
 
 # ============================================================== one step
@@ -393,6 +394,7 @@ class Trainer:
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val, skipped_steps=self.skipped_steps,
             tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
             stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
+            val_metrics=dict(last.metrics) if (last := getattr(self, "last_eval", None)) is not None else {},
         )
 
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
@@ -407,8 +409,9 @@ class Trainer:
                 yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g)
 
         self.train_model.train()
-        ce, aux = forward_backward(self.train_model, batches(), n, device=self.device, autocast=self.autocast,
-                                   loss_fn=self.task.loss, no_sync=self.parallel.no_sync(self.train_model))
+        with self.transformer.summing_moe_stats():  # the step's load statistics: every micro-batch
+            ce, aux = forward_backward(self.train_model, batches(), n, device=self.device, autocast=self.autocast,
+                                       loss_fn=self.task.loss, no_sync=self.parallel.no_sync(self.train_model))
         self.parallel.sync_gradients()
         # one all-reduce carries the loss and any rank's stop request; gradients are already synchronized
         shared = torch.tensor([float(ce), float(self.stop.signal or 0)], dtype=torch.float64, device=self.device)
@@ -535,7 +538,7 @@ class Trainer:
                 record["aux_losses"] = aux
             if self.transformer.moe_layers:
                 stats = self.transformer.moe_stats()
-                if self.dist.world > 1:  # every process's tokens (its last micro-batch), not rank 0's alone
+                if self.dist.world > 1:  # every process's tokens, not rank 0's alone
                     stats = global_moe_stats(stats, self.dist.all_reduce_sum, self.device)
                 record["moe"] = jsonable(stats)
         self.progress.advance(record)

@@ -28,6 +28,7 @@ from ...run.checkpoint.directory import CHECKPOINTS
 from ...run.config import RunConfig, config_diff, load_config, one_section_dict
 from ...run.data.meta import META, DataMeta
 from ...run.data.prepare import prepare
+from ...run.data.shards import verify_shards
 from ...run.errors import one_line
 from ...run.metrics import jsonable
 from ...run.provenance import code_revision
@@ -86,12 +87,18 @@ def _with_corpus(spec: SweepSpec, out: Path, log: Callable[[str], None]) -> tupl
 
 def _prepare_shared_data(spec: SweepSpec, out: Path) -> dict[str, Path]:
     """Prepare each distinct data config once (normally one) under out/data; returns variant -> data dir.
-    Prepared data (``data: DIR``) is read where it is."""
+    Prepared data (``data: DIR``) is read where it is, once its shards hash to what its meta.json
+    recorded (data the sweep prepared earlier is checked so by ``prepare`` as it reuses it): before the
+    data's identity decides which finished runs are stale, and before any run trains on it."""
     dirs: dict[str, Path] = {}
     by_config: dict[str, Path] = {}
+    checked: set[Path] = set()
     for name, cfg in spec.configs.items():
         if cfg.data.prepared is not None:
             dirs[name] = Path(cfg.data.prepared).expanduser().resolve()
+            if dirs[name] not in checked:
+                verify_shards(dirs[name], DataMeta.open(dirs[name]).shard_hashes)
+                checked.add(dirs[name])
             continue
         key = json.dumps({k: v for k, v in cfg.data.to_dict().items() if k != "dir"}, sort_keys=True)
         if key not in by_config:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ...run.checkpoint.atomic import atomic_write_text
+from ...run.checkpoint.directory import metrics_record
+from ...run.errors import CorruptFile
 from ...run.metrics import jsonable
 
 __all__ = ["CurveLogger", "clear_run", "lock_file", "read_curve", "read_result", "read_start", "run_dir_of",
@@ -71,9 +73,20 @@ def clear_run(run_dir: Path) -> None:
 
 
 def read_curve(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's curve.jsonl (empty before it logged any)."""
+    """The rows of a run's curve.jsonl (empty before it logged any). A last line cut short by a crash
+    is skipped; any other line that is not a row (garbage, JSON nested too deep) is a CorruptFile
+    naming the file and line."""
     p = Path(run_dir) / _CURVE_FILE
-    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
+    lines = p.read_bytes().splitlines() if p.is_file() else []
+    rows = []
+    for i, line in enumerate(lines, 1):
+        row = metrics_record(line) if line.strip() else {}
+        if row is None and i < len(lines):
+            raise CorruptFile(f"{str(p)!r} line {i} is not a curve record; delete that line (the run's checkpoints "
+                              "are unaffected)")
+        if row:
+            rows.append(row)
+    return rows
 
 
 class CurveLogger:

@@ -186,7 +186,7 @@ def metrics_record(line: bytes | str) -> dict[str, Any] | None:
     """One line of metrics.jsonl as a record with an integer "step", or None if it is not one."""
     try:
         record = json.loads(line)
-    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8 (a ValueError too), or nested too deep to parse
         return None
     ok = isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool)
     return record if ok else None

@@ -11,6 +11,11 @@ Such a checkpoint is atomic like a single-process one (checkpoint.py): the proce
 hidden temporary directory, and rank 0 renames it into place once all of them are done. The
 run directory must be on a file system every process sees (one node, or a shared one).
 
+Once every process has written, rank 0 records the sha256 of each file in dcp/ in state.pt
+(``files_sha256``, itself checked like any state.pt: local.py). Every process checks them all
+before it reads anything from dcp/ (:func:`verify_files`), so all decide alike and a bit flip is a
+damaged file on every rank, not a hang; checkpoints written before the hashes existed load unchecked.
+
 Reading never unpickles anything unsafely: DCP keeps its index (``.metadata``) as a pickle and its
 non-tensor entries as pickled bytes; :class:`SafeReader` and :class:`SafePlanner` read them with
 lmlab's own pickle interpreter, which builds only an exact list of DCP's classes (dcp_index.py),
@@ -23,6 +28,7 @@ written by a single process (safetensors + state.pt) loads into a sharded layout
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -35,13 +41,15 @@ import torch
 from torch import nn
 
 from ..config import flatten
+from ..errors import CorruptFile
 from ..parallel.group import Dist
 from ..parallel.plan import Parallel
 from . import local as ckpt
-from .atomic import atomic_write, fsync_dir
+from .atomic import fsync_dir
 from .dcp_index import read_index
 
 DCP_DIR = "dcp"
+FILE_CHECKSUMS = "files_sha256"  # state.pt: {file in dcp/: sha256 of its bytes}
 
 
 def is_distributed(path: str | Path) -> bool:
@@ -139,7 +147,7 @@ class ShardedSaver:
         self.pending = None
         future.result()  # rank 0's completes once every process has written (DCP gathers their results)
         if self.dist.main:
-            atomic_write(tmp / ckpt.STATE, lambda p: torch.save(state, p))
+            save_state(tmp, state)
             os.replace(tmp, final)
             fsync_dir(final.parent)
 
@@ -165,7 +173,7 @@ def save_sharded(
         state = sharded_state(model, optimizer, plan)
         dcp.save(state, storage_writer=FileSystemWriter(tmp / DCP_DIR))  # returns once every process has written
         if dist.main:
-            atomic_write(tmp / ckpt.STATE, lambda p: torch.save({**counters, "model_config": model_config}, p))
+            save_state(tmp, {**counters, "model_config": model_config})
             os.replace(tmp, final)
             fsync_dir(root)
     except BaseException:
@@ -174,6 +182,39 @@ def save_sharded(
         raise
     dist.barrier()
     return final
+
+
+def save_state(tmp: Path, state: dict[str, Any]) -> None:
+    """Write state.pt of the checkpoint being written in ``tmp`` once its dcp/ is complete: ``state``
+    and the sha256 of every file in dcp/."""
+    files = {p.name: file_digest(p) for p in sorted((tmp / DCP_DIR).iterdir()) if p.is_file()}
+    ckpt.save_state(tmp / ckpt.STATE, {**state, FILE_CHECKSUMS: files})
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify_files(path: Path, state: dict[str, Any]) -> None:
+    """Each file of checkpoint ``path``'s dcp/ must hash to what its state.pt recorded at save
+    (``state``, as :func:`local.load_state` read it); CorruptFile naming the first that does not."""
+    recorded = state.get(FILE_CHECKSUMS)
+    if recorded is None:
+        return
+    if not (isinstance(recorded, dict) and all(isinstance(k, str) and isinstance(v, str) and Path(k).name == k
+                                               and k not in ("", ".", "..") for k, v in recorded.items())):
+        raise CorruptFile(f"checkpoint state {str(path / ckpt.STATE)!r}: its {FILE_CHECKSUMS!r} entry is not a "
+                          f"mapping of file names to checksums; the file is damaged: {ckpt.REMEDY}")
+    for name, want in sorted(recorded.items()):
+        file = path / DCP_DIR / name
+        if not file.is_file():
+            raise CorruptFile(f"checkpoint shard {str(file)!r} is missing: the checkpoint is incomplete; "
+                              f"{ckpt.REMEDY}")
+        if file_digest(file) != want:
+            raise CorruptFile(f"checkpoint shard {str(file)!r} does not match the sha256 recorded when it was saved; "
+                              f"the file is damaged: {ckpt.REMEDY}")
 
 
 def temporary_dir(final: Path) -> Path:
@@ -208,6 +249,7 @@ def load_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state = ckpt.load_state(path)
     names = [g.get("names") for g in optimizer.param_groups]
     if weights is None:
+        verify_files(path, state)
         load_distributed(path, model, optimizer, plan, state.get("model_config"))
     else:
         model_state = weights[0]
@@ -220,7 +262,7 @@ def load_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     for group, n in zip(optimizer.param_groups, names):  # set_state_dict copies the saved groups' extra keys
         if n is not None:
             group["names"] = n
-    return {k: v for k, v in state.items() if k not in ("optimizer", "model_config")}
+    return {k: v for k, v in state.items() if k not in ("optimizer", "model_config", FILE_CHECKSUMS)}
 
 
 def load_distributed(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Parallel,
@@ -312,9 +354,10 @@ def load_distributed_weights(path: str | Path, model: nn.Module) -> None:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    state = ckpt.load_state(path)
+    verify_files(path, state)
     found = {k[len("model."):]: tuple(m.size) for k, m in read_metadata(path).state_dict_metadata.items()
              if k.startswith("model.") and hasattr(m, "size")}
-    state = ckpt.load_state(path)
     check_shapes(path, found, model, Parallel(), state.get("model_config"))
     weights = {"model": model.state_dict()}
     with warnings.catch_warnings():
