@@ -506,7 +506,7 @@ def test_tuning_runs_first_and_its_choice_reaches_the_main_runs(tmp_path, corpus
         {"axis": "depth", "levels": [{"name": "L1", "overrides": {"model.n_layers": 1}},
                                      {"name": "L2", "overrides": {"model.n_layers": 2}}]}],
         tune={"field": "optim.lr", "values": [1e-6, 3e-3], "by": ["arch"], "at": {"depth": "L2"}, "seeds": [9],
-              "overrides": {"train.steps": 3}})
+              "overrides": {"train.steps": 3}, "max_extensions": 0})  # extension: test_tuning.py
     out = tmp_path / "out"
     rows = run_sweep(load_spec(path), out, log=quiet)
     tune = json.loads((out / "tune.json").read_text())

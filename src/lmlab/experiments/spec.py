@@ -29,9 +29,13 @@ from .registration import check_block
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
 SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "seed_fields", "quick", "profiles",
              "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "registration", "claims")
-VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds")
+VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds", "tune")
 PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
-TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides")
+TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides", "extend_factor", "max_extensions", "full_length")
+# what sets a run's length: a tuning run that changes one is shorter (or longer) than the run it tunes
+LENGTH_FIELDS = ("train.steps", "train.batch_size", "train.grad_accum", "train.seq_len", "model.max_seq_len")
+AXIS_KEYS = ("axis", "levels", "extend")
+EXTEND_KEYS = ("by", "factor", "max", "field")
 CORPUS_KEYS = ("name", "max_bytes")
 FINAL_EVAL_KEYS = ("tokens", "batch_size")
 MAX_SEEDS = 10_000  # one run per seed and variant: more than this is a typo, and listing them would exhaust memory
@@ -55,6 +59,7 @@ class Variant:
     labels: dict[str, str] = dataclasses.field(default_factory=dict)  # grid axis -> level, for analysis
     profiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # profile -> extra overrides
     max_seeds: int | None = None  # train only the first N of the sweep's seeds (arms no verdict rests on)
+    tune: bool = True  # False: exempt from the tuned value; its own override of the tuned field stands
 
     def profile_overrides(self, profile: str | None) -> dict[str, Any]:
         if profile is None:
@@ -69,7 +74,12 @@ class Tune:
     For each group (the levels of the grid axes in ``by``, or each variant when ``by`` is
     ["variant"]), the group's variant at the labels ``at`` is trained once per value in ``values``
     (seeds ``seeds``, plus ``overrides``, e.g. fewer steps); the value with the lowest mean final
-    validation loss (a diverged seed counts as infinite) is then used by every variant of the group."""
+    validation loss (a diverged seed counts as infinite) is then used by every variant of the group,
+    except a variant marked ``tune: false``, which keeps its own value.
+
+    A group whose best value is the smallest or largest of a numeric grid is trained at the next value
+    beyond that edge (``sweep.tuning``), up to ``max_extensions`` times. ``full_length`` declares that
+    the tuning runs are as long as the main runs: ``overrides`` may then not change LENGTH_FIELDS."""
 
     field: str
     values: list[Any]
@@ -77,9 +87,27 @@ class Tune:
     at: dict[str, str]
     seeds: list[int]
     overrides: dict[str, Any]
+    extend_factor: float | None = None  # None: the grid's ratio when its values are log-uniform, else 2
+    max_extensions: int = 3  # values added beyond an edge, per group
+    full_length: bool = False
 
     def group(self, variant: Variant) -> str:
         return variant.name if self.by == ["variant"] else "-".join(variant.labels[a] for a in self.by)
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisExtend:
+    """A grid axis that grows past its edge (``extend:`` on the axis): after the sweep's runs, each
+    group of the ``by`` axes whose best level (lowest mean final loss over its runs, a diverged run
+    counting as infinite) is the axis's smallest or largest value gets a new level one ``factor``
+    beyond it, trained for that group only (every seed), up to ``max`` times (``sweep.extend``)."""
+
+    axis: str
+    field: str  # the dotted field the axis's levels set
+    levels: dict[str, Any]  # the spec's levels: name -> value of ``field``
+    by: list[str]
+    factor: float | None  # None: the levels' ratio when log-uniform, else 2
+    max: int
 
 
 @dataclasses.dataclass
@@ -106,6 +134,7 @@ class SweepSpec:
     tune: Tune | None = None
     profile: str | None = None
     tuned: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> tuned overrides
+    axis_extend: AxisExtend | None = None  # a grid axis that grows past its edge (sweep.extend)
     claims: list[ClaimSpec] = dataclasses.field(default_factory=list)  # registered before the runs (claims.py)
 
     def variant(self, name: str) -> Variant:
@@ -158,23 +187,31 @@ class SweepSpec:
         return self.configs[name].override({f: seed for f in self.seed_fields})
 
     def with_tuned(self, choices: Mapping[str, Any]) -> "SweepSpec":
-        """The spec with the tuned value of each variant's group applied (resolved again)."""
+        """The spec with the tuned value of each variant's group applied (resolved again); a variant
+        with ``tune: false`` keeps its own value of the field."""
         tuned = {v.name: {self.tune.field: choices[self.tune.group(v)]} for v in self.variants
-                 if v.init_from is None and self.tune.group(v) in choices}
+                 if v.init_from is None and v.tune and self.tune.group(v) in choices}
         return dataclasses.replace(self, tuned=tuned).resolve(profile=self.profile)
 
-    def tune_spec(self) -> "SweepSpec":
-        """The tuning sweep: for each group, its representative variant at every value."""
-        t = self.tune
-        variants, groups = [], {}
+    def tune_groups(self) -> dict[str, Variant]:
+        """Each tuned group and the variant its tuning runs train: its first variant at ``tune.at``
+        (fine-tunes and ``tune: false`` variants are never tuned)."""
+        t, groups = self.tune, {}
         for v in self.variants:
-            if v.init_from is None and all(v.labels.get(k) == level for k, level in t.at.items()):
+            if v.init_from is None and v.tune and all(v.labels.get(k) == level for k, level in t.at.items()):
                 groups.setdefault(t.group(v), v)
         if not groups:
             raise ValueError(f"{self.source}: tune.at={t.at} matches no variant; name grid levels that exist")
+        return groups
+
+    def tune_spec(self, values: Mapping[str, list] | None = None) -> "SweepSpec":
+        """The tuning sweep: for each group, its representative variant at every value (``values``:
+        group -> the values to train, by default ``tune.values`` for every group)."""
+        t = self.tune
+        variants, groups = [], self.tune_groups()
         short = t.field.rsplit(".", 1)[-1]
         for g, v in groups.items():
-            for value in t.values:
+            for value in (t.values if values is None else values.get(g, [])):
                 variants.append(
                     Variant(
                         f"tune-{g}-{short}{value:g}" if isinstance(value, float) else f"tune-{g}-{short}{value}",
@@ -194,9 +231,30 @@ class SweepSpec:
 def _tune_for(tune: Tune | None, change: Mapping[str, Any] | None) -> Tune | None:
     if tune is None or not change:
         return tune
-    return dataclasses.replace(
+    return _checked_tune(dataclasses.replace(
         tune, **{k: (dict(tune.overrides, **v) if k == "overrides" else v) for k, v in change.items()}
-    )
+    ), "profile tune")
+
+
+def _positive_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _checked_tune(t: Tune, where: str) -> Tune:
+    """``t`` when its extension and length settings are valid; else a one-line ValueError."""
+    if t.extend_factor is not None and not (_positive_number(t.extend_factor) and t.extend_factor > 1):
+        raise ValueError(f"{where}: extend_factor={t.extend_factor!r} is not valid; give a number above 1 "
+                         "(2: the value beyond an edge is twice the largest or half the smallest)")
+    if not isinstance(t.max_extensions, int) or isinstance(t.max_extensions, bool) or t.max_extensions < 0:
+        raise ValueError(f"{where}: max_extensions={t.max_extensions!r} is not valid; give how many values may be "
+                         "added beyond an edge of the grid, e.g. 3 (0: never)")
+    if not isinstance(t.full_length, bool):
+        raise ValueError(f"{where}: full_length={t.full_length!r} is not valid; give true or false")
+    shorter = [k for k in t.overrides if k in LENGTH_FIELDS]
+    if t.full_length and shorter:
+        raise ValueError(f"{where}: full_length is true but overrides sets {shorter[0]}; drop it (the tuning runs "
+                         "must be as long as the main runs) or set full_length: false")
+    return t
 
 
 # ============================================================== parsing
@@ -240,9 +298,13 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
             f"{where} ({name!r}): seeds={max_seeds!r} is not valid; "
             "give how many of the sweep's seeds it trains, e.g. 3"
         )
+    if not isinstance(raw.get("tune", True), bool):
+        raise ValueError(f"{where} ({name!r}): tune={raw['tune']!r} is not valid; give false to exempt it from the "
+                         "tuned value (it then sets the tuned field itself), or leave it out")
     return Variant(name, _changes(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
                    _changes(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
-                   {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds)
+                   {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds,
+                   raw.get("tune", True))
 
 
 def _sweep_name(name: Any, source: str) -> str:
@@ -259,6 +321,8 @@ def _grid(grid: Any, source: str) -> list[Variant]:
         raise ValueError(
             f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}"
         )
+    for i, a in enumerate(grid):
+        _check_keys(a, AXIS_KEYS, f"{source}: grid[{i}]")
     axes = [
         (
             str(a.get("axis", f"axis{i}")),
@@ -277,7 +341,8 @@ def _grid(grid: Any, source: str) -> list[Variant]:
             for k, v in level.profiles.items():
                 profiles.setdefault(k, {}).update(v)
         labels = {axis: level.name for (axis, _), level in zip(axes, combo)}
-        variants.append(Variant("-".join(level.name for level in combo), overrides, None, quick, labels, profiles))
+        variants.append(Variant("-".join(level.name for level in combo), overrides, None, quick, labels, profiles,
+                                tune=all(level.tune for level in combo)))
     return variants
 
 
@@ -328,8 +393,75 @@ def _tune(raw: Any, source: str) -> Tune | None:
     if not isinstance(at, Mapping):
         raise ValueError(f"{source}: tune.at must map grid axes to levels, e.g. {{depth: L12}}")
     field = next(iter(upgrade_keys({str(raw["field"]): None}, f"{source}: tune field")))
-    return Tune(field, list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
-                _seeds(raw.get("seeds", [1000]), f"{source}: tune"), _changes(raw.get("overrides"), "tune overrides"))
+    return _checked_tune(Tune(
+        field, list(raw["values"]), by, {str(k): str(v) for k, v in at.items()},
+        _seeds(raw.get("seeds", [1000]), f"{source}: tune"), _changes(raw.get("overrides"), "tune overrides"),
+        raw.get("extend_factor"), raw.get("max_extensions", 3), raw.get("full_length", False),
+    ), f"{source}: tune")
+
+
+def _check_tuned_variants(tune: Tune, variants: list[Variant], source: str) -> None:
+    """Every tuned variant has the ``by`` axes; every ``tune: false`` variant sets the tuned field itself."""
+    for v in variants:
+        if not v.tune and tune.field not in v.overrides:
+            raise ValueError(f"{source}: variant {v.name!r} has tune: false but does not set {tune.field}; give it "
+                             f"overrides: {{{tune.field}: VALUE}} (the common value it trains at)")
+    if tune.by != ["variant"]:
+        tuned = [v for v in variants if v.init_from is None and v.tune]
+        missing = [a for a in tune.by + list(tune.at) if not all(a in v.labels for v in tuned)]
+        if missing:
+            raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
+
+
+def _extended_field(levels: list[Variant], given: Any, where: str) -> str:
+    """The field an extending axis's levels set: ``given``, or the one field every level sets to a
+    different positive number."""
+    if given is not None:
+        field = next(iter(upgrade_keys({str(given): None}, where)))
+    else:
+        common = set.intersection(*(set(level.overrides) for level in levels))
+        numeric = [f for f in sorted(common) if all(_positive_number(lv.overrides[f]) for lv in levels)
+                   and len({lv.overrides[f] for lv in levels}) == len(levels)]
+        if len(numeric) != 1:
+            raise ValueError(f"{where}: cannot tell which field the levels set ({numeric or 'none'} set a different "
+                             "positive number per level); give extend: {field: optim.lr, ...}")
+        field = numeric[0]
+    bad = next((lv for lv in levels if not _positive_number(lv.overrides.get(field))), None)
+    if bad is not None:
+        raise ValueError(f"{where}: level {bad.name!r} sets {field}={bad.overrides.get(field)!r}; every level of an "
+                         "extending axis sets it to a positive number")
+    return field
+
+
+def _axis_extend(grid: Any, source: str, tune: Tune | None) -> AxisExtend | None:
+    """The grid axis that declares ``extend: {by:, factor:, max:}`` (at most one), checked."""
+    found = [(i, a) for i, a in enumerate(grid or []) if a.get("extend") is not None]
+    if len(found) > 1:
+        raise ValueError(f"{source}: grid axes {found[0][0]} and {found[1][0]} both declare extend:; "
+                         "give it to one axis")
+    if not found:
+        return None
+    i, raw = found[0]
+    where, ext = f"{source}: grid[{i}].extend", raw["extend"]
+    if not isinstance(ext, Mapping):
+        raise ValueError(f"{where} must be a mapping, e.g. {{by: [arch], factor: 2, max: 3}}")
+    _check_keys(ext, EXTEND_KEYS, where)
+    axis, axes = str(raw.get("axis", f"axis{i}")), [str(a.get("axis", f"axis{j}")) for j, a in enumerate(grid)]
+    by = ext.get("by") or []
+    by = [by] if isinstance(by, str) else [str(b) for b in by]
+    if bad := [b for b in by if b not in axes or b == axis]:
+        raise ValueError(f"{where}: by names {bad[0]!r}, which is not another grid axis; "
+                         f"choose from {[a for a in axes if a != axis]}")
+    levels = [_variant(v, f"{source}: grid[{i}].levels[{j}]") for j, v in enumerate(raw["levels"])]
+    field = _extended_field(levels, ext.get("field"), where)
+    factor, most = ext.get("factor"), ext.get("max", 3)
+    if factor is not None and not (_positive_number(factor) and factor > 1):
+        raise ValueError(f"{where}: factor={factor!r} is not valid; give a number above 1, e.g. 2")
+    if not isinstance(most, int) or isinstance(most, bool) or most < 0:
+        raise ValueError(f"{where}: max={most!r} is not valid; give how many levels may be added per group, e.g. 3")
+    if tune is not None and tune.field == field:
+        raise ValueError(f"{where}: the axis sets {field}, which tune: also chooses; give one of them")
+    return AxisExtend(axis, field, {lv.name: lv.overrides[field] for lv in levels}, by, factor, most)
 
 
 def _options(data: Mapping, source: str, names: list[str]) -> dict[str, Any]:
@@ -396,17 +528,14 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
                              f"choose one of {names[:i]}")
     profiles = _profiles(data, source)
     tune = _tune(data.get("tune"), source)
-    if tune is not None and tune.by != ["variant"]:
-        missing = [
-            a for a in tune.by + list(tune.at) if not all(a in v.labels for v in variants if v.init_from is None)
-        ]
-        if missing:
-            raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
+    if tune is not None:
+        _check_tuned_variants(tune, variants, source)
     return SweepSpec(
         name=_sweep_name(data.get("name") or Path(source).stem, source), base=_changes(base, f"{source}: base"),
         variants=variants,
         seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
+        axis_extend=_axis_extend(data.get("grid"), source, tune),
         registration=check_block(data.get("registration"), source),
         claims=parse_claims(data.get("claims"), source, variants), **_options(data, source, names),
     )

@@ -19,6 +19,7 @@ A spec is a base run config plus variants, each a name and dotted overrides::
       - {name: shallow, overrides: {model.n_layers: 2}}
       - {name: deep, overrides: {model.n_layers: 8}, profiles: {gpu: {model.n_layers: 24}}}
       - {name: deep-ft, init_from: deep, overrides: {train.steps: 50, optim.lr: 3e-4}}   # deep's final weights
+      - {name: deep-common, tune: false, overrides: {model.n_layers: 8, optim.lr: 3e-3}}  # keeps its own lr
     grid:                     # optional: the product of these axes is appended to the variants
       - {axis: norm, levels: [{name: pre, overrides: {model.norm_position: pre}},
                               {name: post, overrides: {model.norm_position: post}}]}
@@ -27,6 +28,47 @@ A spec is a base run config plus variants, each a name and dotted overrides::
     match_active_params: {reference: shallow, tolerance: 0.05}   # optional equal-compute check
     corpus: {name: stdlib}    # optional: train on the deduplicated stdlib corpus (experiments.corpus)
     final_eval: {tokens: 65536}   # optional: the final loss over 65,536 tokens in windows spread over validation
+
+Tuning (``tune:``, optional): for each group (``by: variant``, the default: each variant; or the
+levels of grid axes, ``by: [norm]``), its first variant at the levels ``at`` trains once per value in
+``values`` with seeds ``seeds`` (default [1000]) and ``overrides`` on top (e.g. fewer steps); the value
+with the lowest mean final loss (a diverged seed counts as +inf) is then set for every variant of
+the group. Fields::
+
+    tune:
+      field: optim.lr              # any dotted run-config field
+      values: [1.5e-3, 3e-3, 6e-3]
+      by: variant                  # or a list of grid axes
+      at: {}                       # grid levels the tuning runs train at (by: axes only)
+      seeds: [1000, 1001]          # at least 2 where a verdict rests on the arms (tuning.tune_problems)
+      overrides: {}                # applied to the tuning runs only
+      full_length: true            # declares overrides leave the run's length alone: train.steps,
+                                   #   train.batch_size, train.grad_accum, train.seq_len, model.max_seq_len
+      extend_factor: 2             # default: the values' ratio when log-uniform (1.5e-3, 3e-3, 6e-3: 2), else 2
+      max_extensions: 3            # default 3; 0 never extends
+
+A group whose best value is the smallest or largest it tried (a grid of positive numbers) trains
+the next value beyond that edge (edge × factor, or edge / factor), again until its best is interior
+or it has ``max_extensions`` new values; a new value that diverged (in any seed) leaves the edge
+interior in effect, and the search stops. Every variant but a fine-tune (``init_from``) takes its
+group's value, unless it says ``tune: false``: it then keeps the value its own ``overrides`` set
+(required), e.g. a pair of arms at one common rate beside the tuned ones. A profile's ``tune:``
+changes some of these fields, or turns tuning off (``tune: null``).
+
+Grid axis extension (``extend:`` on one grid axis, optional): when an axis's levels are values of
+one field (say ``optim.lr``, every seed trains every level), the sweep, after its runs, groups the
+variants by the levels of the ``by`` axes; a group whose best level (lowest mean final loss over its
+runs, a diverged run counting as +inf) is the axis's smallest or largest value gets a new level one
+``factor`` beyond it, trained for that group only (every seed, every level of the other axes), and
+again up to ``max`` new levels. A new level is named <axis><value> (``lr0.008``), and its rows carry
+it as their label of the axis::
+
+    grid:
+      - {axis: arch, levels: [{name: pre, overrides: {model.norm_position: pre}}, ...]}
+      - axis: lr
+        levels: [{name: lr1e-3, overrides: {optim.lr: 1.0e-3}}, {name: lr2e-3, overrides: {optim.lr: 2.0e-3}}]
+        extend: {by: [arch], factor: 2, max: 3}   # factor: default the levels' ratio when log-uniform,
+                                                   #   else 2; max: default 3; field: optim.lr when ambiguous
 
 Equal budget: every variant trains on the same tokens (train.steps x batch x seq_len from the
 base) unless its overrides say otherwise, and the table reports total and active parameters and
@@ -41,7 +83,10 @@ Out directory::
                    .../result.json   written atomically when the run is finished: its row
                    .../curve.jsonl   the validation loss curve the plots draw
     locks/                    one lock file per run: a run is trained by one process at a time
-    tune.csv, tune.json       the tuning runs and the value chosen for each group (with tune:)
+    tune.csv, tune.json       the tuning runs; per group the values tried in order, why each extension
+                              happened, where the search stopped, and the value chosen (with tune:)
+    extend.json               a grid axis's extension: each level's value, per group the levels tried,
+                              why each was added, the best level and where the search stopped
     results.csv               one row per variant x seed
     summary.md                mean ± std over seeds per variant (and whether the spec was committed)
     sweep.json                the spec file, whether it was committed and at which revision (registration)
@@ -64,7 +109,8 @@ Modules, one concern each::
     spec.py (..)   the spec: variants, grid, seeds, profiles, tuning; every config built as `train --config` builds it
     engine.py      shared inputs (corpus, data, limits), each run's config and hash, training or reusing one run
     workers.py     one process or ``jobs`` worker processes claiming runs through lock files
-    tuning.py      the tuning stage before the main runs; grid-edge notes
+    tuning.py      the tuning stage before the main runs, extended past a grid edge; the rules a verdict's arms meet
+    extend.py      a grid axis extended past its edge after the sweep's runs
     tables.py      results.csv, summary.md, loss curves
     measure.py     the final loss over a spread slice, the unigram loss, a run's label
     layout.py      where each run lives, and the files a sweep adds to it (start.json, result.json, curve.jsonl)
@@ -83,6 +129,7 @@ from ...schema import read_yaml
 from ..registration import spec_status
 from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
+from .extend import extend_axis, only
 from .layout import write_sweep_record
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
@@ -120,6 +167,7 @@ class Outcome:
     data_dir: Path
     corpus: dict | None  # corpus.json, when the spec names a corpus
     tune: dict | None  # tune.json, when the spec tunes
+    extend: dict | None = None  # extend.json, when a grid axis extends past its edge
 
 
 def run_sweep(
@@ -154,8 +202,15 @@ def sweep_outcome(
         spec, tune = tune_and_apply(spec, out, trainer_cls, quiet, log, jobs, threads)
     sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
     rows = execute(sw, jobs, threads, log)
+    extended = None
+    if spec.axis_extend is not None:  # new levels beyond an edge, trained after the spec's own
+        def run(s: SweepSpec, names: list[str]) -> list[dict[str, Any]]:
+            return execute(only(setup(s, out, hooks, trainer_cls, quiet, log)[0], names), jobs, threads, log)
+
+        spec, rows, extended = extend_axis(spec, rows, out, run, log)
+        sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
     write_tables(sw.spec, rows, out)
     with contextlib.suppress(ImportError):
         plot_loss_curves(sw.spec, out, out / "loss_curves.png")
     first = sw.data_dirs[sw.spec.variants[0].name]
-    return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune)
+    return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune, extended)
