@@ -412,3 +412,17 @@ def test_write_decisions_writes_schema_3_with_the_extra_fields(tmp_path):
     assert "NaN" in text  # json.dumps writes nan as NaN, which json.loads reads back
     one = json.loads(text)["claims"][0]
     assert one["n"] == 1 and math.isnan(one["p"]) and one["verdict"] == "inconclusive"
+
+
+def test_a_diverged_seed_counts_at_ln_vocab_and_does_not_stop_the_analysis():
+    """One diverged run spreads the differences so far that no seed count under stats' max_n gives 80% power:
+    the claim is still decided, with its power reported and no seed count."""
+    specs = shipped("moe", moe.ENDPOINTS)
+    rows = [{**r, "status": "diverged", "final_val_loss": float("nan")}
+            if (r["variant"], r["seed"]) == ("fg-m4-shared", 3) else r for r in moe_rows(NEW)]
+    got = {d.spec.id: d for d in decide_claims(specs, rows, None, moe.ENDPOINTS, init_loss=INIT)}
+    cap = got["capacity"]
+    assert cap.a[3] == INIT and cap.diffs[3] == pytest.approx(INIT - 3.0 - SHARED[3], abs=0.004)
+    assert cap.verdict == "inconclusive" and cap.seeds_needed is None
+    assert cap.comparison.power < 0.1 and "power 0.0" in cap.line()
+    assert got["capacity-common"].seeds_needed is not None  # a measured spread gives its count
