@@ -1,12 +1,12 @@
-"""The shipped experiments: their verdict functions on made-up rows (a clear win, a clear loss and a
-tie for every criterion), the --quick runs (the machinery, not the claims), the GPU profile's
-sizes, and the README's results table against the verdict files."""
+"""The shipped experiments: the positions verdict functions on made-up rows (a clear win, a clear loss
+and a tie for every criterion; the registered norm and moe claims are in test_decide.py), the --quick
+runs (the machinery, not the claims), the GPU profile's sizes, and the README's results table against
+the verdict files."""
 
 from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,6 @@ from lmlab.experiments import (
     EXPERIMENTS,
     claims,
     load_experiment_spec,
-    moe,
-    norm,
     positions,
     readme_table,
     run_experiment,
@@ -46,81 +44,6 @@ def offset(kind: str, claimed: str, size: float = 0.3) -> float:
 
 def verdicts(cs: list) -> dict[str, str]:
     return {c.id: c.verdict for c in cs}
-
-
-# ============================================================== norm
-NORM_CLAIMS = {  # id -> (cell moved, what moves, claimed)
-    "gradient-normal": (("post-normal", "L24", "warmup"), "grad", "higher"),
-    "gradient-xavier": (("post-xavier", "L24", "warmup"), "grad", "higher"),
-    "warmup-post-normal": (("post-normal", "L24", "nowarmup"), "loss", "higher"),
-    "warmup-post-xavier": (("post-xavier", "L24", "nowarmup"), "loss", "higher"),
-    "pre-beats-post-normal": (("pre-normal", "L24", "nowarmup"), "loss", "lower"),
-    "pre-beats-post-xavier": (("pre-xavier", "L24", "nowarmup"), "loss", "lower"),
-    "pre-no-warmup-normal": (("pre-normal", "L24", "nowarmup"), "loss", "not_higher"),
-    "pre-no-warmup-xavier": (("pre-xavier", "L24", "nowarmup"), "loss", "not_higher"),
-    "deepnorm-beats-post": (("deepnorm", "L24", "nowarmup"), "loss", "lower"),
-}
-
-
-def norm_rows(cell=None, what="loss", delta=0.0) -> list[dict]:
-    rows = []
-    for arch in ("post-normal", "post-xavier", "pre-normal", "pre-xavier", "deepnorm"):
-        for depth in ("L6", "L12", "L24"):
-            for warm in ("warmup", "nowarmup"):
-                moved = (arch, depth, warm) == cell
-                for s in SEEDS:
-                    loss = 4.0 + SHARED[s] + (delta + JITTER[s] if moved and what == "loss" else 0.0)
-                    # log top/bottom ratio 0 with a spread of 0.05 everywhere; the moved cell: delta, spread 0.005
-                    log_ratio = (delta + JITTER[s] * 5) if moved and what == "grad" else SHARED[s] * 2.5
-                    rows.append(
-                        {
-                            "variant": f"{arch}-{depth}-{warm}",
-                            "arch": arch,
-                            "depth": depth,
-                            "warmup": warm,
-                            "seed": s,
-                            "final_val_loss": loss,
-                            "status": "ok",
-                            "grad_top_bottom": math.exp(log_ratio),
-                        }
-                    )
-    return rows
-
-
-@pytest.mark.parametrize("kind", ["win", "loss", "tie"])
-@pytest.mark.parametrize("claim_id", sorted(NORM_CLAIMS))
-def test_norm_verdicts_on_made_up_rows(claim_id, kind):
-    cell, what, claimed = NORM_CLAIMS[claim_id]
-    rows = norm_rows(cell, what, offset(kind, claimed, 0.7 if what == "grad" else 0.3))
-    got = verdicts(norm.norm_claims(rows, init_loss=7.6, deepest="L24"))
-    assert got[claim_id] == expected_verdict(kind, claimed)
-    if kind == "tie":  # nothing else moved: every other loss claim is a tie too (or holds, if non-inferiority)
-        others = {k: v for k, v in got.items() if k != claim_id and NORM_CLAIMS[k][1] == "loss"}
-        assert set(others.values()) <= {"tie", "reproduced"}
-
-
-def test_norm_counts_a_diverged_run_as_the_untrained_loss():
-    rows = norm_rows()
-    for r in rows:
-        if (r["arch"], r["depth"], r["warmup"]) == ("post-normal", "L24", "nowarmup"):
-            r.update(final_val_loss=float("nan"), status="diverged")
-    got = {c.id: c for c in norm.norm_claims(rows, init_loss=7.6, deepest="L24")}
-    assert got["warmup-post-normal"].verdict == "reproduced"
-    assert got["warmup-post-normal"].interval.mean == pytest.approx(7.6 - 4.0, abs=0.03)
-
-
-def test_norm_calls_a_comparison_of_two_arms_that_never_learned_inconclusive():
-    rows = norm_rows()
-    for r in rows:  # post-xavier at 24 layers stuck at the unigram loss with and without warmup, a hair apart
-        if (r["arch"], r["depth"]) == ("post-xavier", "L24"):
-            r.update(final_val_loss=6.237 + (0.001 if r["warmup"] == "warmup" else 0.0) + SHARED[r["seed"]] / 100,
-                     status="no better than unigram")
-    got = {c.id: c for c in norm.norm_claims(rows, init_loss=7.6, deepest="L24")}
-    stuck = got["warmup-post-xavier"]
-    assert stuck.interval.excludes_zero()  # the interval alone would call it "opposite"
-    assert stuck.verdict == "inconclusive" and not stuck.negligible and "untestable" in stuck.line()
-    assert got["pre-beats-post-xavier"].verdict == "reproduced"  # pre-norm learned: that comparison still counts
-    assert json.loads(json.dumps(stuck.to_json()))["untestable"]
 
 
 # ============================================================== positions
@@ -214,33 +137,6 @@ def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost(
     assert "0.80 nats worse" in note and "the two schemes differ by +0.100 nats" in note
     rows = [r for r in rows if r["variant"] != "sinusoidal-scaled"]  # the control arm missing: no claim made
     assert "swamps" not in positions.paper_note(claims, cfg, rows)
-
-
-# ============================================================== moe
-MOE_CLAIMS = {"capacity": ("fg-m4-shared", "loss", "lower"), "fine-grained": ("fg-m4", "loss", "lower"),
-              "shared": ("fg-m4-shared", "loss", "lower"), "loss-free": ("fg-m4-shared-lossfree", "loss", "lower"),
-              "collapse": ("fg-m4-shared-nobalance", "load", "higher")}
-
-
-def moe_rows(arm=None, what="loss", delta=0.0) -> list[dict]:
-    rows = []
-    for name in ("dense", "switch-top1", "gshard-top2", "fg-m2", "fg-m4", "fg-m2-shared", "fg-m4-shared",
-                 "fg-m4-shared-lossfree", "fg-m4-shared-nobalance"):
-        for s in range(5):
-            noise = (0.0, 0.02, -0.02, 0.01, -0.01)[s]
-            j = delta + (0.001, -0.002, 0.0015, 0.0, 0.0005)[s] if name == arm else 0.0
-            rows.append({"variant": name, "seed": s, "status": "ok",
-                         "final_val_loss": 3.0 + noise + (j if what == "loss" else 0.0),
-                         "max_load_val": math.exp(0.7 + noise * 2 + (j if what == "load" else 0.0))})
-    return rows
-
-
-@pytest.mark.parametrize("kind", ["win", "loss", "tie"])
-@pytest.mark.parametrize("claim_id", sorted(MOE_CLAIMS))
-def test_moe_verdicts_on_made_up_rows(claim_id, kind):
-    arm, what, claimed = MOE_CLAIMS[claim_id]
-    got = verdicts(moe.moe_claims(moe_rows(arm, what, offset(kind, claimed)), init_loss=7.6))
-    assert got[claim_id] == expected_verdict(kind, claimed)
 
 
 # ============================================================== the quick runs
@@ -359,29 +255,6 @@ def test_gpu_profile_sizes_models_of_10_to_100_million_parameters():
         assert 10e6 <= min(n["active_params"] for n in sizes), name
         assert max(n["total_params"] for n in sizes) <= 100e6, (name, sorted(n["total_params"] for n in sizes))
         assert spec.seeds == [0] and all(c.train.device == "auto" for c in spec.configs.values())
-
-
-def test_moe_report_names_the_learning_rate_difference_only_when_capacity_was_not_shown_and_the_rates_differ():
-    from types import SimpleNamespace
-
-    from lmlab import ModelConfig
-
-    cfg = SimpleNamespace(
-        model=ModelConfig(vocab_size=2048, d_model=64, n_heads=4, max_seq_len=128, ffn="glu", activation="silu"),
-        seq_len=128,
-        train=SimpleNamespace(steps=2500, batch_size=16),
-    )
-
-    shown = moe.moe_claims(moe_rows("fg-m4-shared", "loss", offset("win", "lower")), init_loss=7.6)
-    not_shown = moe.moe_claims(moe_rows(), init_loss=7.6)
-    assert verdicts(shown)["capacity"] == "reproduced" and verdicts(not_shown)["capacity"] == "tie"
-    differ, same = {"dense": 6e-3, "fg-m4-shared": 3e-3}, {"dense": 3e-3, "fg-m4-shared": 3e-3}
-    assert "Dense trained at lr 0.006 and m=4 + shared at 0.003" in moe.paper_note(not_shown, cfg, differ)
-    assert "Dense trained at lr" not in moe.paper_note(not_shown, cfg, same)
-    assert "Dense trained at lr" not in moe.paper_note(
-        not_shown, cfg, {"dense": 6e-3}
-    )  # an arm missing: nothing to compare
-    assert "Dense trained at lr" not in moe.paper_note(shown, cfg, differ)
 
 
 # ============================================================== the README's table

@@ -90,8 +90,9 @@ class Claim:
 def capped(row: dict, init_loss: float) -> float:
     """The loss a comparison uses: a diverged run (non-finite, or above ln vocab) counts as ln vocab,
     the loss of the untrained model, so that one bad seed weighs in instead of voiding the interval."""
-    v = row.get("final_val_loss")
-    return v if row.get("status") != "diverged" and isinstance(v, float) and math.isfinite(v) else init_loss
+    v = row.get("final_val_loss")  # read_csv parses a loss written as "4" as int 4: still a loss
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return float(v) if row.get("status") != "diverged" and ok else init_loss
 
 
 def neither_learned(*arms: list[dict]) -> str:

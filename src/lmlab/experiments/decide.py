@@ -146,9 +146,21 @@ def decide_claims(specs: list[ClaimSpec], rows: list[dict], previous: list[dict]
         c = (stats.compare(diffs[s.id], s.margin, s.claimed, alpha, p_adjusted=adjusted.get(s.id, raw.get(s.id)),
                            power_effect=s.effect, unit=s.unit) if seeds else None)
         sd = c.decision.interval.std if c and len(seeds) > 1 else (s.pilot_sd or float("nan"))
-        needed = stats.seeds_for_power(s.effect, sd, alpha=alpha) if math.isfinite(sd) and sd > 0 else None
+        needed = seeds_needed(s.effect, sd, alpha)
         out.append(Decision(s, seeds, a, b, c, needed, why or ("" if seeds else "not measured")))
     return out
+
+
+def seeds_needed(effect: float, sd: float, alpha: float) -> int | None:
+    """Seeds for 80% power at ``sd``, or None when ``sd`` is unusable or more than ``stats.seeds_for_power``'s
+    max_n would be needed (one diverged seed, counted at ln vocab, spreads a loss difference that far): the
+    report's power column then shows how far short the seeds fall, instead of the analysis stopping."""
+    if not (math.isfinite(sd) and sd > 0):
+        return None
+    try:
+        return stats.seeds_for_power(effect, sd, alpha=alpha)
+    except ValueError:
+        return None
 
 
 def registration_text(record: Mapping[str, Any] | None) -> str:
