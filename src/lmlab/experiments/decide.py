@@ -71,7 +71,7 @@ class Decision:
         why = f" ({self.untestable})" if self.untestable else ""
         small = " (negligible: significant, but inside the margin)" if self.negligible else ""
         again = " *re-analysed (runs made before the registration)*" if s.analysis == "re-analysed" else ""
-        tests = stats.describe(self.comparison) if self.comparison else "not measured"
+        tests = stats.describe(self.comparison) if self.comparison else "No seed measured every arm"
         need = f"; {self.seeds_needed} seeds would give 0.8" if self.seeds_needed else ""
         return (f"- **{s.id}** — {s.claim}: {label(self.verdict)}{small}{why}{again}. {tests}{need}. "
                 f"{self.detail()}").rstrip()
@@ -139,7 +139,8 @@ def decide_claims(specs: list[ClaimSpec], rows: list[dict], previous: list[dict]
         why = (untestable or {}).get(s.id, "") or neither_learned(s, used)
         measured.append((s, seeds, a, b, why))
     diffs = {s.id: ([x - y for x, y in zip(a, b)] if b else list(a)) for s, _, a, b, _ in measured}
-    raw = {s.id: stats.claim_pvalue(diffs[s.id], s.margin, s.claimed) for s, seeds, *_ in measured if len(seeds) > 1}
+    raw = {s.id: stats.claim_pvalue(diffs[s.id], s.margin, s.claimed)  # the family: claims measured and testable
+           for s, seeds, _, _, why in measured if len(seeds) > 1 and not why}
     adjusted = stats.holm({k: p for k, p in raw.items() if math.isfinite(p)})
     out = []
     for s, seeds, a, b, why in measured:
@@ -171,10 +172,10 @@ def registration_text(record: Mapping[str, Any] | None) -> str:
             "the claim's margin (two one-sided tests), even when a difference is also significant (then marked "
             "negligible: real, but smaller than the smallest effect registered as mattering); otherwise "
             "**REPRODUCED** when the one-sided test in the claimed direction rejects at alpha after Holm's "
-            "adjustment over this experiment's claims; **OPPOSITE** when the one-sided test the other way rejects; "
-            "otherwise **INCONCLUSIVE**. A non-inferiority claim (no worse) is reproduced when the test of the "
-            "difference against +margin rejects, and has no tie. The sign-flip p-value (exact over all sign "
-            "patterns) is reported beside the t test as a check that does not assume normality, and the power is "
+            "adjustment over this experiment's claims that were measured and testable; **OPPOSITE** when the "
+            "one-sided test the other way rejects; otherwise **INCONCLUSIVE**. A non-inferiority claim (no worse) "
+            "is reproduced when the test of the difference against +margin rejects, and has no tie. The sign-flip "
+            "p-value (exact over all sign patterns) is reported beside the t test as a check that does not assume normality, and the power is "
             "for the claim's registered effect at the spread these seeds measured. A loss claim whose arms never "
             "learned (every run diverged or ended no better than the unigram loss) is untestable, so inconclusive."
             "\n\n")
