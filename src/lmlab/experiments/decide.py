@@ -175,10 +175,10 @@ def registration_text(record: Mapping[str, Any] | None) -> str:
             "adjustment over this experiment's claims that were measured and testable; **OPPOSITE** when the "
             "one-sided test the other way rejects; otherwise **INCONCLUSIVE**. A non-inferiority claim (no worse) "
             "is reproduced when the test of the difference against +margin rejects, and has no tie. The sign-flip "
-            "p-value (exact over all sign patterns) is reported beside the t test as a check that does not assume normality, and the power is "
-            "for the claim's registered effect at the spread these seeds measured. A loss claim whose arms never "
-            "learned (every run diverged or ended no better than the unigram loss) is untestable, so inconclusive."
-            "\n\n")
+            "p-value (exact over all sign patterns) is reported beside the t test as a check that does not assume "
+            "normality, and the power is for the claim's registered effect at the spread these seeds measured. A "
+            "loss claim whose arms never learned (every run diverged or ended no better than the unigram loss) is "
+            "untestable, so inconclusive.\n\n")
 
 
 def write_decisions(out: Path, experiment: str, decisions: list[Decision], extra: dict[str, Any]) -> Path:
