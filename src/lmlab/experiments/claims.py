@@ -237,34 +237,35 @@ def _cell(x: float | None) -> str:
     return f"{x:+.3f}" if isinstance(x, (int, float)) and math.isfinite(x) else "—"
 
 
+def _p(p: Any) -> str:
+    return "—" if not isinstance(p, (int, float)) or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
 def claims_table(results: str | Path) -> str:
-    """A markdown table of every claim in ``results``/*/verdict.json (schema 2), with its verdict and interval."""
-    lines = ["| experiment | claim | verdict | difference [95% CI] | tie margin | seeds |", "|---|---|---|---|---|---|"]
+    """A markdown table of every claim in ``results``/*/verdict.json, with its verdict, interval,
+    margin and p-value: schema 3 (registered claims: the registered margin, Holm's p) and schema 2
+    (the margin derived from the seed spread, no p-value)."""
+    lines = ["| experiment | claim | verdict | difference [95% CI] | margin | p (Holm) | seeds |",
+             "|---|---|---|---|---|---|---|"]
     for path in sorted(Path(results).glob("*/verdict.json")):
         data = json.loads(path.read_text())
-        if data.get("schema") != SCHEMA:
-            lines.append(
-                f"| [{path.parent.name}]({path.parent.name}/report.md) | (an older report without intervals) "
-                "| — | — | — | — |"
-            )
+        link = f"[{data.get('experiment', path.parent.name)}]({path.parent.name}/report.md)"
+        if data.get("schema") not in (2, 3):
+            lines.append(f"| {link} | (an older report without intervals) | — | — | — | — | — |")
             continue
         for c in data["claims"]:
             ci = c.get("ci95") or [None, None]
-            diff = (
-                f"{_cell(c['difference'])} [{_cell(ci[0])}, {_cell(ci[1])}] {c['unit']}"
-                if c["difference"] is not None
-                else "—"
-            )
-            margin = (
-                f"±{c['margin']:.3f}"
-                if isinstance(c.get("margin"), (int, float)) and math.isfinite(c["margin"])
-                else "—"
-            )
-            small = (
-                " (inside the tie margin)" if c.get("negligible") else " (untestable)" if c.get("untestable") else ""
-            )
-            lines.append(f"| [{data['experiment']}]({path.parent.name}/report.md) | {c['id']}: {c['claim']} | "
-                         f"{label(c['verdict'])}{small} | {diff} | {margin} | {c['n']} |")
+            diff = (f"{_cell(c['difference'])} [{_cell(ci[0])}, {_cell(ci[1])}] {c['unit']}"
+                    if c.get("difference") is not None else "—")
+            m = c.get("margin")
+            margin = f"±{m:.3f}" if isinstance(m, (int, float)) and math.isfinite(m) else "—"
+            if data["schema"] == 2 and margin != "—":
+                margin += " (from the seed spread)"
+            notes = [w for w, on in (("negligible", c.get("negligible")), ("untestable", c.get("untestable")),
+                                     ("re-analysed", c.get("analysis") == "re-analysed")) if on]
+            small = f" ({', '.join(notes)})" if notes else ""
+            lines.append(f"| {link} | {c['id']}: {c['claim']} | {label(c['verdict'])}{small} | {diff} | {margin} | "
+                         f"{_p(c.get('p_holm'))} | {c['n']} |")
     return "\n".join(lines) + "\n"
 
 

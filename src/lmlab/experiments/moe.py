@@ -112,10 +112,9 @@ def multiplier_text(m: dict[str, Any] | None) -> str:
 
 
 # ============================================================== tables and plots
-def arm_table(rows: list[dict], tune: dict | None, init_loss: float) -> list[dict]:
+def arm_table(rows: list[dict], spec, init_loss: float) -> list[dict]:
     out = []
     dense = final_losses([r for r in rows if r["variant"] == "dense"], init_loss)
-    chosen = (tune or {}).get("chosen", {})
     for arm in dict.fromkeys(r["variant"] for r in rows):
         runs = [r for r in rows if r["variant"] == arm]
         vals = final_losses(runs, init_loss)
@@ -123,9 +122,8 @@ def arm_table(rows: list[dict], tune: dict | None, init_loss: float) -> list[dic
         iv = (stats.paired_interval([vals[s] for s in common], [dense[s] for s in common])
               if arm != "dense" and len(common) > 1 else None)
         finite = [v for v in vals.values() if math.isfinite(v)]
-        lr = chosen.get(arm, runs[0].get("lr"))
         out.append({
-            "arm": arm, "seeds": len(runs), "lr": f"{lr:g}" if isinstance(lr, (int, float)) else "—",
+            "arm": arm, "seeds": len(runs), "lr": f"{spec.configs[arm].optim.lr:g}" if arm in spec.configs else "—",
             "total params": f"{runs[0]['total_params']:,}", "active params": f"{runs[0]['active_params']:,}",
             "tokens": f"{runs[0]['tokens']:,}",
             "final val loss": (f"{statistics.fmean(finite):.3f} ± {statistics.stdev(finite):.3f}" if len(finite) > 1
@@ -200,7 +198,7 @@ def markdown(spec, rows, decisions, tune, *, command, wall_s, data, m, previous)
         f"({cfg.eval.batches * t.batch_size} windows), so each curve has {t.steps // cfg.eval.every} points on it.\n\n"
         "## Criteria (registered before the runs)\n\n" + registration_text(spec.registration)
         + "\n".join(f"- **{d.spec.id}** — {d.spec.claim}. {d.spec.criterion()}" for d in decisions) + "\n\n"
-        "## Results\n\n" + markdown_table(arm_table(rows, tune, init_loss_of(spec)))
+        "## Results\n\n" + markdown_table(arm_table(rows, spec, init_loss_of(spec)))
         + "\n![val loss vs tokens](val_loss_vs_tokens.png)\n\n![val loss vs wall time](val_loss_vs_wall_time.png)\n\n"
         + ("![expert load](expert_load_heatmaps.png)\n\n" if any(r.get("expert_load") for r in rows) else "")
         + "### Compute multiplier\n\n" + multiplier_text(m) + "\n"

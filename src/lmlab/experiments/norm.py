@@ -19,6 +19,7 @@ module supplies the endpoints they name (``ENDPOINTS``), the plots and the repor
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -334,6 +335,15 @@ def paper_note(decisions) -> str:
     return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 
 
+def extension_text(path: Path) -> str:
+    """Which arms the rate grid was extended for (extend.json), with the rates added and where each stopped."""
+    if not path.is_file():
+        return ""
+    groups = json.loads(path.read_text()).get("groups", {})
+    added = {g: ", ".join(format(e["value"], "g") for e in info["extensions"]) for g, info in groups.items()}
+    return "; ".join(f"{g} (added {added[g]}; {info['stopped']})" for g, info in groups.items() if added[g])
+
+
 def with_rates(spec, rows: list[dict]) -> list[dict]:
     """Rows with the numeric rate of their lr level (``lr_value``), from their variant's config."""
     return [{**r, "lr_value": spec.configs[r["variant"]].optim.lr} if r["variant"] in spec.configs else r
@@ -347,7 +357,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     limits = limits or {"unigram": float("nan"), "init": math.log(spec.configs[rows[0]["variant"]].model.vocab_size)}
     decisions = decide_claims(spec.claims, rows, None, ENDPOINTS, init_loss=limits["init"],
                               alpha=(spec.registration or {}).get("alpha", 0.05))
-    extended = ", ".join(sorted({f"{r['arch']}/{r['warmup']}" for r in rows if r.get("extension")}))
+    extended = extension_text(out / "extend.json")
     plots = [plot_gradients(rows, out), plot_loss_vs_rate(rows, out, limits), plot_curves(rows, out, limits["init"]),
              plot_update_size(rows, out, limits["init"])]
     atomic_write_text(out / "report.md", markdown(spec, rows, decisions, command=command, wall_s=wall_s, data=data,
