@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,11 +142,11 @@ def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost(
 
 # ============================================================== the quick runs
 EXPECTED = {
-    "norm": {
-        "rows": [f"{a}-L{d}-{w}" for a in ("post-normal", "post-xavier", "pre-normal", "pre-xavier", "deepnorm")
-                 for d in (6, 12, 24) for w in ("warmup", "nowarmup")],
-        "columns": ["arch", "depth", "warmup", "grad_top_bottom", "update_at_10", "update_at_50"],
-        "plots": ["grad_norm_init.png", "loss_curves.png", "final_loss_vs_depth.png", "update_size.png"],
+    "norm": {  # every arm at every rate of the grid; the grid may extend past an edge after these
+        "rows": [f"{a}-{w}-{lr}" for a in ("post-normal", "post-xavier", "pre-normal", "deepnorm")
+                 for w in ("w0", "w100") for lr in ("lr1e-3", "lr3e-3", "lr1e-2")],
+        "columns": ["arch", "warmup", "lr", "grad_top_bottom", "update_at_10", "update_at_50"],
+        "plots": ["grad_norm_init.png", "loss_curves.png", "loss_vs_rate.png", "update_size.png"],
     },
     "positions": {
         "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
@@ -154,11 +155,9 @@ EXPECTED = {
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],
     },
     "moe": {
-        "rows": ["dense", "switch-top1", "gshard-top2", "fg-m2", "fg-m4", "fg-m2-shared", "fg-m4-shared",
-                 "fg-m4-shared-lossfree", "fg-m4-shared-nobalance"],
+        "rows": ["dense", "fg-m4", "fg-m4-shared", "dense-2x", "dense-common", "fg-m4-shared-common"],
         "columns": ["max_load_val"],
-        "plots": ["val_loss_vs_tokens.png", "val_loss_vs_wall_time.png", "expert_load_heatmaps.png",
-                  "balance_max_load.png"],
+        "plots": ["val_loss_vs_tokens.png", "val_loss_vs_wall_time.png", "expert_load_heatmaps.png"],
     },
 }
 
@@ -172,7 +171,12 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
     want = EXPECTED[name]
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(dict.fromkeys(r["variant"] for r in rows)) == want["rows"]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    assert names[: len(want["rows"])] == want["rows"]
+    if name == "norm":  # levels added past an edge of the rate grid, for some arms
+        assert all(re.fullmatch(r"[a-z-]+-w(0|100)-lr[0-9.e-]+", n) for n in names[len(want["rows"]):])
+    else:
+        assert names == want["rows"]
     assert {r["seed"] for r in rows} == {"0", "1"}  # seed s = init seed s and data order s
     assert all(r["init_seed"] == r["data_seed"] == r["seed"] for r in rows)
     assert set(COLUMNS + want["columns"]) <= set(rows[0])
@@ -190,7 +194,7 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
     )
     data = json.loads((out / "verdict.json").read_text())
     assert (
-        data["schema"] == 2
+        data["schema"] == (2 if name == "positions" else 3)  # norm and moe: the registered claims (decide.py)
         and data["experiment"] == name
         and data["data"]["corpus"]["content_hash"].startswith("sha256:")
     )
@@ -202,14 +206,15 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
     by = {(r["variant"], r["seed"]): r for r in rows}
     first = next(iter(by.values()))
     assert f"{float(first['final_val_loss']):.3f}"[:4] in summary  # summary and report read the same final loss
-    if name == "norm":
-        assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {
-            "post-normal",
-            "post-xavier",
-            "pre-normal",
-            "pre-xavier",
-            "deepnorm",
-        }
+    if name == "norm":  # no tuning stage: every arm trains at every rate, the grid extended past an edge
+        assert not (out / "tune.json").exists()
+        extend = json.loads((out / "extend.json").read_text())
+        assert extend["axis"] == "lr" and set(extend["groups"]) == {
+            f"{a}-{w}" for a in ("post-normal", "post-xavier", "pre-normal", "deepnorm") for w in ("w0", "w100")}
+    if name == "moe":  # the arms at the common rate and dense-2x take no tuning group of their own
+        assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {"dense", "fg-m4", "fg-m4-shared"}
+        data = json.loads((out / "verdict.json").read_text())
+        assert data["registration"]["id"] and "multiplier" in data
     if name == "positions":
         learned = next(r for r in rows if r["variant"] == "learned")
         assert learned["loss_2x"] == "n/a — learned table ends at 16" and float(learned["loss_1x"]) > 0
@@ -219,7 +224,8 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
         by_arm = {r["variant"]: r for r in rows}
         dense = int(by_arm["dense"]["active_params"])
         assert all(abs(int(r["active_params"]) / dense - 1) < 0.05 for r in rows)
-        assert int(by_arm["switch-top1"]["total_params"]) > 3 * dense
+        assert int(by_arm["fg-m4-shared"]["total_params"]) > 3 * dense
+        assert int(by_arm["dense-2x"]["tokens"]) == 2 * int(by_arm["dense"]["tokens"])
 
 
 def test_experiment_specs_ship_with_the_package_and_validate_at_every_size():
@@ -232,16 +238,14 @@ def test_experiment_specs_ship_with_the_package_and_validate_at_every_size():
         full.configs["dense"].train.steps * full.configs["dense"].train.batch_size * full.configs["dense"].seq_len
         >= 10 * 512_000
     )
-    assert {v.name: len(full.seeds_of(v)) for v in full.variants if len(full.seeds_of(v)) == 5}.keys() == {
-        "dense",
-        "gshard-top2",
-        "fg-m4",
-        "fg-m4-shared",
-        "fg-m4-shared-lossfree",
-        "fg-m4-shared-nobalance",
-    }  # every arm a verdict rests on
-    assert all(len(full.seeds_of(v)) >= 3 for v in full.variants)
-    assert load_experiment_spec("norm").seeds == [0, 1, 2] and load_experiment_spec("positions").seeds == [0, 1, 2]
+    seeds = {v.name: len(full.seeds_of(v)) for v in full.variants}
+    assert seeds == {"dense": 10, "fg-m4": 10, "fg-m4-shared": 10, "dense-2x": 10, "dense-common": 5,
+                     "fg-m4-shared-common": 5}  # 10 paired seeds for the arms the capacity and shared claims rest on
+    norm = load_experiment_spec("norm")
+    assert norm.seeds == [0, 1, 2, 3, 4] and {c.model.n_layers for c in norm.configs.values()} == {12}
+    assert {c.train.steps for c in norm.configs.values()} == {600}
+    assert {c.optim.warmup_steps for c in norm.configs.values()} == {0, 100}
+    assert load_experiment_spec("positions").seeds == [0, 1, 2]
     assert (
         load_experiment_spec("positions").configs["relative"].model.relative_clip >= 64
     )  # clip >= the training length
