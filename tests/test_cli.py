@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -64,6 +65,7 @@ def test_prepare_train_eval_generate(trained, capsys):
     assert not (root / "run" / "data").exists()  # --data: the prepared data was used where it is, not copied
     records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    val_bpb = {r["step"]: r["val_bits_per_byte"] for r in records if "val_loss" in r}
     assert sorted(val) == [6, 12] and val[12] < 5.0  # well below ln(256) = 5.55 after 12 steps
 
     # the trainer's last validation pass: eval_batches=2 batches of batch_size=4, read in order
@@ -74,6 +76,9 @@ def test_prepare_train_eval_generate(trained, capsys):
     assert report["sequences"] == 8 and report["tokens"] == 8 * 32
     assert report["loss"] == pytest.approx(val[12], rel=1e-6)
     assert report["perplexity"] == pytest.approx(torch.tensor(report["loss"]).exp().item())
+    assert report["bytes"] == report["tokens"]  # byte tokens, and no end of document among the 256 targets
+    assert report["bits_per_byte"] == pytest.approx(report["loss"] / math.log(2), rel=1e-12)
+    assert val_bpb[12] == pytest.approx(report["bits_per_byte"], rel=1e-6)  # the trainer logged the same
     assert len(report["per_position"]) == 32 and sum(report["per_position"]) / 32 == pytest.approx(report["loss"])
     assert [(b["start"], b["end"]) for b in report["buckets"]] == [(i * 4, i * 4 + 4) for i in range(8)]
     for b in report["buckets"]:
@@ -83,8 +88,8 @@ def test_prepare_train_eval_generate(trained, capsys):
         capsys, "eval", root / "run", "--checkpoint", "latest", "--batch-size", "4", "--max-batches", "2"
     )
     assert code == 0 and text.splitlines()[0] == (
-        f"{root / 'run'} @ step_0000012: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f} "
-        "(8 sequences x 32 tokens)")
+        f"{root / 'run'} @ step_0000012: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.3f}, "
+        f"{report['bits_per_byte']:.4f} bits/byte (8 sequences x 32 tokens)")
     whole = json.loads(run(capsys, "eval", root / "run", "--json", "--max-batches", "0")[1])
     assert whole["sequences"] == (meta["val_tokens"] - 1) // 32  # every full window of the split
     assert whole["checkpoint"].endswith("step_0000012")  # "best" is the lowest val loss: step 12 here
@@ -234,6 +239,8 @@ def test_train_prints_next_steps_that_run(capsys, tmp_path, monkeypatch):
         assert torch.get_num_threads() == threads  # --threads reached torch
     finally:
         torch.set_num_threads(before)
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert re.search(r"\(perplexity [\d.]+, [\d.]+ bits/byte\)", done), done  # a language model's measures
     steps = out.split("\nnext:\n", 1)[1].splitlines()
     commands = [shlex.split(line, comments=True) for line in steps]
     assert [c[:3] for c in commands] == [["lmlab", "generate", "runs/my run"], ["lmlab", "eval", "runs/my run"],

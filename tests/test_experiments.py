@@ -150,8 +150,10 @@ EXPECTED = {
     },
     "positions": {
         "rows": ["none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
-                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"],
-        "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x", "copy_8x_far"],
+                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn", "rope-copy", "rope-copy-ft-none",
+                 "rope-copy-ft-pi", "rope-copy-ft-yarn"],
+        "columns": ["loss_1x", "loss_16x", "in_8x", "beyond_16x", "copy_1x_acc", "copy_1x_logp", "copy_8x_far_logp",
+                    "copy_8x_far_logp_se", "copy_8x_near_acc"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],
     },
     "moe": {
@@ -219,7 +221,7 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
         learned = next(r for r in rows if r["variant"] == "learned")
         assert learned["loss_2x"] == "n/a — learned table ends at 16" and float(learned["loss_1x"]) > 0
         ft = json.loads((out / "runs/rope-ft-yarn/seed0/result.json").read_text())
-        assert sorted(ft["snapshots"], key=int) == ["1", "4"] and "copy_8x_far" in ft["snapshots"]["1"]
+        assert sorted(ft["snapshots"], key=int) == ["1", "2", "3", "4"] and "copy_8x_far_logp" in ft["snapshots"]["1"]
     if name == "moe":
         by_arm = {r["variant"]: r for r in rows}
         dense = int(by_arm["dense"]["active_params"])

@@ -502,8 +502,11 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
               f"lmlab train --run-dir {run_dir} --resume")
         return 128 + result.stopped_by
     best = "none" if result.best_val_loss is None else f"{result.best_val_loss:.4f}"  # None: no finite val loss
-    quality = (", ".join(f"{k} {v:.4f}" for k, v in result.val_metrics.items()) if result.val_metrics  # classify
+    metrics = dict(result.val_metrics)
+    bpb = metrics.pop("bits_per_byte", None)  # a language model's, beside its perplexity
+    quality = (", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) if metrics  # classify: accuracy
                else f"perplexity {math.exp(min(result.val_loss, 700.0)):.2f}")
+    quality += "" if bpb is None else f", {bpb:.4f} bits/byte"
     print(f"done: step {result.step} in {_duration(result.elapsed_s)}; val loss {result.val_loss:.4f} "
           f"({quality}), best {best}; checkpoint {result.checkpoint}"
           + (f"; {result.skipped_steps} steps skipped" if result.skipped_steps else ""))
@@ -574,14 +577,16 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         return _report_classifier(args, run, report, result, time.perf_counter() - start)
     r = result.details["result"]
     buckets = r.buckets(args.buckets, boundary=train_len)
-    report.update(sequences=r.sequences, tokens=r.tokens, perplexity=r.perplexity, buckets=buckets,
-                  per_position=r.per_position, seconds=time.perf_counter() - start)
+    report.update(sequences=r.sequences, tokens=r.tokens, perplexity=r.perplexity, bytes=r.bytes,
+                  bits_per_byte=r.bits_per_byte, buckets=buckets, per_position=r.per_position,
+                  seconds=time.perf_counter() - start)
     if args.json:
         print(json.dumps(report))
         return 0
     print(
-        f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f} "
-        f"({r.sequences} sequences x {seq_len} tokens"
+        f"{args.run} @ {run.checkpoint.name}: {args.split} loss {r.loss:.4f}, perplexity {r.perplexity:.3f}"
+        + ("" if r.bits_per_byte is None else f", {r.bits_per_byte:.4f} bits/byte")
+        + f" ({r.sequences} sequences x {seq_len} tokens"
         f"{', trained at ' + str(train_len) if seq_len != train_len else ''})"
     )
     if seq_len != train_len or args.buckets > 1:
@@ -848,6 +853,47 @@ def cmd_consolidate(args: argparse.Namespace, overrides: dict, argv: list[str]) 
     return 0
 
 
+def build_compare(c: argparse.ArgumentParser) -> None:
+    c.description = paragraphs(
+        "Compare runs side by side: a table of final and best validation loss, bits per byte, tokens, wall time, "
+        "tokens/s, parameters and the config fields that differ; with --out, plots of validation and train loss "
+        "against steps, tokens and wall time (a ±1 std band over runs that differ only by seed) and compare.md.",
+        "RUN: a run directory, a directory holding runs (a sweep's or an experiment's runs/<variant>/seed<s>/), "
+        "or a glob. Runs with different tokenizers are compared in bits per byte. A run that cannot be read is "
+        "named and skipped; the exit status is then that of its error.")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, directories of runs, or globs")
+    c.add_argument("--out", default=None, metavar="DIR",
+                   help="write compare.md and loss_vs_{steps,tokens,wall_time}.png here (outside the runs)")
+    c.add_argument("--overwrite", action="store_true", help="replace a comparison an earlier compare wrote in --out")
+    c.add_argument("--unit", choices=("auto", "nats", "bpb"), default="auto",
+                   help="loss unit of the plots and the table's order; auto: bits per byte when tokenizers differ")
+
+
+def cmd_compare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .experiments import compare
+
+    paths, failed = compare.find_runs(args.runs)
+    if args.out is not None:
+        compare.check_out(args.out, paths, args.overwrite)
+    runs, unread = compare.read_runs(paths)
+    statuses = []
+    for what, error in failed + unread:
+        status = exit_status(error)
+        if status is None:  # a bug: keep the traceback
+            raise error
+        print(f"lmlab compare: cannot read {what}: {status[1]}", file=sys.stderr)
+        statuses.append(status[0])
+    if not runs:
+        print("lmlab compare: error: none of the runs could be read", file=sys.stderr)
+        return EXIT_USAGE
+    unit = compare.choose_unit(runs, args.unit)
+    print(compare.comparison_text(runs, unit), end="")
+    if args.out is not None:
+        files = compare.write_comparison(runs, Path(args.out), unit, command=shlex.join(["lmlab", *argv]))
+        print(f"wrote {', '.join(str(f) for f in files)}")
+    return max(statuses, default=0)
+
+
 # ============================================================== the registry: one record per subcommand
 COMMANDS = {c.name: c for c in (
     Command("prepare", "tokenize text into train/val token shards", build_prepare, cmd_prepare),
@@ -861,6 +907,8 @@ COMMANDS = {c.name: c for c in (
             cmd_experiment),
     Command("consolidate", "turn a sharded (FSDP / expert-parallel) run's checkpoints into safetensors files",
             build_consolidate, cmd_consolidate),
+    Command("compare", "compare runs: a table with bits per byte, loss curves with seed bands", build_compare,
+            cmd_compare),
 )}
 
 

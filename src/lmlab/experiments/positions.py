@@ -6,13 +6,16 @@ windows spread over the whole split, and each long evaluation is split by positi
 stop at their table ("n/a", never a crash). The trained rope model is also evaluated with linear
 (PI), NTK-aware and YaRN scaling applied zero-shot at factor = length / L. The rope-ft-* variants
 fine-tune rope's weights at 8L with no scaling, PI and YaRN, at a constant learning rate; the
-same measurements are taken after 1/16, 1/4 and all of the fine-tune's steps (25, 100, 400).
+same measurements are taken at 8 points of each fine-tune (SNAPSHOT_FRACTIONS and its end).
 
 A retrieval probe sits beside the loss (an induction/copy probe in the manner of Olsson et al.
-2022): a random K-token segment is written into a window of validation text twice, the second time
-at the end; the probe is the accuracy of predicting the repeat's tokens 2..K. "far" puts the first
-copy at position 0 (distance ~ the window length, beyond L at 8x and 16x), "near" L/2 before the
-repeat (in range as a distance, at positions beyond L).
+2022): a window of validation text has its own K-token segment written again at its end; the
+probe is the mean log-probability and the argmax accuracy of the repeat's tokens 2..K. "far" puts
+the first copy at position 0 (distance ~ the window length, beyond L at 8x and 16x), "near" L/2
+before the repeat (in range as a distance, at positions beyond L). Models trained on plain text do
+not learn to copy at this size, so rope-copy and its fine-tunes (rope-copy-ft-*) train with planted
+repeats (``train.repeats``); retrieval beyond range is judged only once in-range accuracy reaches
+COPY_GATE.
 
 The claims and their criteria are in :func:`positions_claims`.
 """
@@ -42,8 +45,21 @@ LONG = (8, 16)  # lengths whose per-position curves and copy probes are kept
 METHODS = {"pi": "linear", "ntk": "ntk", "yarn": "yarn"}  # report name -> rope.scaling
 FT_METHODS = ("none", "pi", "yarn")
 DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
-SNAPSHOT_FRACTIONS = (1 / 16, 1 / 4)  # of the fine-tune's steps: 25 and 100 of 400
-COPY_K, COPY_N = 16, 32  # copy-probe segment length and sequences
+# of a fine-tune's steps: with its last, 8 points (12, 25, 50, 100, 150, 200, 300, 400 of 400), a curve
+# rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
+SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
+COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
+# Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
+# 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
+# 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)); that model does not copy yet, and a
+# model that does should spread less (its log-probs pile up near 0). At a run's end the in-range and 8x
+# probes (the gate's and the claim's) use COPY_N; the 16x probes and the fine-tune snapshots' 8x
+# probes use COPY_N_CURVE (standard error ~0.04) at a quarter of the cost: 1800 probes at 8x are
+# 0.9M tokens of forward passes (400 took 83 s on one thread of a loaded 2-core CPU).
+COPY_N, COPY_N_CURVE = 1800, 450
+COPY_N_QUICK = 32  # the quick profile's: a smoke test, seconds
+COPY_BATCH = 8  # probe windows per forward pass
+COPY_GATE = 0.5  # in-range copy accuracy (copy_1x_acc) a model must reach before its retrieval beyond range is judged
 COPY_LEARNED = 0.1  # in-range copy accuracy below which the models have no retrieval to extend (chance ~ 1/vocab)
 SNAPSHOTS = "snapshots.json"
 NA_LEARNED = "n/a — learned table ends at {L}"
@@ -77,40 +93,54 @@ def length_metrics(model, data, L: int, multiples, tokens: int) -> dict[str, Any
 
 
 @torch.no_grad()
-def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N, seed: int = 0) -> float:
-    """Accuracy of predicting tokens 2..k of a random k-token segment repeated at the end of a
-    ``length``-token window of validation text, its first copy at ``first_at``."""
-    tokens = data.tokens
-    starts = spread_starts(len(tokens), length, n)
-    x = np.stack([np.asarray(tokens[s : s + length]) for s in starts]).astype(np.int64)  # (n, length)
-    seg = np.random.default_rng(seed).integers(0, model.config.vocab_size, size=(len(x), k))
-    x[:, first_at : first_at + k] = seg
-    x[:, length - k :] = seg
+def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N) -> dict[str, float]:
+    """How well ``model`` continues a repeat: ``n`` windows of ``length`` validation tokens, spread
+    over the split (deterministic), each with its own text at [first_at, first_at + k) written
+    again at its end, as ``train.repeats`` plants them in training (the first copy
+    ``length - k - first_at`` tokens back). Over the repeat's tokens 2..k (the first cues it):
+    ``logp``, the mean log-probability per probe averaged over probes, a measure that moves
+    before accuracy does, and ``acc``, argmax accuracy; each with its standard error over probes
+    (``logp_se``, ``acc_se``)."""
+    starts = spread_starts(len(data.tokens), length, n)
+    x = np.stack([np.asarray(data.tokens[s : s + length]) for s in starts]).astype(np.int64)  # (n, length)
+    x[:, length - k :] = x[:, first_at : first_at + k]
+    target = torch.from_numpy(x[:, length - k + 1 :])  # (n, k-1): the repeat's tokens 2..k
     was = model.training
     model.eval()
     device = next(model.parameters()).device
-    hits = 0
+    logp, hit = [], []
     try:
-        for i in range(0, len(x), 4):
-            xb = torch.from_numpy(x[i : i + 4]).to(device)  # (b, length)
-            logits = model(xb).logits[:, length - k : length - 1]  # predictions of the repeat's tokens 2..k
-            hits += int((logits.argmax(-1).cpu().numpy() == seg[i : i + 4, 1:]).sum())
+        for i in range(0, len(x), COPY_BATCH):
+            xb = torch.from_numpy(x[i : i + COPY_BATCH]).to(device)  # (b, length)
+            logits = model(xb).logits[:, length - k : length - 1].float()  # (b, k-1): predicting tokens 2..k
+            lp = torch.log_softmax(logits, -1).cpu()  # (b, k-1, V)
+            t = target[i : i + COPY_BATCH, :, None]  # (b, k-1, 1)
+            logp.append(lp.gather(-1, t)[..., 0].mean(-1))  # (b,)
+            hit.append((lp.argmax(-1) == t[..., 0]).double().mean(-1))  # (b,)
     finally:
         model.train(was)
-    return hits / (len(x) * (k - 1))
-
-
-def copy_metrics(model, data, L: int, multiples) -> dict[str, float]:
-    """copy_1x (first copy at 0, in range), and at each long length copy_{m}x_far and copy_{m}x_near."""
-    k = min(COPY_K, L // 4)
-    out = {"copy_1x": copy_probe(model, data, L, 0, k)}
-    for m in multiples:
-        T = m * L
-        if model.config.positions == "learned" and T > model.config.max_seq_len:
-            continue
-        out[f"copy_{m}x_far"] = copy_probe(model, data, T, 0, k)
-        out[f"copy_{m}x_near"] = copy_probe(model, data, T, T - k - L // 2, k)
+    out = {}
+    for name, v in (("logp", torch.cat(logp).double()), ("acc", torch.cat(hit))):
+        out[name] = float(v.mean())
+        out[f"{name}_se"] = float(v.std() / math.sqrt(len(v))) if len(v) > 1 else float("nan")
     return out
+
+
+def copy_metrics(model, data, L: int, probes: dict[int, int]) -> dict[str, float]:
+    """For each multiple m of ``probes`` (m -> how many probes): copy_1x_* for m = 1 (first copy at
+    0: in range), else copy_{m}x_far_* (first copy at 0, about the window length back) and
+    copy_{m}x_near_* (L/2 back, at positions beyond L); each ``logp``, ``acc`` and their ``_se``
+    (:func:`copy_probe`)."""
+    k = min(COPY_K, L // 4)
+    where: dict[str, tuple[int, int, int]] = {}  # key -> (window, first copy at, probes)
+    for m, n in probes.items():
+        T = m * L
+        if m == 1:
+            where["copy_1x"] = (L, 0, n)
+        elif model.config.positions != "learned" or T <= model.config.max_seq_len:
+            where.update({f"copy_{m}x_far": (T, 0, n), f"copy_{m}x_near": (T, T - k - L // 2, n)})
+    return {f"{key}_{name}": v for key, (T, first, n) in where.items()
+            for name, v in copy_probe(model, data, T, first, k, n).items()}
 
 
 def rescaled(model, method: str, factor: float, original: int):
@@ -137,12 +167,19 @@ class Snapshots:
             atomic_write_text(self.path, json.dumps(done) + "\n")
 
 
+def snapshot_steps(total: int) -> set[int]:
+    """The steps of a ``total``-step fine-tune measured before its end (after_fit measures the end)."""
+    return {max(1, round(total * f)) for f in SNAPSHOT_FRACTIONS} - {total}
+
+
 class Hooks(SweepHooks):
     def __init__(self, spec):
         self.L = spec.configs["rope"].seq_len  # the training length of every scheme
         self.tokens = eval_tokens(spec)
-        total = spec.configs["rope-ft-none"].train.steps
-        self.snap_steps = {max(1, round(total * f)) for f in SNAPSHOT_FRACTIONS} - {total}
+        self.steps = {name: cfg.train.steps for name, cfg in spec.configs.items()}
+        n, curve = (COPY_N_QUICK, COPY_N_QUICK) if spec.is_quick else (COPY_N, COPY_N_CURVE)
+        self.copy_end = {1: n, 8: n, 16: curve}  # at a run's end: the claim's lengths at COPY_N
+        self.copy_snapshot = {1: n, 8: curve}  # at a fine-tune's snapshots
 
     def ft_measure(self, model, data) -> dict[str, Any]:
         m = {
@@ -150,16 +187,18 @@ class Hooks(SweepHooks):
             for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
             if not k.startswith("pp_")
         }
-        return {**m, **copy_metrics(model, data, self.L, LONG)}
+        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot)}
 
     def callbacks(self, variant, seed, run_dir):
-        return [Snapshots(run_dir, self.snap_steps, self.ft_measure)] if variant.init_from else []
+        steps = snapshot_steps(self.steps[variant.name])
+        return [Snapshots(run_dir, steps, self.ft_measure)] if variant.init_from else []
 
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
-        out = {**length_metrics(model, data, L, MULTIPLES, self.tokens), **copy_metrics(model, data, L, LONG)}
+        out = {**length_metrics(model, data, L, MULTIPLES, self.tokens),
+               **copy_metrics(model, data, L, self.copy_end)}
         if variant.init_from:
-            snaps = Snapshots(run_dir, self.snap_steps, self.ft_measure).read()
+            snaps = Snapshots(run_dir, set(), self.ft_measure).read()
             out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
         if variant.name == "rope":  # zero-shot context extension of the trained model
             for name, method in METHODS.items():
@@ -167,9 +206,9 @@ class Hooks(SweepHooks):
                     r = length_metrics(rescaled(model, method, float(m), L), data, L, (m,), self.tokens)
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
-                    out[f"zs_{name}_copy_{m}x_far"] = copy_probe(
-                        rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4)
-                    )
+                    probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4),
+                                       self.copy_end[m])
+                    out.update({f"zs_{name}_copy_{m}x_far_{k}": v for k, v in probe.items()})
         return out
 
 
@@ -404,7 +443,9 @@ def plot_finetune(rows: list[dict], out: Path) -> str:
     for method in FT_METHODS:
         runs = seeds_of(rows, f"rope-ft-{method}").values()
         for ax, key in zip(axes, ("beyond_8x", "copy_8x_far")):
-            curves = [sorted((int(s), num(v.get(key))) for s, v in (r.get("snapshots") or {}).items()) for r in runs]
+            # copy_8x_far: the random-token probe of the committed runs; a run made now has copy_8x_far_acc
+            curves = [sorted((int(s), num(v.get(key, v.get(f"{key}_acc"))))
+                             for s, v in (r.get("snapshots") or {}).items()) for r in runs]
             band_plot(ax, curves, label=method, marker="o")
     for ax, what in zip(axes, ("beyond-range loss at 8x", "copy accuracy, first copy at 0, 8x")):
         ax.set_xscale("log")

@@ -37,24 +37,41 @@ def mean_std(values: Sequence[float]) -> str:
     return f"{m:.{digits}f}" if len(v) == 1 else f"{m:.{digits}f} ± {statistics.stdev(v):.{digits}f}"
 
 
+def cell(v: Any) -> str:
+    """A table cell: ints with thousands separators, floats to 4 decimals, anything else as str."""
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else fmt(v) if isinstance(v, float) else str(v)
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     if not rows:
         return "(no rows)\n"
     columns = list(columns or rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c, "")
-            cells.append(
-                f"{v:,}"
-                if isinstance(v, int) and not isinstance(v, bool)
-                else fmt(v)
-                if isinstance(v, float)
-                else str(v)
-            )
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _number(v: Any) -> bool:
+    if isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return False
+    return isinstance(v, (int, float, str)) and not isinstance(v, bool)
+
+
+def text_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """``rows`` as aligned plain-text columns for a terminal: text left-aligned, numbers right-aligned."""
+    if not rows:
+        return "(no rows)\n"
+    columns = list(columns or rows[0])
+    cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    numeric = [all(_number(r.get(c)) for r in rows) for c in columns]
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric)).rstrip()
+    return "\n".join([line(columns), *(line(row) for row in cells)]) + "\n"
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) -> None:

@@ -9,7 +9,7 @@
     trainer.py      the training loop: setup, the step, evaluation, checkpoints, logging, signals
     progress.py     what a run shows as it trains: banner, notes, progress bar, throughput
     metrics.py      metrics.jsonl and TensorBoard
-    evaluate.py     validation loss, perplexity, loss by position
+    evaluate.py     validation loss, perplexity, bits per byte, loss by position
     load.py         reading a run (or a Hugging Face checkpoint) back for eval and generate
     provenance.py   versions, git revision and command line of every session
     errors.py       the exceptions that map to exit codes
@@ -23,6 +23,7 @@
         sources.py      a corpus read as a stream of documents (files, JSONL, directories, hf datasets, builtin)
         shards.py       prepare's passes: survey (hash, duplicates, split keys), encode, write shards as it goes
         tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface
+        token_bytes.py  the UTF-8 bytes each token id stands for: nats per token -> bits per byte
         binding.py      which prepared data a run trains on, and that it is still the same data
     checkpoint/     checkpoints and the run directory
         checkpointer.py the Checkpointer: save, resume, prune, best; TrainState; local or sharded by layout

@@ -26,7 +26,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping
+from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
 
 from ..config import PRESETS, ModelConfig
 from ..schema import Config, check_positive, check_range, divisors, read_yaml
@@ -60,6 +60,29 @@ class Section(Config):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class RepeatsConfig(Section):
+    """Planted repeats (``train.repeats``): about ``fraction`` of training windows carry a segment of
+    their own text copied later in the same window, tokens [p, p+length) written again at [q, q+length)
+    with q >= p + length, so a model can learn to retrieve (an induction/copy task, Olsson et al. 2022).
+
+    A field of ``train:``, not ``data:``: it changes how training batches are drawn from the shards,
+    not which data they are, so prepared data stays shared between runs with and without it, and
+    validation windows never carry it (run/data/batches.py, ``plant_repeats``)."""
+
+    section: ClassVar[str] = "train.repeats"
+    fraction: float = 0.1  # share of training windows that carry one planted repeat
+    length: int = 16  # tokens in the repeated segment
+
+    def validate(self) -> None:
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"train.repeats.fraction={self.fraction!r} is out of range; it must be in (0, 1], "
+                             "e.g. 0.1 (leave train.repeats unset for none)")
+        if self.length < 2:
+            raise ValueError(f"train.repeats.length={self.length} is too short; a repeat needs at least 2 tokens "
+                             "(the first cues the copy), e.g. 16")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class TrainConfig(Section):
     """What is trained, for how long and where. The defaults of all sections are the ``lmlab train``
     demo: a few minutes on a 2-core CPU."""
@@ -77,6 +100,7 @@ class TrainConfig(Section):
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     init_from: str | None = None  # start from these weights: an lmlab run, a checkpoint, or a Hugging Face checkpoint
     max_memory_gib: float | None = None  # refuse to start a run estimated to need more; None = the device's memory
+    repeats: RepeatsConfig | None = None  # plant repeated segments in training windows; None = the text as it is
 
     def validate(self) -> None:
         self.positive("steps", "batch_size", "grad_accum", "max_bad_steps", "seq_len", "max_memory_gib")
@@ -205,6 +229,13 @@ class RunConfig(Config):
                 f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}, "
                 "the model's training context; raise model.max_seq_len or lower train.seq_len"
             )
+        r = self.train.repeats
+        if r is not None and self.task != "lm":
+            raise ValueError(f"train.repeats plants repeats in a token stream; task={self.task!r} trains on rows, "
+                             "leave train.repeats unset")
+        if r is not None and 2 * r.length > self.seq_len + 1:
+            raise ValueError(f"train.repeats.length={r.length} does not fit twice in a window of seq_len + 1 = "
+                             f"{self.seq_len + 1} tokens; choose length <= {(self.seq_len + 1) // 2}")
         n = self.parallel.experts
         if n > 1:
             if self.model.moe is None:
@@ -326,6 +357,14 @@ def config_diff(a: RunConfig, b: RunConfig) -> list[str]:
     """Dotted fields that differ: ["model.d_model: 64 vs 128", ...]."""
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return [f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def differing_fields(configs: Sequence[RunConfig]) -> dict[str, list[Any]]:
+    """:func:`config_diff` for any number of runs: {dotted field: its value in each config} for the
+    fields whose values are not all the same."""
+    flat = [flatten(c.to_dict()) for c in configs]
+    keys = sorted(set().union(*flat)) if flat else []
+    return {k: [f.get(k) for f in flat] for k in keys if len({repr(f.get(k)) for f in flat}) > 1}
 
 
 # ============================================================== the old keys, read for one release

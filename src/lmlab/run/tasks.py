@@ -7,13 +7,13 @@ the data it reads, the loss and what evaluation reports, so the trainer never br
     loss, ce, aux = task.loss(model, x, y)             # aux: each auxiliary loss, weighted
     result = task.evaluate(model, val, batch_size=8, seq_len=128, max_batches=20)
 
-=========  ==================================  =============================  ==========================
+=========  ==================================  =============================  ============================
 task       model                               batch                          evaluation
-=========  ==================================  =============================  ==========================
-lm         ``Transformer``                     windows of the token stream    loss, perplexity
+=========  ==================================  =============================  ============================
+lm         ``Transformer``                     windows of the token stream    loss, perplexity, bits/byte
 classify   ``SequenceClassifier`` (last token  rows cut to seq_len, padded;   loss, accuracy, confusion
            of each row; MoE aux losses added)  their labels                   matrix (rows: true class)
-=========  ==================================  =============================  ==========================
+=========  ==================================  =============================  ============================
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ class LanguageModeling(Task):
     def evaluate(self, model, data, *, batch_size, seq_len, max_batches=None, autocast=contextlib.nullcontext,
                  spread=False):
         r = evaluate(model, data, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches, autocast=autocast,
-                     spread=spread)
-        return Evaluation(r.loss, {}, {"result": r})
+                     byte_lengths=getattr(data, "byte_lengths", None), spread=spread)
+        metrics = {} if r.bits_per_byte is None else {"bits_per_byte": r.bits_per_byte}
+        return Evaluation(r.loss, metrics, {"result": r})
 
 
 class Classification(Task):

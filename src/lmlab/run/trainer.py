@@ -406,7 +406,7 @@ class Trainer:
             for j in micro_ids:
                 torch.manual_seed(mixed_seed(t.seed, DROPOUT_STREAM, step, j))
                 g = torch.Generator().manual_seed(mixed_seed(t.seed, DATA_STREAM, step, j))
-                yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g)
+                yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g, t.repeats)
 
         self.train_model.train()
         with self.transformer.summing_moe_stats():  # the step's load statistics: every micro-batch

@@ -30,7 +30,7 @@ from ...run.data.meta import META, DataMeta
 from ...run.data.prepare import prepare
 from ...run.data.shards import verify_shards
 from ...run.errors import one_line
-from ...run.metrics import jsonable
+from ...run.metrics import jsonable, read_metrics
 from ...run.provenance import code_revision
 from ...run.trainer import TrainingDiverged
 from .. import corpus as corpus_mod
@@ -263,17 +263,26 @@ def _start(sw: Sweep, trainer, variant: Variant, seed: int, run_dir: Path, key: 
     return start
 
 
-def _final_loss(sw: Sweep, trainer, result) -> tuple[float, int]:
-    """The loss every table and report uses: over the spec's spread slice, or the trainer's last evaluation."""
+def _final_loss(sw: Sweep, trainer, result) -> tuple[float, int, float | None]:
+    """(loss, tokens, bits per byte) every table and report uses: over the spec's spread slice, or
+    the trainer's last evaluation."""
     fe = sw.spec.final_eval
     if fe and result is not None and all(bool(p.isfinite().all()) for p in trainer.model.parameters()):
         T = trainer.cfg.seq_len
         r = spread_eval(trainer.model, trainer.val_data, T, max(1, fe["tokens"] // T), fe.get("batch_size", 8))
-        return r.loss, r.tokens
+        return r.loss, r.tokens, r.bits_per_byte
     if result is None or result.val_loss is None:
-        return float("nan"), 0
-    cfg = trainer.cfg
-    return float(result.val_loss), cfg.eval.batches * cfg.train.batch_size * cfg.seq_len
+        return float("nan"), 0, None
+    cfg, last = trainer.cfg, getattr(trainer, "last_eval", None)
+    bpb = last.metrics.get("bits_per_byte") if last is not None else None
+    return float(result.val_loss), cfg.eval.batches * cfg.train.batch_size * cfg.seq_len, bpb
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl records (none when it has no such file, e.g. a fake trainer's)."""
+    with contextlib.suppress(FileNotFoundError):
+        return read_metrics(run_dir)
+    return []
 
 
 def _row(sw, variant, seed, cfg, trainer, result, reason, curve, start) -> dict[str, Any]:
@@ -281,12 +290,15 @@ def _row(sw, variant, seed, cfg, trainer, result, reason, curve, start) -> dict[
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None and math.isfinite(r["val_loss"])]
     train_losses = [r["loss"] for r in records if "loss" in r]
     speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    final_val, eval_tokens = _final_loss(sw, trainer, result)
+    final_val, eval_tokens, final_bpb = _final_loss(sw, trainer, result)
+    best_bpb = [r["val_bits_per_byte"] for r in _metrics(trainer.run_dir) if r.get("val_bits_per_byte") is not None]
     status, why = run_status(final_val, reason, sw.limits[str(sw.data_dirs[variant.name])], sw.spec.diverged_above)
     n = trainer.model.num_params()
     return {
         "variant": variant.name, **variant.labels, "seed": seed, "steps": trainer.step, "tokens": trainer.tokens,
         "final_val_loss": final_val, "best_val_loss": min(vals) if vals else float("nan"),
+        "final_val_bpb": float("nan") if final_bpb is None else final_bpb,
+        "best_val_bpb": min(best_bpb) if best_bpb else float("nan"),
         "final_train_loss": train_losses[-1] if train_losses else float("nan"), "status": status,
         "diverged": status == "diverged", "status_reason": why, "wall_s": round(curve.wall_s, 2),
         "tokens_per_s": round(statistics.median(speeds), 1) if speeds else float("nan"),

@@ -25,6 +25,11 @@ class SpreadSlice:
     def __init__(self, data: TokenData, windows: int):
         self.data, self.windows = data, windows
 
+    @property
+    def byte_lengths(self) -> np.ndarray:
+        """The split's bytes per token id (``TokenData.byte_lengths``), for bits per byte."""
+        return self.data.byte_lengths
+
     def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None,
                   spread: bool = True) -> Iterator[tuple[Any, Any]]:
         import torch
@@ -39,7 +44,8 @@ class SpreadSlice:
 
 def spread_eval(model, data: TokenData, seq_len: int, windows: int, batch_size: int = 8):
     """``evaluate`` over ``windows`` windows of ``seq_len`` spread evenly over ``data`` (an EvalResult)."""
-    return evaluate(model, SpreadSlice(data, windows), batch_size=batch_size, seq_len=seq_len)
+    spread = SpreadSlice(data, windows)
+    return evaluate(model, spread, batch_size=batch_size, seq_len=seq_len, byte_lengths=spread.byte_lengths)
 
 
 def unigram_loss(data_dir: str | Path, seq_len: int | None = None, windows: int | None = None) -> float:

@@ -1,5 +1,6 @@
 """A sweep's tables and curves: results.csv (one row per variant x seed), summary.md (mean ± std
-over seeds per variant), and the validation-loss curves with their ±1 std band over seeds.
+over seeds per variant), and the validation-loss curves with their ±1 std band over seeds. Losses
+are in nats per token, each with its bits per byte beside it (``*_bpb``).
 
     write_tables(spec, rows, out)                         # results.csv and summary.md
     plot_loss_curves(spec, out, out / "loss_curves.png")  # mean and ±1 std band per variant
@@ -19,11 +20,14 @@ __all__ = ["COLUMNS", "eval_slice_text", "plot_loss_curves", "scalar_columns", "
 
 # columns every sweep reports, in table order
 COLUMNS = [
-    "variant", "seed", "steps", "tokens", "final_val_loss", "best_val_loss", "final_train_loss", "status", "diverged",
+    "variant", "seed", "steps", "tokens", "final_val_loss", "best_val_loss", "final_val_bpb", "best_val_bpb",
+    "final_train_loss", "status", "diverged",
     "status_reason", "wall_s", "tokens_per_s", "total_params", "active_params", "flops_per_token", "eval_tokens",
     "init_seed", "data_seed", "revision", "tree_clean", "config_hash",
 ]
-_SUMMARY_COLUMNS = ["final_val_loss", "best_val_loss", "wall_s", "tokens_per_s"]
+BPB_TEXT = ("the same loss in bits per UTF-8 byte of the text those tokens cover (summed nats / ln 2 / bytes), "
+            "which compares across tokenizers")
+_SUMMARY_COLUMNS = ["final_val_loss", "best_val_loss", "final_val_bpb", "wall_s", "tokens_per_s"]
 
 
 def scalar_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -70,7 +74,8 @@ def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None
     """results.csv (every row, scalar columns) and summary.md (mean ± std over seeds per variant)."""
     write_csv(rows, out / "results.csv", scalar_columns(rows))
     text = (f"# Sweep {spec.name}\n\n{spec.description}\n\nMean ± std over seeds {spec.seeds} (each seed sets "
-            f"{' and '.join(spec.seed_fields)}). {eval_slice_text(spec)}. diverged: the loss went non-finite or ended "
+            f"{' and '.join(spec.seed_fields)}). {eval_slice_text(spec)}; final_val_bpb: {BPB_TEXT}. "
+            "diverged: the loss went non-finite or ended "
             f"above {'ln(vocab)' if spec.diverged_above == 'init' else spec.diverged_above}; no better than unigram: "
             "ended at or above the loss of predicting token frequencies only.\n\n" + markdown_table(_summarize(rows)))
     if spec.registration_status is not None:

@@ -7,6 +7,7 @@
     sources.py      a corpus read as a stream of documents (files, JSONL, directories, hf datasets, builtin)
     shards.py       prepare's passes: survey (hash, duplicates, split keys), encode, write shards as it goes
     tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface
+    token_bytes.py  the UTF-8 bytes each token id stands for: nats per token -> bits per byte
     binding.py      which prepared data a run trains on, and that it is still the same data
 
 The records and readers are exported here, each imported on first use (so that importing

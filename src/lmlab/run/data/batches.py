@@ -2,6 +2,7 @@
 
     train = TokenData("data/notes", "train")          # language modeling: one token stream per split
     x, y = train.batch(8, 256, generator)             # (B, T) int64 each, y = x shifted by one
+    x, y = train.batch(8, 256, generator, repeats)    # some windows carry a planted repeat (train.repeats)
     for x, y in train.iter_eval(8, 256): ...          # every window once, in order
     for x, y in val.iter_eval(8, 256, 4, spread=True): ...  # 32 windows spread evenly over the split
     rows = RowData("data/rows", "val")                # classification: rows of tokens with a class each
@@ -9,13 +10,15 @@
 A shard is opened only if meta.json (meta.py) vouches for it: its size must match the recorded
 count, and its largest id the recorded ``max_token_id`` (one pass over the memory map), so a
 damaged shard fails when it is opened, not mid-training. A batch is decided by the generator's
-state alone, so a trainer that saves the generator resumes exactly.
+state alone, so a trainer that saves the generator resumes exactly; planted repeats
+(``plant_repeats``) are drawn from the same generator after the offsets, so that stays true.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
@@ -23,6 +26,9 @@ import torch
 from ...schema import check_choice, check_positive
 from ..errors import CorruptFile
 from .meta import META, SPLITS, DataMeta
+
+if TYPE_CHECKING:
+    from ..config import RepeatsConfig
 
 
 def _open_shard(path: Path, dtype: np.dtype, expected: int) -> np.memmap:
@@ -65,6 +71,28 @@ def check_token_ids(tokens: np.ndarray, meta: DataMeta, path: Path) -> None:
         )
 
 
+def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch.Generator) -> torch.Tensor:
+    """``window`` (B, W) with about ``repeats.fraction`` of its rows carrying a planted repeat: tokens
+    [p, p+K) copied over [q, q+K), q >= p + K, K = ``repeats.length``. Three draws from ``generator``
+    whatever the rows (which rows, then two offsets each), so the batch is still decided by its state
+    alone. p and q - K are the smaller and larger of two uniform offsets in [0, W - 2K]: every
+    distance q - p from K to W - K occurs, shorter ones more often. Applied to the whole (B, T+1)
+    window, inputs and targets agree."""
+    B, W = window.shape
+    K = repeats.length
+    if 2 * K > W:
+        raise ValueError(f"train.repeats.length={K} does not fit twice in a window of {W} tokens; "
+                         f"choose length <= {W // 2}")
+    chosen = torch.rand(B, generator=generator) < repeats.fraction  # (B,)
+    a, b = torch.randint(W - 2 * K + 1, (2, B), generator=generator)  # (B,) each
+    p, q = torch.minimum(a, b), torch.maximum(a, b) + K  # (B,) each: q - p >= K
+    rows = chosen.nonzero().squeeze(1)  # (R,)
+    cols = torch.arange(K)  # (K,)
+    out = window.clone()
+    out[rows[:, None], q[rows, None] + cols] = window[rows[:, None], p[rows, None] + cols]  # (R, K)
+    return out
+
+
 class TokenData:
     """One split of prepared language-modeling data, memory-mapped: random training batches and evaluation windows."""
 
@@ -83,6 +111,15 @@ class TokenData:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @functools.cached_property
+    def byte_lengths(self) -> np.ndarray:
+        """(V,) int64: the UTF-8 bytes each token id of this data's tokenizer decodes to (special
+        tokens 0; ``token_bytes.token_byte_lengths``), for bits per byte. Read on first use."""
+        from .token_bytes import token_byte_lengths
+        from .tokenizer import load_tokenizer
+
+        return token_byte_lengths(load_tokenizer(self.dir))
+
     # pickled (DataLoader workers, spawned processes) as a path, reopened on arrival, never copied
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "tokens"}
@@ -100,18 +137,27 @@ class TokenData:
                 "use a shorter seq_len or prepare more text"
             )
 
-    def _rows(self, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, starts: np.ndarray, seq_len: int) -> torch.Tensor:
         window = self.tokens[starts[:, None] + np.arange(seq_len + 1)]  # (B, T+1), a copy
-        w = torch.from_numpy(window.astype(np.int64))
+        return torch.from_numpy(window.astype(np.int64))
+
+    @staticmethod
+    def _split(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
 
-    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._split(self._window(starts, seq_len))
+
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator,
+              repeats: RepeatsConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` windows at random offsets drawn from ``generator`` (a CPU generator; its
         state alone decides the batch, so a trainer that saves it resumes exactly). Returns
-        ``(x, y)``, int64 (B, T) on the CPU, with ``y[:, t] = x[:, t+1]`` in the corpus."""
+        ``(x, y)``, int64 (B, T) on the CPU, with ``y[:, t] = x[:, t+1]`` in the corpus, or in the
+        window after ``plant_repeats`` when ``repeats`` is given (training batches only)."""
         self._check(batch_size, seq_len)
         starts = torch.randint(len(self.tokens) - seq_len, (batch_size,), generator=generator)  # start + T + 1 <= N
-        return self._rows(starts.numpy(), seq_len)
+        window = self._window(starts.numpy(), seq_len)  # (B, T+1)
+        return self._split(window if repeats is None else plant_repeats(window, repeats, generator))
 
     def num_eval_windows(self, seq_len: int) -> int:
         """How many windows ``iter_eval`` covers: every target token once, except the tail that
@@ -178,9 +224,12 @@ class RowData:
             x[r, : b - a] = self.tokens[a:b]
         return torch.from_numpy(x), torch.from_numpy(self.labels[index].astype(np.int64))
 
-    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator,
+              repeats: RepeatsConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` rows drawn at random from ``generator`` (its state alone decides the batch)."""
         check_positive("batch_size", batch_size)
+        if repeats is not None:
+            raise ValueError("train.repeats plants repeats in a token stream, not in labelled rows; leave it unset")
         index = torch.randint(len(self), (batch_size,), generator=generator).numpy()
         return self.rows(index, seq_len)
 

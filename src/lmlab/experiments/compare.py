@@ -1,0 +1,353 @@
+"""Runs side by side: ``lmlab compare RUN... [--out DIR]``.
+
+    paths, failed = find_runs(["runs/a", "sweeps/ablation", "runs/lr-*"])   # run directories; what is not one
+    runs, unread = read_runs(paths)                # a RunSummary per readable run; the others with their error
+    unit = choose_unit(runs, "auto")               # bits per byte when the tokenizers differ
+    print(comparison_text(runs, unit))
+    write_comparison(runs, Path("cmp"), unit, command="lmlab compare ...")   # compare.md and three PNGs
+
+A RUN is a run directory (what ``lmlab train`` writes), a directory holding runs at any depth (a
+sweep's or an experiment's ``runs/<variant>/seed<s>/``), or a glob of either. Everything comes
+from the runs' own files: config.yaml, metrics.jsonl, and the prepared data's meta.json (which
+tokenizer) and validation split (bytes, for runs logged before bits per byte was).
+
+Units. Losses are nats per token and bits per byte: the trainer logs ``val_bits_per_byte`` with
+each evaluation, always over the same validation windows, so a run's validation tokens per byte
+is one number that converts any of its validation losses. Runs whose tokenizers differ are
+compared in bits per byte by default: nats per token of two tokenizers measure different things.
+A train loss in bits per byte uses the validation windows' tokens per byte: an estimate.
+
+Wall time is rebuilt from metrics.jsonl: each record's tokens since the previous record over its
+tokens/s (the trainer's throughput window runs from one logged step to the next, evaluation
+included). Runs that differ only in their seeds (``train.seed``, ``model.init_seed``) form a group,
+drawn as its mean with a ±1 std band.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..run.checkpoint.atomic import atomic_write_text
+from ..run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE, METRICS_FILE
+from ..run.config import RunConfig, differing_fields, flatten, load_config
+from ..run.data.config import run_data_dir
+from ..run.data.meta import DataMeta
+from ..run.errors import CorruptFile
+from ..run.metrics import read_metrics
+from .report import band_plot, figure, markdown_table, save, text_table
+
+__all__ = ["MARKER", "RunSummary", "check_out", "choose_unit", "comparison_rows", "comparison_text", "find_runs",
+           "groups", "read_runs", "write_comparison"]
+
+MARKER = ".lmlab-compare"  # in every --out compare writes: --overwrite replaces only such a directory
+SEED_FIELDS = ("train.seed", "model.init_seed")  # runs differing only here are seeds of one group
+UNITS = {"nats": "nats/token", "bpb": "bits/byte"}
+X_AXES = {"steps": "optimizer steps", "tokens": "training tokens", "wall_time": "wall time (s)"}
+Failure = tuple[str, Exception]  # (what the user gave or the run found, why it cannot be read)
+
+
+# ============================================================== finding and reading runs
+def is_run_dir(path: Path) -> bool:
+    """A run directory: a config.yaml with metrics.jsonl or checkpoints/ beside it."""
+    return (path / CONFIG_FILE).is_file() and ((path / METRICS_FILE).is_file() or (path / CHECKPOINTS).is_dir())
+
+
+def runs_under(path: Path) -> list[Path]:
+    """``path`` if it is a run, else every run below it (not looking inside runs), in name order."""
+    if is_run_dir(path):
+        return [path]
+    found: list[Path] = []
+    for child in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        found += runs_under(child)
+    return found
+
+
+def find_runs(args: Sequence[str]) -> tuple[list[Path], list[Failure]]:
+    """The run directories that ``args`` (runs, directories of runs, globs) name, each once, in the
+    order given; and each argument that names none, with why."""
+    paths: list[Path] = []
+    failed: list[Failure] = []
+    for arg in args:
+        matches = sorted(glob.glob(os.path.expanduser(arg))) if glob.has_magic(arg) else [arg]
+        if not matches:
+            failed.append((arg, FileNotFoundError(f"{arg!r} matches no file")))
+        for m in map(Path, matches):
+            if not m.is_dir():
+                why = "does not exist" if not m.exists() else "is a file, not a run directory"
+                failed.append((str(m), FileNotFoundError(f"{str(m)!r} {why}")))
+                continue
+            found = runs_under(m)
+            if not found:
+                failed.append((str(m), ValueError(f"{str(m)!r} is not a run directory (no {CONFIG_FILE} with "
+                                                  f"{METRICS_FILE}) and holds none")))
+            paths += [p for p in found if p.resolve() not in {q.resolve() for q in paths}]
+    return paths, failed
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """One run as compare sees it: its config, its metrics records, and how its losses convert."""
+
+    path: Path
+    config: RunConfig
+    records: list[dict[str, Any]]
+    tokenizer: str  # for the table: kind and vocabulary, e.g. "bpe 300"
+    tokenizer_id: str  # the prepared data's tokenizer fingerprint (kind and vocabulary when the data is gone)
+    tokens_per_byte: float | None  # of the validation windows the trainer evaluates; None: unknown
+    parameters: int
+    name: str = ""  # relative to the directory all compared runs share
+
+    def val_records(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if _finite(r.get("val_loss"))]
+
+    def final_val(self) -> float:
+        vals = self.val_records()
+        return vals[-1]["val_loss"] if vals else math.nan
+
+    def best_val(self) -> float:
+        return min((r["val_loss"] for r in self.val_records()), default=math.nan)
+
+    def in_unit(self, loss: float, unit: str) -> float:
+        """A loss in nats per token as ``unit``: itself, or bits per byte (nan when the bytes are unknown)."""
+        if unit == "nats":
+            return loss
+        return loss / math.log(2) * self.tokens_per_byte if self.tokens_per_byte else math.nan
+
+    def axis(self) -> dict[int, dict[str, float]]:
+        """step -> {"steps", "tokens", "wall_time"} at every record's step: tokens and wall time from the
+        records that log throughput, interpolated by step for the others (an evaluation between logs)."""
+        import numpy as np
+
+        logged = [r for r in self.records if "tokens" in r and _finite(r.get("tokens_per_s")) and r["tokens_per_s"] > 0]
+        steps, tokens, wall, clock, before = [0], [0.0], [0.0], 0.0, 0
+        for r in logged:
+            clock += (r["tokens"] - before) / r["tokens_per_s"]
+            before = r["tokens"]
+            steps.append(r["step"])
+            tokens.append(float(r["tokens"]))
+            wall.append(clock)
+        at = sorted({r["step"] for r in self.records})
+        t, w = np.interp(at, steps, tokens), np.interp(at, steps, wall)
+        return {s: {"steps": float(s), "tokens": float(t[i]), "wall_time": float(w[i])} for i, s in enumerate(at)}
+
+    def series(self, key: str, unit: str) -> list[tuple[int, float]]:
+        """(step, value of ``key`` in ``unit``) for every record that holds a finite one."""
+        return [(r["step"], self.in_unit(r[key], unit)) for r in self.records if _finite(r.get(key))]
+
+    def tokens(self) -> int:
+        return max((r["tokens"] for r in self.records if "tokens" in r), default=0)
+
+    def wall_s(self) -> float:
+        axis = self.axis()
+        return axis[max(axis)]["wall_time"] if axis else 0.0
+
+    def tokens_per_s(self) -> float:
+        speeds = [r["tokens_per_s"] for r in self.records if _finite(r.get("tokens_per_s"))]
+        return statistics.median(speeds) if speeds else math.nan
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_run(path: Path) -> RunSummary:
+    """A run's config, metrics and tokenizer; FileNotFoundError, ValueError or CorruptFile (each naming
+    the file) when it cannot be read."""
+    from ..memory import parameter_count
+
+    cfg = load_config(path / CONFIG_FILE)
+    records = read_metrics(path)
+    data_dir = run_data_dir(path, cfg.data)
+    meta = DataMeta.read(data_dir)
+    kind = meta.tokenizer if meta else cfg.data.tokenizer
+    vocab = meta.vocab_size if meta else cfg.model.vocab_size
+    return RunSummary(path, cfg, records, tokenizer=f"{kind} {vocab}",
+                      tokenizer_id=meta.tokenizer_hash if meta else f"{kind} {vocab}",
+                      tokens_per_byte=logged_tokens_per_byte(records) or eval_tokens_per_byte(data_dir, cfg, meta),
+                      parameters=parameter_count(cfg.model))
+
+
+def logged_tokens_per_byte(records: list[dict[str, Any]]) -> float | None:
+    """Validation tokens per byte from the last evaluation that logged its bits per byte."""
+    for r in reversed(records):
+        if _finite(r.get("val_bits_per_byte")) and _finite(r.get("val_loss")) and r["val_loss"] > 0:
+            return r["val_bits_per_byte"] * math.log(2) / r["val_loss"]
+    return None
+
+
+def eval_tokens_per_byte(data_dir: Path, cfg: RunConfig, meta: DataMeta | None) -> float | None:
+    """Tokens per byte of the validation windows the trainer evaluates (the first ``eval.batches`` x
+    ``train.batch_size`` windows of ``seq_len``), read from the run's prepared data; None without it
+    (or when it cannot be read: the table then says the bits per byte are unknown)."""
+    if meta is None or meta.task != "lm":
+        return None
+    import numpy as np
+
+    from ..run.data.batches import TokenData
+
+    try:
+        val, T = TokenData(data_dir, "val"), cfg.seq_len
+        n = min(val.num_eval_windows(T), cfg.eval.batches * cfg.train.batch_size) * T
+        n_bytes = int(val.byte_lengths[np.asarray(val.tokens[1:n + 1], dtype=np.int64)].sum())
+    except (ValueError, OSError, CorruptFile):
+        return None
+    return n / n_bytes if n and n_bytes else None
+
+
+def read_runs(paths: Sequence[Path]) -> tuple[list[RunSummary], list[Failure]]:
+    """Each run read (and named relative to the directory they share), and each that could not be, with why."""
+    runs, failed = [], []
+    for p in paths:
+        try:
+            runs.append(read_run(p))
+        except (ValueError, OSError, CorruptFile) as e:
+            failed.append((str(p), e))
+    if runs:
+        common = Path(os.path.commonpath([str(r.path.resolve()) for r in runs]))
+        for r in runs:
+            rel = r.path.resolve().relative_to(common)
+            r.name = str(rel) if rel.parts and len(runs) > 1 else r.path.resolve().name
+    return runs, failed
+
+
+# ============================================================== what is compared
+def choose_unit(runs: Sequence[RunSummary], unit: str = "auto") -> str:
+    """``unit`` (nats or bpb); for auto, bits per byte when the runs' tokenizers differ."""
+    if unit != "auto":
+        return unit
+    return "bpb" if len({r.tokenizer_id for r in runs}) > 1 else "nats"
+
+
+def groups(runs: Sequence[RunSummary]) -> dict[str, list[RunSummary]]:
+    """Runs that differ only in their seeds, by label: the members' shared path, or a lone run's name."""
+    by_key: dict[str, list[RunSummary]] = {}
+    for r in runs:
+        fields = {k: v for k, v in flatten(r.config.to_dict()).items() if k not in SEED_FIELDS}
+        by_key.setdefault(json.dumps(fields, sort_keys=True, default=str), []).append(r)
+    out = {}
+    for members in by_key.values():
+        if len(members) == 1:
+            out[members[0].name] = members
+            continue
+        shared = os.path.commonpath([m.name for m in members]) if all("/" in m.name for m in members) else ""
+        out[f"{shared or members[0].name} ({len(members)} seeds)"] = members
+    return out
+
+
+def comparison_rows(runs: Sequence[RunSummary], unit: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """A row per run, and the columns in order: bits per byte first when that is the unit compared."""
+    diff = differing_fields([r.config for r in runs])
+    rows = []
+    for i, r in enumerate(runs):
+        row = {"run": r.name, "tokenizer": r.tokenizer,
+               "final val bpb": r.in_unit(r.final_val(), "bpb"), "best val bpb": r.in_unit(r.best_val(), "bpb"),
+               "final val loss": r.final_val(), "best val loss": r.best_val(),
+               "steps": max((x["step"] for x in r.records), default=0), "tokens": r.tokens(),
+               "wall s": f"{r.wall_s():.1f}", "tokens/s": round(r.tokens_per_s()), "params": r.parameters}
+        row.update({k: _short(v[i]) for k, v in diff.items()})
+        rows.append(row)
+    losses = ["final val loss", "best val loss"]
+    bpb = ["final val bpb", "best val bpb"]
+    order = ["run", "tokenizer", *(bpb + losses if unit == "bpb" else losses + bpb),
+             "steps", "tokens", "wall s", "tokens/s", "params", *diff]
+    return rows, order
+
+
+def _short(value: Any) -> Any:
+    """A config value for a table cell: a long path by its last two parts."""
+    if isinstance(value, str) and os.sep in value and len(value) > 32:
+        return "…/" + "/".join(Path(value).parts[-2:])
+    return value
+
+
+def header(runs: Sequence[RunSummary], unit: str) -> str:
+    """What the table's losses mean, and which unit compares the runs."""
+    kinds = sorted({r.tokenizer for r in runs})
+    if len({r.tokenizer_id for r in runs}) > 1:
+        first = (f"The runs use different tokenizers ({', '.join(kinds)}), so they are compared in bits per byte "
+                 "(bpb: summed validation loss / ln 2 / the UTF-8 bytes the evaluated tokens cover); nats per token "
+                 "do not compare across tokenizers.")
+    else:
+        first = (f"One tokenizer ({kinds[0]}): losses are compared in "
+                 f"{'nats per token' if unit == 'nats' else 'bits per byte'}; bpb = summed validation loss / ln 2 / "
+                 "the UTF-8 bytes the evaluated tokens cover.")
+    missing = [r.name for r in runs if not r.tokens_per_byte]
+    if missing:
+        first += f" Bits per byte unknown (no val_bits_per_byte logged, no prepared data): {', '.join(missing)}."
+    return first
+
+
+def comparison_text(runs: Sequence[RunSummary], unit: str) -> str:
+    """The header line, then the table, for a terminal."""
+    rows, columns = comparison_rows(runs, unit)
+    return header(runs, unit) + "\n\n" + text_table(rows, columns)
+
+
+# ============================================================== files
+def check_out(out: str | Path, runs: Sequence[Path], overwrite: bool) -> None:
+    """Refuse an --out that is or lies inside one of ``runs``, a file, a directory of someone else's
+    files (no marker), or an earlier comparison without ``overwrite``: before anything is read."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a directory for the plots and compare.md")
+    real = out.resolve()
+    for run in runs:
+        if real == run.resolve() or run.resolve() in real.parents:
+            raise ValueError(f"--out {str(out)!r} is inside the run {str(run)!r}; a comparison is written outside "
+                             "the runs it reads: choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / MARKER).is_file():
+            raise ValueError(f"--out {str(out)!r} holds files lmlab compare did not write (no {MARKER}); choose "
+                             "another --out, or empty it yourself")
+        if not overwrite:
+            raise ValueError(f"--out {str(out)!r} holds an earlier comparison; pass --overwrite to replace it")
+
+
+def plot_losses(runs: Sequence[RunSummary], path: Path, x: str, unit: str) -> str:
+    """Validation and train loss against ``x`` (steps, tokens or wall_time), a line or seed band per group."""
+    plt = figure()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, what in zip(axes, ("val_loss", "loss"), ("validation loss", "train loss")):
+        for label, members in groups(runs).items():
+            band_plot(ax, group_curves(members, key, x, unit), label=label,
+                      marker="." if key == "val_loss" else None)
+        ax.set_xlabel(X_AXES[x])
+        ax.set_ylabel(f"{what} ({UNITS[unit]}{', estimated' if key == 'loss' and unit == 'bpb' else ''})")
+        ax.set_title(f"{what} vs {X_AXES[x]}")
+        ax.grid(alpha=0.3)
+        if ax.lines and len(ax.lines) <= 16:
+            ax.legend(fontsize=7)
+    return save(fig, path)
+
+
+def group_curves(members: Sequence[RunSummary], key: str, x: str, unit: str) -> list[list[tuple[float, float]]]:
+    """Each member's (x, loss) points, with x the group's mean at that step (seeds share their x for the band)."""
+    axes = [m.axis() for m in members]
+    steps = {s for a in axes for s in a}
+    mean_x = {s: statistics.fmean(a[s][x] for a in axes if s in a) for s in steps}
+    return [[(mean_x[s], y) for s, y in m.series(key, unit)] for m in members]
+
+
+def write_comparison(runs: Sequence[RunSummary], out: Path, unit: str, command: str) -> list[Path]:
+    """compare.md (header, table, groups, plots) and loss_vs_{steps,tokens,wall_time}.png in ``out``
+    (checked by :func:`check_out` first); returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / MARKER, "written by lmlab compare; --overwrite replaces this directory's comparison\n")
+    pngs = [plot_losses(runs, out / f"loss_vs_{x}.png", x, unit) for x in X_AXES]
+    rows, columns = comparison_rows(runs, unit)
+    banded = [f"- {label}: {', '.join(m.name for m in members)}" for label, members in groups(runs).items()
+              if len(members) > 1]
+    text = (f"# {len(runs)} runs compared\n\nMade by: `{command}`\n\n{header(runs, unit)} Wall time is rebuilt "
+            "from each record's tokens/s; tokens/s is the median over logged steps.\n\n" + markdown_table(rows, columns)
+            + ("\nRuns that differ only in their seeds, drawn as mean ± 1 std:\n\n" + "\n".join(banded) + "\n"
+               if banded else "")
+            + "".join(f"\n![loss vs {x}]({name})\n" for x, name in zip(X_AXES, pngs)))
+    atomic_write_text(out / "compare.md", text)
+    return [out / "compare.md", *(out / n for n in pngs)]
