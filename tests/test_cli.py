@@ -194,6 +194,32 @@ def test_help_loads_without_torch():
     assert not [m for m in imported if m.split(".")[0] == "torch"]
 
 
+def test_every_help_answers_without_torch_and_says_each_default_once():
+    """`lmlab CMD --help` imports no torch (export, sweep and experiment did: ~4 s more), and no option's help
+    prints its default twice ("(default: the training length) (default: None)")."""
+    from lmlab.experiments import EXPERIMENTS
+    from lmlab.experiments import sweep as sweep_pkg
+    from lmlab.hf.export import DEFAULT_SHARD_SIZE
+
+    for name in cli.COMMANDS:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lmlab", name, "--help"], capture_output=True,
+                              text=True, timeout=120)
+        imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+        assert proc.returncode == 0 and f"usage: lmlab {name}" in proc.stdout, proc.stderr[-2000:]
+        assert not [m for m in imported if m.split(".")[0] == "torch"], name
+        for action in subparser(name)._actions:
+            shown = cli.Formatter(prog="lmlab")._get_help_string(action) or ""
+            assert shown.count("(default:") <= 1 and "(default: None)" not in shown, (name, action.dest, shown)
+    assert cli.experiment_names() == sorted(EXPERIMENTS)  # the choices --help lists without importing them
+    assert cli.module_doc("experiments/sweep/__init__.py") == sweep_pkg.__doc__
+    export_help = " ".join(subparser("export").format_help().split())
+    assert f"(default: {DEFAULT_SHARD_SIZE}, as transformers 4.x)" in export_help  # written out, not imported
+
+
+def subparser(name: str):
+    return cli.build_parser([name])._subparsers._group_actions[0].choices[name]
+
+
 def test_progress_off_a_terminal_is_one_plain_line_per_record(tmp_path):
     """Under `| tee` or in a batch job's log: no progress-bar redraws (\r), and every step's line starts a line,
     so that `grep ^step` finds them all (a logged step, a validation, the final one)."""
@@ -285,8 +311,7 @@ def test_prepare_takes_threads_for_torch_and_the_tokenizer(capsys, tmp_path, mon
 def test_threads_is_one_flag_on_every_command_that_computes():
     """train, eval, generate, prepare, sweep and experiment share one --threads (add_threads_arg)."""
     for name in ("train", "eval", "generate", "prepare", "sweep", "experiment"):
-        sub = cli.build_parser([name])._subparsers._group_actions[0].choices[name]
-        action = next(a for a in sub._actions if "--threads" in a.option_strings)
+        action = next(a for a in subparser(name)._actions if "--threads" in a.option_strings)
         assert action.type is int and action.default is None and action.metavar == "N", name
 
 
@@ -587,3 +612,13 @@ def test_export_bad_input_is_one_line_exit_2_and_writes_nothing(trained, capsys,
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+def test_load_run_and_read_metrics_are_lmlab_names(trained):
+    """Reading a run back is public API: ``lmlab.load_run`` and ``lmlab.read_metrics`` (documented in training.md)."""
+    import lmlab
+    from lmlab.run.metrics import read_metrics
+
+    assert {"load_run", "read_metrics"} <= set(lmlab.__all__) and lmlab.read_metrics is read_metrics
+    assert lmlab.load_run is load_run and lmlab.load_run(trained / "run").step == 12
+    assert [r["step"] for r in lmlab.read_metrics(trained / "run") if "val_loss" in r] == [6, 12]

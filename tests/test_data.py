@@ -188,6 +188,31 @@ def test_pretrained_wordlevel_tokenizer_counts_unknowns_in_prepare(tmp_path):
     assert "unknown tokens" in meta.describe()
 
 
+def test_a_pretrained_tokenizer_without_eos_warns_that_documents_run_together(tmp_path, capsys):
+    """prepare and train say, in one line, that documents are concatenated without a separator (eod_id null)."""
+    pytest.importorskip("tokenizers")
+    from lmlab import cli
+
+    gpt2_style_tokenizer(pytest.importorskip("tokenizers"), specials=()).save(str(tmp_path / "tokenizer.json"))
+    source = jsonl(tmp_path / "c.jsonl", many_docs(40))
+    assert cli.main(["prepare", str(source), "--tokenizer", str(tmp_path / "tokenizer.json"), "--out",
+                     str(tmp_path / "d"), "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["eod_id"] is None
+    warning = ("warning: the pretrained tokenizer has no end-of-document (eos) token, so the documents are "
+               "concatenated without a separator")
+    assert err.startswith(warning) and err.count("\n") == 1 and out.startswith("prepared ")
+    assert cli.main(["train", "--data", str(tmp_path / "d"), "--run-dir", str(tmp_path / "run"), "--model.d_model",
+                     "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.max_seq_len", "16",
+                     "--train.steps", "1", "--train.batch_size", "2", "--eval.batches", "1", "--log.sample_tokens",
+                     "0", "--log.tensorboard", "false", "--train.device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert lines[data + 1].startswith(warning)  # under the banner's data line
+    meta = prepare(DataConfig(source=str(source)), tmp_path / "bytes")  # a tokenizer with an end: nothing to say
+    assert meta.separator_warning is None
+
+
 def test_a_file_that_is_not_a_tokenizer(tmp_path):
     pytest.importorskip("tokenizers")
     with pytest.raises(ValueError,
@@ -338,7 +363,8 @@ def test_hf_source_from_save_to_disk_and_from_data_files(tmp_path):
     with pytest.raises(ValueError,
                        match=r"hf:.*notes\.xyz is a file of unknown kind; use \.parquet, \.csv, \.json\(l\) or \.txt"):
         texts(f"hf:{write(tmp_path / 'notes.xyz', 'x')}")
-    with pytest.raises(ValueError, match=r"has no column 'text' \(columns: \['content', 'n'\]\); set data.text_field"):
+    with pytest.raises(ValueError, match=r"has no column 'text' \(columns: \['content', 'n'\]\); name the column that "
+                       r"holds the text with --text-field \(lmlab prepare\) or data.text_field"):
         texts(f"hf:{tmp_path / 'saved'}")
     with pytest.raises(ValueError, match=r"hf dataset path '.*nope' does not exist; lmlab reads only local datasets"):
         texts(f"hf:{tmp_path / 'nope'}")
@@ -587,7 +613,8 @@ BAD_SOURCES = {
     ),
     "jsonl no field": (
         lambda t: str(write(t / "c.jsonl", '{"text": "ok"}\n\n{"body": "x"}\n')),
-        r"c\.jsonl:3: no 'text' field \(found \['body'\]\); set data\.text_field",
+        r"c\.jsonl:3: no 'text' field \(found \['body'\]\); name the field that holds the text with --text-field "
+        r"\(lmlab prepare\) or data\.text_field",
     ),
     "jsonl not a string": (lambda t: str(write(t / "c.jsonl", '{"text": 5}\n')),
                            r"c\.jsonl:1: field 'text' is int, not a string"),
@@ -772,3 +799,29 @@ def test_encoding_reads_batches_ahead_in_a_thread_and_reraises_its_errors():
 
     with pytest.raises(ValueError, match="c.jsonl:2"):
         list(shards_mod.prefetch(failing()))
+
+
+def test_meta_json_names_the_validation_documents(tmp_path):
+    """meta.json says which documents went to validation: the rule, in words exact enough to recompute (done
+    here from them alone), and their indices in the source; by token stream, the rule says so."""
+    import hashlib
+
+    docs = many_docs(60)
+    docs[7] = docs[3]  # a duplicate: dropped, but counted in the indices
+    prepare(DataConfig(source=str(jsonl(tmp_path / "c.jsonl", docs)), val_fraction=0.2), tmp_path / "d")
+    split = json.loads((tmp_path / "d" / "meta.json").read_text())["split"]
+    assert split["by"] == "document" and "low 32 bits of the blake2b digest" in split["rule"]
+
+    def key(text: str) -> int:  # split["rule"], as written
+        digest = hashlib.blake2b("".join(w + " " for w in text.split()).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & 0xFFFFFFFF
+
+    first = {d: i for i, d in reversed(list(enumerate(docs)))}
+    expected = [i for i, d in enumerate(docs) if first[d] == i and key(d) < int(0.2 * 2**32)]
+    assert split["val_documents"] == expected and len(expected) == split["documents"]["val"] > 0
+    val_text = ByteTokenizer().decode(split_ids(tmp_path / "d", "val"))
+    assert all(docs[i] in val_text for i in expected)
+    prepare(DataConfig(source=str(write(tmp_path / "one.txt", TEXT))), tmp_path / "t")
+    split = json.loads((tmp_path / "t" / "meta.json").read_text())["split"]
+    assert split["by"] == "token stream" and split["rule"].startswith("validation is the end of the token stream")
+    assert split["val_documents"] is None

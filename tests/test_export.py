@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import lmlab
 from lmlab import ModelConfig, Transformer
+from lmlab.config import DEFAULT_BALANCE
 from lmlab.hf import config_from_hf, hf_config, hf_tensors, read_safetensors, to_hf
 
 transformers = pytest.importorskip("transformers")
@@ -169,6 +170,20 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
                 "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "glm4_moe"}[preset]
 
 
+def test_a_preset_no_family_computes_is_refused_with_the_field_to_set(tmp_path):
+    """deepseekmoe's ungated shared expert has no transformers family: the refusal names the one-field changes
+    that give one (each checked), and the model with that change exports as that family."""
+    model = Transformer(ModelConfig.from_preset("deepseekmoe", **{**BASE, "n_layers": 2}))
+    with pytest.raises(ValueError) as refused:
+        to_hf(model, tmp_path / "as-is")
+    assert str(refused.value).endswith("; to export, train with --model.moe.shared_gate sigmoid for qwen2_moe or "
+                                       "--model.moe.scoring sigmoid for glm4_moe")
+    assert not (tmp_path / "as-is").exists()
+    for field, value, family in (("moe.shared_gate", "sigmoid", "qwen2_moe"), ("moe.scoring", "sigmoid", "glm4_moe")):
+        changed = Transformer(model.config.override({field: value}))
+        assert to_hf(changed, tmp_path / family).model_type == family
+
+
 # ================================================================== transformers -> lmlab -> transformers
 def randomized_hf(model, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -271,7 +286,8 @@ def test_router_options_both_ways(tmp_path):
     original.save_pretrained(tmp_path / "original")
     ours = lmlab.from_hf(tmp_path / "original")
     moe = ours.config.moe
-    assert (moe.load_balance_coef, moe.expert_balance_coef, moe.z_loss_coef) == (0.0, 0.0, 0.0)
+    # router_aux_loss_coef (0.02) is not mapped: a loaded MoE balances with lmlab's default, as any MoE does
+    assert (moe.load_balance_coef, moe.expert_balance_coef, moe.z_loss_coef) == (0.0, DEFAULT_BALANCE, 0.0)
     written = json.loads((to_hf(ours, tmp_path / "out").path / "config.json").read_text())
     assert (written["output_router_logits"], written["router_jitter_noise"]) == (False, 0.0)
     assert "router_aux_loss_coef" not in written
@@ -450,9 +466,46 @@ def test_exported_tokenizer_encodes_and_decodes_as_lmlab(tmp_path, kind):
         assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids, text
         assert hf_tok.decode(ids) == tok.decode(ids)
     assert hf_tok.model_max_length == model.config.max_seq_len or kind == "byte"
-    # the end of document is a special token where it has a symbol of its own (byte: config.json only)
-    assert hf_tok.eos_token_id == (None if kind == "byte" else tok.eod_id) and hf_tok.bos_token_id is None
+    # the end of document is a special token (byte: id 255, which no UTF-8 text uses, as <|endoftext|>)
+    assert hf_tok.eos_token_id == tok.eod_id and hf_tok.bos_token_id is None
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == tok.eod_id
+
+
+def test_an_exported_byte_tokenizer_pads_and_keeps_its_special_token_text_as_bytes(tmp_path):
+    """`tokenizer(texts, padding=True)` works (it raised: no pad token), padding with the end of document, and a
+    text holding "<|endoftext|>" or "ÿ" still encodes as its UTF-8 bytes, as lmlab's byte tokenizer does."""
+    tok = tokenizer("byte")
+    to_hf(lm(vocab_size=256), tmp_path / "out", tok)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    batch = hf_tok(["hello", "a"], padding=True)
+    assert batch["input_ids"] == [tok.encode("hello"), tok.encode("a") + [255] * 4]
+    assert batch["attention_mask"] == [[1] * 5, [1] + [0] * 4] and hf_tok.pad_token_id == hf_tok.eos_token_id == 255
+    for text in ("the end <|endoftext|> of it", "L'Haÿ-les-Roses"):
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+        assert hf_tok.decode(tok.encode(text)) == text
+    assert hf_tok.decode(tok.encode("ab") + [255], skip_special_tokens=True) == "ab"
+
+
+def test_export_writes_the_trained_context_length(tmp_path, capsys):
+    """A run trained at 16 tokens on a model whose preset allows 32 exports max_position_embeddings 16, so that
+    evaluating the export says where the training length ends (it said 32)."""
+    from helpers import corpus, fast_args
+
+    from lmlab import cli
+
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--data.source", str(corpus(tmp_path / "c.txt")),
+            "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.max_seq_len", "32",
+            "--train.seq_len", "16", *fast_args(), "--train.steps", "2"]
+    assert cli.main(args) == 0
+    assert cli.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 16
+    capsys.readouterr()
+    assert cli.main(["eval", str(tmp_path / "hf"), "--data", str(tmp_path / "run" / "data"), "--seq-len", "32",
+                     "--max-batches", "1"]) == 0
+    assert "trained at 16" in capsys.readouterr().out
+    model = lm(**{"rope.scaling": "yarn", "rope.factor": 4.0})  # a scaling reads it: left as the model's
+    to_hf(model, tmp_path / "yarn", trained_length=16)
+    assert json.loads((tmp_path / "yarn" / "config.json").read_text())["max_position_embeddings"] == 32
 
 
 def test_eos_is_recorded_so_transformers_stops_where_lmlab_stops(tmp_path):
@@ -483,7 +536,9 @@ def test_eos_is_recorded_so_transformers_stops_where_lmlab_stops(tmp_path):
         json.loads((tmp_path / "eos" / name).read_text())
         for name in ("config.json", "generation_config.json", "tokenizer_config.json"))
     assert config["eos_token_id"] == generation["eos_token_id"] == ours[k]
-    assert "eos_token" not in tokenizer_config  # the byte tokenizer's end of document is not a tokenizer symbol
+    # the tokenizer's own eos (and pad) is the byte tokenizer's end of document, id 255; generation stops at the
+    # id config.json and generation_config.json name
+    assert tokenizer_config["eos_token"] == tokenizer_config["pad_token"] == "<|endoftext|>"
     stopped, theirs = both(tmp_path / "eos", ours[k])
     assert stopped[: k + 1] == theirs == ours[: k + 1]
 

@@ -1117,7 +1117,7 @@ def test_metrics_are_strict_json_and_unreadable_lines_never_block_a_resume(tmp_p
     from lmlab.run.metrics import MetricsLog, read_metrics
 
     run = RunDir(tmp_path)
-    log = MetricsLog(run, tensorboard=False, purge_step=None)
+    log = MetricsLog(run)  # no trackers
     log.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "moe": [{"max_load": float("-inf")}]})
     log.write({"step": 2, "loss": 2.5})
     log.close()
@@ -1140,7 +1140,7 @@ def test_metrics_are_strict_json_and_unreadable_lines_never_block_a_resume(tmp_p
         def flush(self):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as Python reports it: no file name
 
-    log = MetricsLog(run, tensorboard=False, purge_step=None)
+    log = MetricsLog(run)  # no trackers
     log.file.close()
     log.file = FullDisk()
     with pytest.raises(OSError) as e:

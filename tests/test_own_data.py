@@ -261,6 +261,7 @@ def test_classification_bad_input(capsys, tmp_path):
     err = bad_input(capsys, "prepare", tmp_path / "broken.jsonl", "--task", "classify", "--text-field", "review",
                     "--label-field", "sentiment", "--out", tmp_path / "data")
     assert "broken.jsonl:8: no 'sentiment' field (found ['review']); every row needs a label" in err
+    assert err.endswith("name the field that holds it with --label-field (lmlab prepare) or data.label_field")
     assert not (tmp_path / "data").exists()
     err = bad_input(capsys, "train", "--task", "classify", "--data.source", tmp_path / "broken.jsonl",
                     "--data.text_field", "review", "--data.label_field", "sentiment", "--run-dir", tmp_path / "run")

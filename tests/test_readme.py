@@ -132,6 +132,7 @@ def write_files(where: Path, text: str) -> None:
         (where / rel).parent.mkdir(parents=True, exist_ok=True)
         (where / rel).write_text(content)
     for block in re.findall(r"```\w*\n(# file: (\S+)\n.*?)```", text, flags=re.S):
+        (where / block[1]).parent.mkdir(parents=True, exist_ok=True)
         (where / block[1]).write_text(block[0])
 
 
@@ -239,3 +240,47 @@ def test_design_page_layout_tables_name_every_module_and_only_real_ones():
     modules = {m for m in modules if not m.startswith("hf/")} | {"hf"}
     missing = sorted(m for m in modules if m not in named)
     assert not missing, f"modules missing from docs/design.md's layout tables: {missing}"
+
+
+# ============================================================== the offline lm-eval task of docs/export.md
+def test_the_documented_lm_eval_task_is_local_and_runs_where_lm_eval_is_installed(tmp_path):
+    """docs/export.md's local task: a well-formed lm-evaluation-harness task YAML that reads the JSONL its next
+    line writes (no download), named by the lm_eval line that runs it; the lm_eval line itself runs where
+    lm_eval is installed (not in lmlab's test environment: there it is skipped, saying so)."""
+    import importlib.util
+
+    import yaml
+
+    text = PAGES["docs/export.md"]
+    write_files(tmp_path, text)
+    task = yaml.safe_load((tmp_path / "tasks" / "lmlab_local.yaml").read_text())
+    assert task["dataset_path"] == "json" and task["output_type"] == "loglikelihood_rolling"
+    assert {m["metric"] for m in task["metric_list"]} == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    data = task["dataset_kwargs"]["data_files"][task["test_split"]]
+    write = next(c for b in blocks(text, "bash") for c in commands(b) if c.startswith("printf") and data in c)
+    subprocess.run(["bash", "-c", write], cwd=tmp_path, check=True)
+    rows = [json.loads(line) for line in (tmp_path / data).read_text().splitlines()]
+    field = re.fullmatch(r"\{\{\s*(\w+)\s*\}\}", task["doc_to_target"]).group(1)
+    assert len(rows) == 2 and all(isinstance(r[field], str) and r[field] for r in rows)
+    lm_eval = next(c for b in blocks(text, "bash") for c in commands(b) if c.startswith("lm_eval "))
+    argv = words(lm_eval)
+    assert argv[argv.index("--include_path") + 1] == str(Path(data).parent) == "tasks"
+    assert argv[argv.index("--tasks") + 1] == task["task"] and "pip install 'lm_eval[hf]'" in text
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm_eval is not installed here (pip install 'lm_eval[hf]'); its task file and data are checked")
+    env = {**os.environ, "DOC_PYTHON": sys.executable, "DOC_EXTRA": "", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    model = lmlab_tiny_export(tmp_path / "exported" / "mine")
+    assert model.is_dir()
+    done = subprocess.run(["bash", "-c", lm_eval], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0 and "bits_per_byte" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
+def lmlab_tiny_export(out: Path) -> Path:
+    """A tiny byte-level llama with its tokenizer, exported as docs/export.md's `lmlab export` line would."""
+    import lmlab
+    from lmlab.run.data.tokenizer import ByteTokenizer
+
+    model = lmlab.Transformer(lmlab.ModelConfig.from_preset("llama", d_model=32, n_layers=1, n_heads=2,
+                                                             vocab_size=256))
+    return lmlab.to_hf(model, out, ByteTokenizer()).path

@@ -125,5 +125,5 @@ def test_resuming_keeps_every_tensorboard_point(tmp_path):
 
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
-    assert scalars("loss") == [(r["step"], pytest.approx(r["loss"])) for r in logged]
-    assert [s for s, _ in scalars("val_loss")] == [2, 4, 6]
+    assert scalars("train/loss") == [(r["step"], pytest.approx(r["loss"])) for r in logged]
+    assert [s for s, _ in scalars("val/loss")] == [2, 4, 6]

@@ -339,9 +339,10 @@ def test_tensorboard_events_mirror_the_metrics(tmp_path):
     acc = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(acc.Tags()["scalars"])
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in logged]
-    assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in logged]
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank-1 process through /proc")

@@ -20,12 +20,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX", "KVCache", "LMOutput", "ModelConfig", "MoEConfig", "PRESETS", "RopeConfig",
-    "SequenceClassifier", "Transformer", "__version__", "from_hf", "to_hf",
+    "SequenceClassifier", "Transformer", "__version__", "from_hf", "load_run", "read_metrics", "to_hf",
 ]
 
 EXPORTS = {"KVCache": "attention", "PRESETS": "config", "ModelConfig": "config", "MoEConfig": "config",
            "RopeConfig": "config", "IGNORE_INDEX": "loss", "LMOutput": "model", "SequenceClassifier": "model",
-           "Transformer": "model"}  # public name -> the module that defines it
+           "Transformer": "model",
+           # reading a run back (lmlab.run.load, lmlab.run.metrics): the package's front door names them, loaded
+           # on first use like the rest, so that the model layer imports nothing of the run layer
+           "load_run": "run.load", "read_metrics": "run.metrics"}  # public name -> the module that defines it
 
 
 def __getattr__(name: str) -> Any:

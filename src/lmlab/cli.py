@@ -11,6 +11,7 @@
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
+    lmlab tb runs/default                          # TensorBoard events rebuilt from metrics.jsonl
 
 Each subcommand is one :class:`Command` record in ``COMMANDS`` (at the end of this file): its name, its
 line in ``lmlab --help``, the function that adds its arguments, its handler, and the config sections
@@ -58,7 +59,14 @@ class UsageError(ValueError):
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help shows each option's default, and descriptions keep their line breaks."""
+    """--help shows each option's default once, and descriptions keep their line breaks. A help text that says
+    its default itself ("(default: the training length)"), or a default of None (not given: the help says what
+    happens then), gets no second "(default: ...)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -349,8 +357,6 @@ def build_generate(g: argparse.ArgumentParser) -> None:
 
 
 def build_export(x: argparse.ArgumentParser) -> None:
-    from .hf.export import DEFAULT_SHARD_SIZE
-
     x.description = paragraphs(
                            "Write config.json, safetensors weights (sharded past --max-shard-size), "
                            "generation_config.json and the tokenizer (tokenizer.json) into --out, so that "
@@ -369,7 +375,8 @@ def build_export(x: argparse.ArgumentParser) -> None:
         "--architecture", default=None, help="the transformers model_type to write; default: the first that fits"
     )
     x.add_argument("--dtype", default=None, help="stored dtype (float32, bfloat16, float16); default: as trained")
-    x.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest weights file, e.g. 500MB or 5GB")
+    x.add_argument("--max-shard-size", default=None,  # lmlab.hf.export.DEFAULT_SHARD_SIZE: torch is not loaded here
+                   help="largest weights file, e.g. 500MB or 5GB (default: 5GB, as transformers 4.x)")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that an earlier export wrote")
 
 
@@ -461,6 +468,8 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
     meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite, task=args.task,
                    progress=not args.quiet)
     print(f"prepared {args.out}: {meta.describe()}")
+    if meta.separator_warning is not None:
+        print(meta.separator_warning, file=sys.stderr)
     return 0
 
 
@@ -701,7 +710,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
 
 def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .hf import to_hf
-    from .hf.export import check_apart
+    from .hf.export import DEFAULT_SHARD_SIZE, check_apart
     from .run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE
     from .run.load import load_run
 
@@ -714,7 +723,8 @@ def cmd_export(args: argparse.Namespace, overrides: dict, argv: list[str]) -> in
     check_apart(args.out, source, "run directory" if (source / CONFIG_FILE).is_file() else "checkpoint directory")
     run = load_run(source, checkpoint=checkpoint)
     done = to_hf(run.model, args.out, run.tokenizer, architecture=args.architecture, dtype=args.dtype,
-                 max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+                 max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE, overwrite=args.overwrite,
+                 trained_length=run.config.seq_len if run.config is not None else None)
     print(f"exported {args.run} ({run.checkpoint.name}) as {done.model_type} to {done.path}: {', '.join(done.files)}")
     kind = getattr(run.tokenizer, "kind", "") or "the checkpoint's"
     print(
@@ -796,9 +806,7 @@ def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -
 
 def build_sweep(s: argparse.ArgumentParser) -> None:
     """``sweep``: many runs on an equal budget."""
-    from .experiments import sweep
-
-    s.description = sweep.__doc__.split("Out directory")[0].split("\n\n", 1)[1]
+    s.description = module_doc("experiments/sweep/__init__.py").split("Out directory")[0].split("\n\n", 1)[1]
     s.add_argument("spec", help="sweep spec YAML: base config, variants (name + dotted overrides), seeds")
     s.add_argument("--out", default=None, help="output directory; sweeps/<spec name> when not given")
     s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
@@ -810,12 +818,25 @@ def build_sweep(s: argparse.ArgumentParser) -> None:
     add_threads_arg(s, per_process=True)
 
 
-def build_experiment(e: argparse.ArgumentParser) -> None:
-    from .experiments import EXPERIMENTS
+PACKAGE = Path(__file__).parent  # lmlab's source, read by --help without importing its modules (and torch)
 
+
+def module_doc(path: str) -> str:
+    """The docstring of the module at ``path`` (relative to the package), read from its source."""
+    import ast
+
+    return ast.get_docstring(ast.parse((PACKAGE / path).read_text(encoding="utf-8")), clean=False) or ""
+
+
+def experiment_names() -> list[str]:
+    """The shipped experiments (the keys of lmlab.experiments.EXPERIMENTS): one spec YAML each beside them."""
+    return sorted(p.stem for p in (PACKAGE / "experiments").glob("*.yaml"))
+
+
+def build_experiment(e: argparse.ArgumentParser) -> None:
     e.description = ("Run a shipped experiment and write results.csv, PNG plots and report.md with a verdict on the "
                      "claim. Interrupted runs resume when the same command is run again.")
-    e.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
+    e.add_argument("name", choices=experiment_names(), help="which experiment")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery in well under a minute")
     e.add_argument("--draft", action="store_true",
@@ -843,6 +864,26 @@ def build_consolidate(c: argparse.ArgumentParser) -> None:
             "model, and no GPU.")
     c.add_argument("run", metavar="RUN", help="run directory")
     c.add_argument("--checkpoint", default="best", help="best, latest, a step number, or all")
+
+
+def build_tb(t: argparse.ArgumentParser) -> None:
+    t.description = paragraphs(
+        "Rebuild a run's TensorBoard events from its files alone: the train/ and val/ scalars of metrics.jsonl, "
+        "the text samples of samples.jsonl and the config.yaml as HParams, as training writes them. For a run "
+        "trained without TensorBoard, or events that were lost. View with: tensorboard --logdir OUT.")
+    t.add_argument("run", metavar="RUN", help="run directory")
+    t.add_argument("--out", default=None, help="directory for the events; RUN/tb when not given")
+    t.add_argument("--overwrite", action="store_true", help="replace the event files already in --out")
+
+
+def cmd_tb(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .run.metrics import rebuild_tensorboard
+
+    out, records, samples, hparams = rebuild_tensorboard(args.run, args.out, overwrite=args.overwrite)
+    print(f"wrote {out}: {records} metrics records, {samples} samples"
+          + (", the config as hyper-parameters" if hparams else " (no config.yaml: no hyper-parameters)")
+          + f"; view with: tensorboard --logdir {shlex.quote(str(out))}")
+    return 0
 
 
 def cmd_consolidate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
@@ -909,6 +950,7 @@ COMMANDS = {c.name: c for c in (
             build_consolidate, cmd_consolidate),
     Command("compare", "compare runs: a table with bits per byte, loss curves with seed bands", build_compare,
             cmd_compare),
+    Command("tb", "rebuild a run's TensorBoard events from its metrics.jsonl", build_tb, cmd_tb),
 )}
 
 

@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -95,7 +96,8 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
         if why:
             raise ValueError(f"cannot export as {architecture!r}: {why}")
         return architecture, target
-    reasons = []
+    reasons: list[str] = []
+    fixes: list[str] = []
     for name, target in targets.items():
         if target.moe != (cfg.moe is not None):
             continue
@@ -103,7 +105,34 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
         if why is None:
             return name, target
         reasons.append(f"{name}: {why}")
-    raise ValueError(f"cannot export: no transformers architecture computes this model exactly; {'; '.join(reasons)}")
+        fixes += [f"--model.{field} {value} for {name}" for field, value in one_field_fixes(cfg, target, why)]
+    fix = f"; to export, train with {' or '.join(fixes)}" if fixes else ""
+    raise ValueError(f"cannot export: no transformers architecture computes this model exactly; {'; '.join(reasons)}"
+                     f"{fix}")
+
+
+def one_field_fixes(cfg: ModelConfig, target: Export, why: str) -> list[tuple[str, str]]:
+    """(field, value) changes of the one field a refusal names (``moe.shared_gate='none' (...)``) that make
+    ``target`` accept the model: each other choice of a field with named choices, or the other truth value,
+    checked by asking the target again. What a preset would need to export as that family."""
+    field = why.split("=", 1)[0].strip()
+    if not re.fullmatch(r"[a-z_]+(\.[a-z_]+)?", field):
+        return []
+    owner, name = (cfg.moe, field.split(".")[1]) if field.startswith("moe.") else (cfg, field)
+    if owner is None or name not in {f.name for f in dataclasses.fields(owner)}:
+        return []
+    hint = typing.get_type_hints(type(owner))[name]
+    current = getattr(owner, name)
+    choices = [not current] if hint is bool else [c for c in typing.get_args(hint) if isinstance(c, str)]
+    fixes = []
+    for value in (c for c in choices if c != current):
+        try:
+            changed = cfg.override({field: value})
+        except ValueError:
+            continue
+        if target.refuse(changed) is None and not universal_refusal(changed):
+            fixes.append((field, str(value).lower() if isinstance(value, bool) else str(value)))
+    return fixes
 
 
 def _kind_mismatch(cfg: ModelConfig, target: Export) -> str | None:
@@ -146,6 +175,7 @@ def model_config(model: torch.nn.Module) -> ModelConfig:
 def to_hf(
     model: torch.nn.Module, out: str | Path, tokenizer: Any = None, *, architecture: str | None = None,
     dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE, overwrite: bool = False,
+    trained_length: int | None = None,
 ) -> Exported:
     """Write ``model`` as a Hugging Face checkpoint directory ``out`` that
     ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads with the same logits.
@@ -156,8 +186,9 @@ def to_hf(
     stored dtype (default: the weights' own). ``max_shard_size``: bytes, or "500MB" / "5GB";
     larger checkpoints are split into shards listed in model.safetensors.index.json. ``out`` must
     not exist or be empty, unless ``overwrite``, which replaces only a directory an earlier export
-    wrote (it holds the marker file ``.lmlab-export``). Every refusal is a ValueError raised before
-    anything is written."""
+    wrote (it holds the marker file ``.lmlab-export``). ``trained_length``: the context the model was
+    trained at (a run's ``train.seq_len``), written as ``max_position_embeddings`` where nothing is computed
+    from it (see :func:`trained_context`). Every refusal is a ValueError raised before anything is written."""
     cfg = model_config(model)
     out = Path(out)
     model_type, target = choose_architecture(cfg, architecture)
@@ -165,11 +196,11 @@ def to_hf(
     stored = _resolve_dtype(dtype, tensors)
     limit = parse_size(max_shard_size)
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
-    config = hf_config(cfg, model_type, bos_id=bos, eos_id=eos, dtype=stored)
+    config = trained_context(hf_config(cfg, model_type, bos_id=bos, eos_id=eos, dtype=stored), cfg, trained_length)
     texts = {
         "config.json": _json(config),
         "generation_config.json": _json({"bos_token_id": bos, "eos_token_id": eos}),
-        **tokenizer_files(tokenizer, cfg),
+        **tokenizer_files(tokenizer, cfg, config.get("max_position_embeddings", cfg.max_seq_len)),
     }
     _check_out(out, overwrite)
     shards = plan_shards(tensors, stored, limit)
@@ -179,7 +210,18 @@ def to_hf(
 
 
 # ============================================================== tokenizer
-def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
+def trained_context(config: dict[str, Any], cfg: ModelConfig, trained_length: int | None) -> dict[str, Any]:
+    """config.json with ``max_position_embeddings`` the length the model was trained at, where it is shorter
+    than ``cfg.max_seq_len`` (a preset's 256 for a run trained at 128), so that the export says how long a
+    context the model has seen. Only where no weight or rope frequency depends on it: rotary positions without
+    a scaling (transformers derives YaRN's factor and dynamic NTK from it); learned tables keep their size."""
+    if (trained_length is None or trained_length >= cfg.max_seq_len or "max_position_embeddings" not in config
+            or cfg.positions != "rope" or cfg.rope.scaling not in ("none", "ntk")):
+        return config
+    return {**config, "max_position_embeddings": trained_length}
+
+
+def tokenizer_files(tokenizer: Any, cfg: ModelConfig, model_max_length: int | None = None) -> dict[str, str]:
     """{file name: text} of ``tokenizer`` as Hugging Face files: its own ``hf_files()`` (at least
     tokenizer.json), plus a tokenizer_config.json naming the special tokens if it brings none."""
     if tokenizer is None:
@@ -209,7 +251,7 @@ def tokenizer_files(tokenizer: Any, cfg: ModelConfig) -> dict[str, str]:
     if "tokenizer_config.json" not in files:
         special = {name: _token(tok, getattr(tokenizer, f"{name}_id", None)) for name in ("bos", "eos")}
         files["tokenizer_config.json"] = _json({
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length or cfg.max_seq_len,
             "clean_up_tokenization_spaces": False, "bos_token": special["bos"], "eos_token": special["eos"],
         })
     return files

@@ -8,7 +8,8 @@
     optim.py        AdamW groups and the warmup + cosine schedule
     trainer.py      the training loop: setup, the step, evaluation, checkpoints, logging, signals
     progress.py     what a run shows as it trains: banner, notes, progress bar, throughput
-    metrics.py      metrics.jsonl and TensorBoard
+    metrics.py      metrics.jsonl and samples.jsonl, fed to the trackers; TensorBoard rebuilt from them
+    trackers.py     TensorBoard, W&B and MLflow behind one interface, each an optional extra, offline
     evaluate.py     validation loss, perplexity, bits per byte, loss by position
     load.py         reading a run (or a Hugging Face checkpoint) back for eval and generate
     provenance.py   versions, git revision and command line of every session

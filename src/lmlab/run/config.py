@@ -9,7 +9,7 @@ run's ``config.yaml``.
     optim:       AdamW and its warmup + cosine schedule (OptimConfig; run/optim.py)
     eval:        validation passes (EvalConfig)
     checkpoint:  when checkpoints are written, how many are kept, sync or async (CheckpointConfig)
-    log:         metrics.jsonl, TensorBoard and printed samples (LogConfig)
+    log:         metrics.jsonl, samples, and the trackers: TensorBoard, W&B, MLflow (LogConfig; run/trackers.py)
     parallel:    several processes under torchrun (ParallelConfig; run/parallel/plan.py)
 
 Each component receives only its own section. The old keys of the one-section layout
@@ -35,6 +35,7 @@ from .data.config import DataConfig
 Strategy = Literal["ddp", "fsdp"]
 ActivationCheckpointing = Literal["none", "blocks"]
 SaveMode = Literal["sync", "async"]
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]  # run/trackers.py: TRACKERS
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -173,11 +174,14 @@ class CheckpointConfig(Section):
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class LogConfig(Section):
-    """What a run records and prints: metrics.jsonl, TensorBoard events and samples of text."""
+    """What a run records and prints: metrics.jsonl, samples of text, and the trackers that mirror them."""
 
     section: ClassVar[str] = "log"
     every: int = 10  # steps between metrics.jsonl records
-    tensorboard: bool = True  # write TensorBoard events to <run>/tb when tensorboard is installed
+    # each an optional extra (pip install 'lmlab[wandb]'), refused at the start when not installed; [] = none.
+    # None: tensorboard when it is installed (a note when not), as before log.trackers existed
+    trackers: tuple[TrackerName, ...] | None = None
+    tensorboard: bool = True  # the switch before log.trackers: false = no TensorBoard while log.trackers is None
     sample_every: int = 0  # steps between printed samples; 0 = only at the end
     sample_tokens: int = 200  # tokens per sample
     sample_prompt: str = "The "
@@ -185,6 +189,20 @@ class LogConfig(Section):
     def validate(self) -> None:
         self.positive("every")
         self.positive("sample_every", "sample_tokens", allow_zero=True)
+        if self.trackers is not None:
+            twice = [t for i, t in enumerate(self.trackers) if t in self.trackers[:i]]
+            if twice:
+                raise ValueError(f"log.trackers names {twice[0]} twice; name each tracker once")
+            if not self.tensorboard and "tensorboard" in self.trackers:
+                raise ValueError("log.tensorboard=false and log.trackers names tensorboard; drop log.tensorboard "
+                                 "(log.trackers replaces it)")
+
+    def tracker_names(self) -> tuple[tuple[str, ...], bool]:
+        """(the trackers this run writes to, whether each must be installed): log.trackers as given,
+        required; or when it is None, tensorboard if log.tensorboard, only when installed."""
+        if self.trackers is not None:
+            return tuple(self.trackers), True
+        return ("tensorboard",) if self.tensorboard else (), False
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -1,62 +1,106 @@
-"""A run's metrics: one JSON record per logged step in metrics.jsonl, mirrored to TensorBoard.
+"""A run's metrics: one JSON record per logged step in metrics.jsonl, its text samples in
+samples.jsonl, both mirrored to the run's trackers (TensorBoard, W&B, MLflow: run/trackers.py).
 
-    log = MetricsLog(run_dir, tensorboard=True, purge_step=None)
+    log = MetricsLog.open(run_dir, cfg, step=0)                  # the trackers of cfg.log get cfg
     log.write({"step": 10, "loss": 2.3, "moe": [{"max_load": 1.4}]})
+    log.text(10, "sample", "The cat sat")
     records = read_metrics("runs/default")
+    rebuild_tensorboard("runs/default")                          # <run>/tb again, from the files alone
 
 Every line is strict JSON: a non-finite number (a NaN loss, an infinite gradient norm) is written
 as ``null``, never as the bare ``NaN`` / ``Infinity`` that Python's json would emit and other
 readers refuse. A record reaches the operating system before the step's checkpoint is written
 (the trainer calls :meth:`MetricsLog.sync` first), so a crash never loses a record of a step that
 a checkpoint covers; records after the checkpoint are dropped on resume and written again.
+The trackers get each record as it is written (nulls dropped), so events rebuilt from the files
+hold the same numbers as those written during the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, TextIO
 
-from .checkpoint.directory import METRICS_FILE, RunDir, metrics_record
+from .checkpoint.directory import METRICS_FILE, SAMPLES_FILE, RunDir, metrics_record
+from .checkpoint.lock import locked
+from .config import RunConfig, load_config
 from .errors import CorruptFile, write_failure
+from .trackers import TensorBoardTracker, Trackers, installed, open_trackers
 
 
 class MetricsLog:
-    """Appends records to metrics.jsonl (flushed after each) and their numbers to TensorBoard."""
+    """Appends records to metrics.jsonl and samples to samples.jsonl (flushed after each), and passes
+    both to ``trackers``."""
 
-    def __init__(self, run: RunDir, *, tensorboard: bool, purge_step: int | None, say: Callable[[str], None] = print):
-        self.path = run.metrics
-        # O_NOFOLLOW: a link planted after the run's checks is refused rather than written through
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        self.file = os.fdopen(fd, "a", encoding="utf-8")
-        self.tb = open_tensorboard(run.tensorboard, purge_step, say) if tensorboard else None
+    def __init__(self, run: RunDir, trackers: Trackers | None = None):
+        self.path, self.samples_path = run.metrics, run.samples
+        self.file = open_append(self.path)
+        self.samples: TextIO | None = None  # opened at the first sample: a run without samples has no file
+        self.trackers = trackers or Trackers()
+
+    @classmethod
+    def open(cls, run: RunDir, cfg: RunConfig, step: int, say: Callable[[str], None] = print) -> "MetricsLog":
+        """The log of a run that starts (``step`` 0) or resumes at ``step``, with the trackers of
+        ``cfg.log``, which get ``cfg`` as their hyper-parameters."""
+        names, required = cfg.log.tracker_names()
+        log = cls(run)
+        try:
+            log.trackers = open_trackers(names, run.path, purge_step=step + 1 if step else None, required=required,
+                                         say=say)
+            log.trackers.log_hparams(cfg.to_dict())
+        except BaseException:
+            log.close()
+            raise
+        return log
 
     def write(self, record: dict[str, Any]) -> None:
-        try:
-            self.file.write(json_line(record))
-            self.file.flush()
-        except OSError as e:
-            write_failure(e, self.path)  # names the file
-            raise
-        if self.tb is not None:
-            for key, value in scalars(record):
-                if key != "step":
-                    self.tb.add_scalar(key, value, record["step"])
+        written = finite_or_null(record)
+        append(self.file, self.path, json.dumps(written, allow_nan=False) + "\n")
+        self.trackers.log_record(written)  # as written: a non-finite number is dropped, as it reads back as null
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A text sample (``tag``: what it is, e.g. "sample") at ``step``."""
+        if self.samples is None:
+            self.samples = open_append(self.samples_path)
+        append(self.samples, self.samples_path, json_line({"step": step, "tag": tag, "text": text}))
+        self.trackers.log_text(step, tag, text)
 
     def sync(self) -> None:
         """Make the records written so far durable (before a checkpoint that covers them)."""
-        try:
-            os.fsync(self.file.fileno())
-        except OSError as e:
-            write_failure(e, self.path)
-            raise
+        for file, path in ((self.file, self.path), (self.samples, self.samples_path)):
+            try:
+                if file is not None:
+                    os.fsync(file.fileno())
+            except OSError as e:
+                write_failure(e, path)
+                raise
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.samples is not None:
+            self.samples.close()
+        self.trackers.close()
+
+
+def open_append(path: Path) -> TextIO:
+    """``path`` opened for appending UTF-8 text; a link planted after the run's checks is refused
+    (O_NOFOLLOW) rather than written through."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def append(file: TextIO, path: Path, line: str) -> None:
+    """Write and flush ``line``; a failure names ``path``."""
+    try:
+        file.write(line)
+        file.flush()
+    except OSError as e:
+        write_failure(e, path)  # names the file
+        raise
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -73,28 +117,6 @@ def finite_or_null(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [finite_or_null(v) for v in x]
     return x
-
-
-def open_tensorboard(path: Path, purge_step: int | None, say: Callable[[str], None]):
-    """A SummaryWriter on ``path``, or None (with a note) when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        say("note: tensorboard is not installed, so no event files are written (pip install tensorboard)")
-        return None
-    return SummaryWriter(str(path), purge_step=purge_step)
-
-
-def scalars(x: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
-    """(tag, number) pairs of a record for TensorBoard: moe[1]["max_load"] -> "moe/1/max_load"."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        yield prefix, x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from scalars(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(x, list) and x and isinstance(x[0], dict):
-        for i, v in enumerate(x):
-            yield from scalars(v, f"{prefix}/{i}")
 
 
 def jsonable(x: Any) -> Any:
@@ -133,3 +155,57 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                               "checkpoints are unaffected)")
         records.append(record)
     return records
+
+
+def read_samples(path: str | Path) -> list[dict[str, Any]]:
+    """A run's samples.jsonl as records {"step", "tag", "text"} ([] when the run wrote none); read as
+    :func:`read_metrics` reads metrics.jsonl."""
+    p = Path(path) / SAMPLES_FILE
+    if not p.is_file():
+        return []
+    lines = p.read_bytes().splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        record = metrics_record(line) if line.strip() else {}
+        if record is None and i < len(lines):  # the last line may be torn by a crash mid-write
+            raise CorruptFile(f"{str(p)!r} line {i} is not a sample record; delete that line")
+        if record and isinstance(record.get("tag"), str) and isinstance(record.get("text"), str):
+            records.append(record)
+    return records
+
+
+def rebuild_tensorboard(run_dir: str | Path, out: str | Path | None = None, *,
+                        overwrite: bool = False) -> tuple[Path, int, int, bool]:
+    """Write TensorBoard events for a run from its files alone: the grouped scalars of metrics.jsonl,
+    the samples of samples.jsonl and config.yaml as HParams, into ``out`` (default ``<run>/tb``), as
+    the trainer writes them. Refuses a directory that already holds events unless ``overwrite``
+    (then only its event files are replaced). Returns (out, records, samples, whether hparams were written)."""
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise FileNotFoundError(f"run directory {str(run.path)!r} does not exist")
+    records, samples = read_metrics(run.path), read_samples(run.path)
+    config = load_config(run.config).to_dict() if run.config.is_file() else None
+    if not installed(TensorBoardTracker):
+        raise ValueError("tensorboard is not installed; pip install 'lmlab[tensorboard]' to write TensorBoard events")
+    target = Path(out) if out is not None else run.tensorboard
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{str(target)!r} is a file; give --out a directory for the events")
+    existing = sorted(target.rglob("events.out.tfevents.*")) if target.is_dir() else []
+    if existing and not overwrite:
+        raise ValueError(f"{str(target)!r} already holds TensorBoard events ({len(existing)} file(s)); pass "
+                         "--overwrite to replace them, or choose another --out")
+    inside = target.resolve().is_relative_to(run.path.resolve())
+    with locked(run.path, "run directory") if inside else contextlib.nullcontext():  # not while it trains
+        for f in existing:
+            f.unlink()
+        trackers = Trackers([TensorBoardTracker(run.path, None, log_dir=target)])
+        try:
+            if config is not None:
+                trackers.log_hparams(config)
+            for record in records:
+                trackers.log_record(record)
+            for sample in samples:
+                trackers.log_text(sample["step"], sample["tag"], sample["text"])
+        finally:
+            trackers.close()
+    return target, len(records), len(samples), config is not None

@@ -72,6 +72,7 @@ from .parallel.plan import Parallel, global_moe_stats, parallelize
 from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
 from .tasks import TASKS, Loss, language_model_loss
+from .trackers import check_trackers
 
 
 class TrainingDiverged(RuntimeError):
@@ -231,11 +232,9 @@ class Trainer:
     replaces an earlier run there. ``callbacks`` are called as ``cb(trainer, record)`` after each
     step with that step's metrics."""
 
-    def __init__(
-        self, cfg: RunConfig, run_dir: str | Path = "runs/default", *, resume: bool = False, overwrite: bool = False,
-        callbacks: Sequence[Callable[["Trainer", dict], None]] = (), quiet: bool = False,
-        command: Sequence[str] | None = None,
-    ):
+    def __init__(self, cfg: RunConfig, run_dir: str | Path = "runs/default", *, resume: bool = False,
+                 overwrite: bool = False, callbacks: Sequence[Callable[["Trainer", dict], None]] = (),
+                 quiet: bool = False, command: Sequence[str] | None = None):
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other; choose one")
         self.run = RunDir(run_dir)
@@ -258,6 +257,7 @@ class Trainer:
     # ---- setup
     def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None) -> None:
         check_processes(cfg, self.dist.world)
+        check_trackers(*cfg.log.tracker_names())  # a tracker named but not installed: refused before any write
         cfg = resolve_data_config(cfg)  # absolute paths; with --data DIR, how DIR was prepared
 
         def claim() -> None:  # rank 0 locks the run directory for the life of the run, then checks what it holds
@@ -298,9 +298,7 @@ class Trainer:
             self.progress.print(f"note: dropped {dropped} unreadable line(s) of {self.run.metrics}")
         self.run.write_config(self.cfg, provenance(command, step=self.step, device=str(self.device),
                                                    world_size=self.dist.world, data=identity(self.data)))
-        # TensorBoard drops events at purge_step and later: keep every step up to the checkpoint's
-        self.log = MetricsLog(self.run, tensorboard=self.cfg.log.tensorboard,
-                              purge_step=self.step + 1 if self.step else None, say=self.progress.print)
+        self.log = MetricsLog.open(self.run, self.cfg, self.step, say=self.progress.print)
 
     def _abandon(self, peers_lost: bool = False) -> None:
         """A start that failed leaves nothing behind: close what was opened; remove the run directory
@@ -389,7 +387,7 @@ class Trainer:
             if val_loss is None:  # resumed a finished run: report where it stands
                 val_loss, _ = self._evaluate()
             writes = self._takes_part and self.cfg.log.sample_tokens and self.task.writes_text
-            sample = self.sample() if writes else None
+            sample = self.sample(record=True) if writes else None
         return TrainResult(
             step=self.step, loss=loss, val_loss=val_loss, best_val_loss=self.best_val, skipped_steps=self.skipped_steps,
             tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
@@ -462,7 +460,7 @@ class Trainer:
         if self.step % every == 0 or self.step == steps or improved or self.stop.stopping:
             self._save(best=improved, val_loss=val_loss)
         if log.sample_every and self.step % log.sample_every == 0 and self.step < steps and self.task.writes_text:
-            self.progress.print(f"sample at step {self.step}: {self.sample()!r}")
+            self.progress.print(f"sample at step {self.step}: {self.sample(record=True)!r}")
 
     # ---- evaluation, checkpoints, samples
     @property
@@ -517,11 +515,14 @@ class Trainer:
             return f"the weights give a validation loss of {val_loss}"
         return None
 
-    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
-        """Text the model writes after ``prompt`` (default: log.sample_prompt), seeded by train.seed."""
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, *, record: bool = False) -> str:
+        """Text after ``prompt`` (default: log.sample_prompt), seeded by train.seed; ``record``: logged (rank 0)."""
         log = self.cfg.log
-        return sample_from(self.model, self.tokenizer, self.parallel, log.sample_prompt if prompt is None else prompt,
+        text = sample_from(self.model, self.tokenizer, self.parallel, log.sample_prompt if prompt is None else prompt,
                            max_new_tokens or log.sample_tokens, self.cfg.train.seed)
+        if record and self.log is not None:
+            self.log.text(self.step, "sample", text)
+        return text
 
     # ---- logging
     def _record(self, loss: float, grad_norm: float, aux: dict[str, float], tokens_per_step: int) -> dict[str, Any]:

@@ -2,17 +2,18 @@
 
     config.yaml      the resolved RunConfig, plus the provenance of every session that trained it
     metrics.jsonl    one JSON record per logged step (evaluation steps add val_loss)
+    samples.jsonl    the text samples written during the run: {"step", "tag", "text"} per line
     checkpoints/     see checkpoint/checkpointer.py (and local.py, sharded.py for the two layouts)
     data/            the prepared tokens and tokenizer (data.dir, relative to the run; absolute to share)
-    tb/              TensorBoard events
+    tb/              TensorBoard events (wandb/ and mlruns/ with those trackers: run/trackers.py)
     .lock            held (flock) by the process training the run; removed when it ends
 
 One process at a time: a run directory is locked (``lock.DirLock``) before anything in it is
 checked or written, and stays locked for the life of the run; a second process is refused at
 once with the holder's PID. Prepared data and sweep directories take the same lock.
 
-Nothing is written through a symbolic link that leaves the run directory: a run whose
-config.yaml, metrics.jsonl, checkpoints/ or tb/ is such a link is refused (:meth:`RunDir.check_links`), and so
+Nothing is written through a symbolic link that leaves the run directory: a run whose config.yaml,
+metrics.jsonl, samples.jsonl, checkpoints/ or tb/ is such a link is refused (:meth:`RunDir.check_links`), and so
 is a run whose own data/ is any link (:meth:`RunDir.check_data_link`). Each file must be of its kind (a file, a
 directory) before anything is written (:meth:`RunDir.check_kinds`).
 """
@@ -33,8 +34,10 @@ from .lock import DirLock
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
+WANDB, MLFLOW = "wandb", "mlruns"  # W&B's offline runs and MLflow's file store, with those trackers (run/trackers.py)
 
 
 class RunDir:
@@ -50,6 +53,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / METRICS_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.path / SAMPLES_FILE
 
     @property
     def checkpoints(self) -> Path:
@@ -85,7 +92,7 @@ class RunDir:
     def check_links(self) -> None:
         """Refuse a run whose files would be written through a symbolic link that leaves the run directory."""
         root = self.path.resolve()
-        for p in (self.config, self.metrics, self.checkpoints, self.tensorboard):
+        for p in (self.config, self.metrics, self.samples, self.checkpoints, self.tensorboard):
             if not p.is_symlink():
                 continue
             try:
@@ -101,7 +108,7 @@ class RunDir:
     def check_kinds(self) -> None:
         """Refuse a run whose config.yaml or metrics.jsonl is not a file, or whose checkpoints/ or tb/ is not a
         directory: found only at the first write, that would come after config.yaml had changed."""
-        for p, want in ((self.config, "file"), (self.metrics, "file"),
+        for p, want in ((self.config, "file"), (self.metrics, "file"), (self.samples, "file"),
                         (self.checkpoints, "directory"), (self.tensorboard, "directory")):
             if not p.exists():
                 continue
@@ -135,14 +142,15 @@ class RunDir:
         return "a run"
 
     def clear(self) -> None:
-        """Remove an earlier run's config, metrics, checkpoints and events (``--overwrite``)."""
-        for p in (self.checkpoints, self.tensorboard, self.metrics, self.config):
+        """Remove an earlier run's config, metrics, samples, checkpoints and trackers' records (``--overwrite``)."""
+        trackers = (self.tensorboard, self.path / WANDB, self.path / MLFLOW)
+        for p in (self.checkpoints, *trackers, self.metrics, self.samples, self.config):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
     def sweep_temporaries(self) -> None:
         """Remove the temporary files of atomic writes that a killed run left behind (config.yaml's,
-        metrics.jsonl's, and under checkpoints/). Called by the process holding the run's lock."""
-        for name in (CONFIG_FILE, METRICS_FILE):
+        metrics.jsonl's, samples.jsonl's, and under checkpoints/). Called by the process holding the run's lock."""
+        for name in (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE):
             for p in self.path.glob(f".{name}.*.tmp"):
                 p.unlink(missing_ok=True)
         ckpt.sweep_temporaries(self.checkpoints)
@@ -166,20 +174,27 @@ class RunDir:
         """On resume, keep the records of steps up to ``step`` (the checkpoint), byte for byte; the
         resumed run logs the later ones again. Lines that cannot be read (one cut short by a crash,
         bytes that are not UTF-8 or not a record) are dropped rather than block the resume; returns
-        how many were."""
-        if not self.metrics.is_file():
-            return 0
-        kept, dropped = [], 0
-        for line in self.metrics.read_bytes().splitlines():
-            if not line.strip():
-                continue
-            record = metrics_record(line)
-            if record is None:
-                dropped += 1
-            elif record["step"] <= step:
-                kept.append(line + b"\n")
-        write_atomic(self.metrics, b"".join(kept))
-        return dropped
+        how many were. samples.jsonl is trimmed the same way (its unreadable lines are not counted)."""
+        trim_records(self.samples, step)
+        return trim_records(self.metrics, step)
+
+
+def trim_records(path: Path, step: int) -> int:
+    """Keep the records of ``path`` (a JSON-lines file of records with a "step") up to ``step``; returns
+    how many unreadable lines were dropped. A missing file stays missing."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        record = metrics_record(line)
+        if record is None:
+            dropped += 1
+        elif record["step"] <= step:
+            kept.append(line + b"\n")
+    write_atomic(path, b"".join(kept))
+    return dropped
 
 
 def metrics_record(line: bytes | str) -> dict[str, Any] | None:

@@ -52,7 +52,9 @@ class RunData:
         return data
 
     def describe(self) -> str:
-        return f"{self.dir} ({self.meta.describe()}; {self.meta.data_hash[:19]})"
+        """The banner's data line, and the data's warning on a line of its own where it has one."""
+        warning = self.meta.separator_warning
+        return f"{self.dir} ({self.meta.describe()}; {self.meta.data_hash[:19]})" + (f"\n{warning}" if warning else "")
 
 
 def identity(data: RunData) -> dict[str, Any]:

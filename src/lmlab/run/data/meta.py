@@ -53,6 +53,9 @@ class Split:
     reason: str  # why, in words (prepare's output says it when the split is by token stream)
     val_fraction: float
     documents: dict[str, int] | None = None  # {"train": n, "val": n} unique documents; None by token stream
+    rule: str | None = None  # which documents went to validation, in words exact enough to recompute
+    # the validation documents' indices in the source (0-based, duplicates counted), when at most MAX_LISTED
+    val_documents: list[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +212,16 @@ class DataMeta:
         unk = self.unknown_tokens
         unknown = f"; {unk:,} unknown tokens ({unk / max(1, self.total_tokens):.2%})" if unk else ""
         return f"{self.tokenizer} tokenizer, vocab {self.vocab_size:,}; {docs}, {by}; {sizes}{unknown}"
+
+    @property
+    def separator_warning(self) -> str | None:
+        """One line when documents were joined without an end-of-document token (a pretrained tokenizer
+        without an eos token), else None: a model trained on it cannot tell where one document ends."""
+        if self.task != "lm" or self.eod_id is not None or self.documents < 2:
+            return None
+        return (f"warning: the {self.tokenizer} tokenizer has no end-of-document (eos) token, so the documents are "
+                "concatenated without a separator; give a tokenizer with one (its config.json / "
+                "tokenizer_config.json names eos) to mark where each ends")
 
     # ---------------------------------------------------------------- the one tokenizer check
     def check_tokenizer(self, where: str | Path, whose: str, *, model_vocab: int, tokenizer_hash: str | None = None,

@@ -344,15 +344,24 @@ def _meta(cfg: DataConfig, survey: sh.Survey, tokenizer: Tokenizer, split: tuple
         duplicates_dropped=survey.duplicates,
         characters=survey.characters,
         bytes=survey.text_bytes,
-        split=Split(by=split[0], reason=split[1], val_fraction=cfg.val_fraction,
-                    documents=None if split[0] == sh.BY_TOKENS else
-                    {"train": int(survey.keep.sum()) - int(to_val.sum()), "val": int(to_val.sum())}),
+        split=_split_record(split, cfg.val_fraction, survey, to_val),
         config=cfg.to_dict(),
         lmlab_version=__version__,
         **by_task,
         tokenizer_trained_on=sample,
         data_hash="",
     )
+
+
+def _split_record(split: tuple[str, str], val_fraction: float, survey: sh.Survey, to_val: np.ndarray) -> Split:
+    """meta.json's record of the split: how and why, the rule that says which documents went to validation,
+    and (by document, when few enough) their indices in the source."""
+    if split[0] == sh.BY_TOKENS:
+        return Split(by=split[0], reason=split[1], val_fraction=val_fraction, rule=sh.TOKENS_RULE)
+    n_val = int(to_val.sum())
+    listed = np.flatnonzero(to_val).tolist() if n_val <= sh.MAX_LISTED else None
+    return Split(by=split[0], reason=split[1], val_fraction=val_fraction, rule=sh.VAL_RULE, val_documents=listed,
+                 documents={"train": int(survey.keep.sum()) - n_val, "val": n_val})
 
 
 def _commit(out: Path, shards: sh.ShardSet, files: dict[str, str], tokenizer: Tokenizer, meta: DataMeta) -> DataMeta:

@@ -41,6 +41,14 @@ SHARE_TOLERANCE = 3.0  # ... and validation's share of the text within this fact
 SEPARATOR = "\n\n"  # joins documents when a tokenizer has no end-of-document id
 
 
+# which documents a split by document sends to validation, as meta.json's split.rule states it (Survey.to_val)
+VAL_RULE = ("a document is validation when the low 32 bits of the blake2b digest (8 bytes, read little-endian) of "
+            "its text with each whitespace-separated word followed by one space are below val_fraction * 2**32; "
+            "a later duplicate of a document is dropped")
+TOKENS_RULE = "validation is the end of the token stream of the documents in source order, val_tokens long"
+MAX_LISTED = 1000  # meta.json lists the validation documents' indices up to this many (the rule covers the rest)
+
+
 # ============================================================== survey
 @dataclasses.dataclass
 class Survey:
@@ -58,7 +66,7 @@ class Survey:
         return self.documents - int(self.keep.sum())
 
     def to_val(self, val_fraction: float) -> np.ndarray:
-        """(documents,) bool: which documents a document split sends to validation."""
+        """(documents,) bool: which documents a document split sends to validation (``VAL_RULE``)."""
         return (self.keys & np.uint64(0xFFFFFFFF)) < np.uint64(int(val_fraction * 2**32))
 
     def sampled(self, fraction: float) -> np.ndarray:

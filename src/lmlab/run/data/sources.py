@@ -263,7 +263,8 @@ def _row(record: Any, where: str, field: str, label_field: str | None, name: str
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ValueError(
-            f"{where}: no {field!r} field (found {keys}); set data.text_field to the field that holds the text"
+            f"{where}: no {field!r} field (found {keys}); name the field that holds the text with --text-field "
+            "(lmlab prepare) or data.text_field"
         )
     value = record[field]
     if not isinstance(value, str):
@@ -272,7 +273,7 @@ def _row(record: Any, where: str, field: str, label_field: str | None, name: str
     if label_field is not None:
         if label_field not in record:
             raise ValueError(f"{where}: no {label_field!r} field (found {sorted(record)}); every row needs a label; "
-                             "set data.label_field to the field that holds it")
+                             "name the field that holds it with --label-field (lmlab prepare) or data.label_field")
         label = check_label(record[label_field], where, label_field)
     if not value.strip():
         return None
@@ -336,8 +337,8 @@ def _open_hf(location: str, field: str, label_field: str | None) -> Source:
             if column not in ds.column_names:
                 what = "text" if column == field else "label"
                 raise ValueError(
-                    f"hf dataset {location!r} has no column {column!r} (columns: {ds.column_names}); "
-                    f"set data.{'text_field' if column == field else 'label_field'} to the column that holds the {what}"
+                    f"hf dataset {location!r} has no column {column!r} (columns: {ds.column_names}); name the column "
+                    f"that holds the {what} with --{what}-field (lmlab prepare) or data.{what}_field"
                 )
     except BaseException:
         stack.close()

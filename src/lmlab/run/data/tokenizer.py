@@ -184,17 +184,21 @@ class ByteTokenizer(ByteTableTokenizer):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
 
     def hf_files(self) -> dict[str, str]:
-        """Byte-level BPE with the 256 byte symbols of GPT-2's alphabet as ids 0-255 and no merges:
-        every byte is its own token, exactly as here, so the exported model is usable as is. The
-        end of document (0xFF) is named only in config.json / generation_config.json: declared as
-        a tokenizer special token, its symbol "ÿ" would also match that character in text, which
-        lmlab encodes as the two bytes of its UTF-8."""
+        """Byte-level BPE with the byte symbols of GPT-2's alphabet as ids 0-254 and no merges: every
+        byte is its own token, exactly as here, so the exported model is usable as is. Id 255, the
+        end of document, is the special token ``<|endoftext|>``, declared eos and pad token so that
+        ``tokenizer(texts, padding=True)`` works (0xFF is no byte of UTF-8 text, so no text needs its
+        byte symbol "ÿ"). ``split_special_tokens``: a text that contains "<|endoftext|>" encodes as its
+        bytes, as here, and never ends itself."""
         tk = hf_tokenizers()
         alphabet = bytes_to_unicode()
-        tok = tk.Tokenizer(tk.models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        vocab = {**{alphabet[b]: b for b in range(256) if b != BYTE_EOD}, EOD_TOKEN: BYTE_EOD}
+        tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = tk.decoders.ByteLevel()
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        tok.add_special_tokens([tk.AddedToken(EOD_TOKEN, special=True)])
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  "eos_token": EOD_TOKEN, "pad_token": EOD_TOKEN, "split_special_tokens": True}
         return {HF_FILE: tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
     @classmethod
