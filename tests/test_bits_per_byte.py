@@ -90,7 +90,7 @@ class Windows:
     def __init__(self, data: TokenData, n: int):
         self.data, self.n = data, n
 
-    def iter_eval(self, batch_size, seq_len, max_batches=None):
+    def iter_eval(self, batch_size, seq_len, max_batches=None, spread=False):
         yield from (w for i, w in enumerate(self.data.iter_eval(1, seq_len)) if i == self.n)
 
 

@@ -495,6 +495,12 @@ def test_classification_rows_are_stored_with_their_labels(tmp_path):
     assert torch.equal(x, x2) and torch.equal(y, y2)
     with pytest.raises(ValueError, match=r"holds labelled rows, not a token stream|holds classify data"):
         TokenData(tmp_path / "d", "train")
+    # spread evaluation reads rows evenly spaced over the split, the first and the last included
+    everything = torch.cat([y for _, y in train.iter_eval(3, 16)])
+    spread = torch.cat([y for _, y in train.iter_eval(3, 16, max_batches=2, spread=True)])
+    index = np.unique(np.linspace(0, len(train) - 1, 6).round().astype(np.int64))
+    assert len(train) > 6 and index[-1] == len(train) - 1
+    assert torch.equal(spread, everything[index])
 
 
 BAD_ROWS = {

@@ -12,6 +12,7 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 import lmlab
@@ -417,6 +418,26 @@ def test_final_eval_is_the_same_slice_for_every_run_and_summary(tmp_path, corpus
     expected = evaluate(model, SpreadSlice(val, 6), batch_size=8, seq_len=16).loss
     assert rows[0]["final_val_loss"] == pytest.approx(expected, rel=1e-6)
     assert "over 96 validation tokens" in (out / "summary.md").read_text()
+
+
+def test_spread_evaluation_is_the_final_slice_at_every_point_of_the_curve(tmp_path, corpus):
+    """eval.windows spread: every pass reads the same windows spread over the whole split, so with
+    batches x batch_size windows = the final slice, the curve's last point is the final loss."""
+    base = {**TINY, "eval": {"every": 2, "batches": 3, "windows": "spread"},
+            "data": {"source": str(corpus), "val_fraction": 0.1}}
+    path = spec_file(tmp_path, corpus, base=base, final_eval={"tokens": 96}, variants=[{"name": "one"}])
+    rows = run_sweep(load_spec(path), tmp_path / "out", log=quiet)
+    curve = [r["val_loss"] for r in read_curve(tmp_path / "out" / "runs/one/seed0") if r.get("val_loss") is not None]
+    assert len(curve) == 2 and curve[-1] == pytest.approx(rows[0]["final_val_loss"], rel=1e-6)
+    from lmlab.run.data.batches import TokenData
+
+    val = TokenData(tmp_path / "out" / "data", "val")
+    spread = [x for x, _ in val.iter_eval(2, 16, 3, spread=True)]
+    first = [x for x, _ in val.iter_eval(2, 16, 3)]
+    starts = spread_starts(len(val), 16, 6)
+    assert starts[-1] == len(val) - 17  # the last window ends at the split's end
+    assert torch.equal(torch.cat(spread)[:, 0], torch.from_numpy(np.asarray(val.tokens)[starts]).long())
+    assert torch.equal(torch.cat(first)[:, 0], torch.from_numpy(np.asarray(val.tokens)[np.arange(6) * 16]).long())
 
 
 # ============================================================== parallel workers

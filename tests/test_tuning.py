@@ -190,8 +190,25 @@ def test_a_variant_with_tune_false_must_set_the_tuned_field_itself(tmp_path):
         load_spec(path)
     assert str(e.value) == (f"{path}: variant 'dense-common' has tune: false but does not set optim.lr; "
                             "give it overrides: {optim.lr: VALUE} (the common value it trains at)")
-    with pytest.raises(ValueError, match="tune='no' is not valid"):
-        load_spec(write_spec(tmp_path, variants=[{"name": "dense", "tune": "no"}]))
+    with pytest.raises(ValueError, match="tune=5 is not valid"):
+        load_spec(write_spec(tmp_path, variants=[{"name": "dense", "tune": 5}]))
+    with pytest.raises(ValueError, match="has tune: 'no', which is not a tuned variant of the spec; name one of "
+                                         r"\['dense'\]"):
+        load_spec(write_spec(tmp_path, variants=[{"name": "dense"}, {"name": "long", "tune": "no"}],
+                             tune=tune([1e-3, 2e-3])))
+
+
+def test_a_variant_can_train_at_another_variants_tuned_rate(tmp_path):
+    """dense-2x (twice the steps) takes dense's tuned rate and has no tuning runs of its own."""
+    path = write_spec(tmp_path, variants=[
+        {"name": "dense"}, {"name": "dense-2x", "tune": "dense", "overrides": {"train.steps": 8}}],
+        tune=tune([2e-3, 4e-3, 8e-3]))
+    trainer = lr_trainer(best=4e-3)
+    out = tmp_path / "out"
+    run_sweep(load_spec(path), out, trainer_cls=trainer, log=quiet)
+    assert json.loads((out / "tune.json").read_text())["chosen"] == {"dense": 4e-3}
+    assert lr_of(out, "dense/seed0") == 4e-3 and lr_of(out, "dense-2x/seed0") == 4e-3
+    assert not any(run.startswith("tune-dense-2x") for run, _ in trainer.made)
 
 
 # ============================================================== the rules a verdict's arms are checked against

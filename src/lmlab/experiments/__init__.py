@@ -3,7 +3,8 @@
     spec.py        a sweep spec: variants, grid, seeds, profiles (quick, gpu), tuning
     sweep/         ``lmlab sweep SPEC.yaml``: variants of a run config on an equal budget, resumable, parallel
                    (engine, workers, tuning, tables, measure, layout: see its docstring)
-    stats.py       Student's t, paired intervals over seeds, tie margins, verdicts
+    stats.py       Student's t, paired tests, TOST, Holm, sign-flip, power, the compute multiplier, verdicts
+    decide.py      registered claims decided: per-seed endpoints, Holm over an experiment, verdict.json
     claims.py      claims with their intervals -> verdict.json and the README's results table
     registration.py  a spec committed before its main runs: its registration commit and the changes after it
     corpus.py      the experiment corpus: the stdlib's source, deduplicated; split overlap
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.data.meta import DataMeta
-from . import claims, corpus, moe, norm, positions, stats
+from . import claims, corpus, decide, moe, norm, positions, stats
 from .registration import Registration, spec_status
 from .spec import SweepSpec
 from .sweep import Outcome, load_spec, sweep_outcome
@@ -56,11 +57,11 @@ def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = 
 def experiment_registration(name: str, *, spec_file: str | Path | None = None, quick: bool = False,
                             draft: bool = False) -> Registration:
     """The registration of experiment ``name``'s spec file (later commits to its analysis module,
-    stats.py and claims.py listed too). Raises NotRegistered (a ValueError: exit 2), before anything
+    stats.py, claims.py and decide.py listed too). Raises NotRegistered (a ValueError: exit 2), before anything
     is written, for a main run (not ``quick``) of a spec that is not registered, unless ``draft``."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
-    related = [EXPERIMENTS[name].__file__, stats.__file__, claims.__file__]
+    related = [EXPERIMENTS[name].__file__, stats.__file__, claims.__file__, decide.__file__]
     status = dataclasses.replace(spec_status(spec_file or spec_path(name), related), draft=draft)
     status.refuse_unless(quick or draft)
     return status

@@ -9,7 +9,7 @@ A spec registers itself with a block (the spec's ``registration:``)::
       amendments:               # every change made after the registration commit, each with its reason
         - {change: "added lr 2.4e-2 to the grid", reason: "dense chose the top edge"}
 
-    status = spec_status("src/lmlab/experiments/moe.yaml", related=[moe.py, stats.py, claims.py])
+    status = spec_status("src/lmlab/experiments/moe.yaml", related=[moe.py, stats.py, claims.py, decide.py])
     status.registered        # a checkout, tracked, identical to HEAD, and with a registration id
     status.commit            # the registration commit; status.changes_after: later commits to the spec or related
     status.problem           # why it is not registered, one line ("" when it is)
@@ -181,7 +181,7 @@ def _changes_after(git: _Git, commit: str, rels: Sequence[str]) -> tuple[Change,
 
 def spec_status(path: str | Path, related: Sequence[str | Path] = ()) -> Registration:
     """Whether the spec file ``path`` is registered; ``changes_after`` also lists later commits touching
-    ``related`` (the analysis module, stats.py, claims.py), where they lie in the same checkout."""
+    ``related`` (the analysis module, stats.py, claims.py, decide.py), where they lie in the same checkout."""
     p = Path(path)
     if not p.is_file():
         return Registration(str(path), problem="the file does not exist")

@@ -84,6 +84,26 @@ def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str]) ->
     atomic_write_text(path, buf.getvalue())
 
 
+def _cell_value(text: str) -> Any:
+    """A CSV cell as write_csv wrote it: int, float, bool, or the text ("" stays "")."""
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    """Rows written by :func:`write_csv`, numbers and booleans parsed back ([] when the file is absent)."""
+    if not Path(path).is_file():
+        return []
+    with open(path, newline="") as f:
+        return [{k: _cell_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(jsonable(data)) + "\n")
 

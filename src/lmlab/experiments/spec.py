@@ -23,11 +23,12 @@ from ..model import Transformer
 from ..run.config import RunConfig, build_config, config_changes, upgrade_keys
 from ..run.errors import one_line
 from ..schema import suggest
+from .claims import ClaimSpec, parse_claims
 from .registration import check_block
 
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
 SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "seed_fields", "quick", "profiles",
-             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "registration")
+             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "registration", "claims")
 VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds", "tune")
 PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
 TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides", "extend_factor", "max_extensions", "full_length")
@@ -58,7 +59,7 @@ class Variant:
     labels: dict[str, str] = dataclasses.field(default_factory=dict)  # grid axis -> level, for analysis
     profiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # profile -> extra overrides
     max_seeds: int | None = None  # train only the first N of the sweep's seeds (arms no verdict rests on)
-    tune: bool = True  # False: exempt from the tuned value; its own override of the tuned field stands
+    tune: bool | str = True  # False: exempt (its own value stands); a variant's name: that variant's tuned value
 
     def profile_overrides(self, profile: str | None) -> dict[str, Any]:
         if profile is None:
@@ -134,6 +135,7 @@ class SweepSpec:
     profile: str | None = None
     tuned: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> tuned overrides
     axis_extend: AxisExtend | None = None  # a grid axis that grows past its edge (sweep.extend)
+    claims: list[ClaimSpec] = dataclasses.field(default_factory=list)  # registered before the runs (claims.py)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -187,8 +189,10 @@ class SweepSpec:
     def with_tuned(self, choices: Mapping[str, Any]) -> "SweepSpec":
         """The spec with the tuned value of each variant's group applied (resolved again); a variant
         with ``tune: false`` keeps its own value of the field."""
-        tuned = {v.name: {self.tune.field: choices[self.tune.group(v)]} for v in self.variants
-                 if v.init_from is None and v.tune and self.tune.group(v) in choices}
+        source = {v.name: (self.variant(v.tune) if isinstance(v.tune, str) else v) for v in self.variants
+                  if v.init_from is None and v.tune}
+        tuned = {name: {self.tune.field: choices[self.tune.group(v)]} for name, v in source.items()
+                 if self.tune.group(v) in choices}
         return dataclasses.replace(self, tuned=tuned).resolve(profile=self.profile)
 
     def tune_groups(self) -> dict[str, Variant]:
@@ -196,7 +200,7 @@ class SweepSpec:
         (fine-tunes and ``tune: false`` variants are never tuned)."""
         t, groups = self.tune, {}
         for v in self.variants:
-            if v.init_from is None and v.tune and all(v.labels.get(k) == level for k, level in t.at.items()):
+            if v.init_from is None and v.tune is True and all(v.labels.get(k) == level for k, level in t.at.items()):
                 groups.setdefault(t.group(v), v)
         if not groups:
             raise ValueError(f"{self.source}: tune.at={t.at} matches no variant; name grid levels that exist")
@@ -296,9 +300,10 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
             f"{where} ({name!r}): seeds={max_seeds!r} is not valid; "
             "give how many of the sweep's seeds it trains, e.g. 3"
         )
-    if not isinstance(raw.get("tune", True), bool):
+    if not isinstance(raw.get("tune", True), (bool, str)) or raw.get("tune") in ("", True):
         raise ValueError(f"{where} ({name!r}): tune={raw['tune']!r} is not valid; give false to exempt it from the "
-                         "tuned value (it then sets the tuned field itself), or leave it out")
+                         "tuned value (it then sets the tuned field itself), another variant's name to train at "
+                         "that variant's tuned value, or leave it out")
     return Variant(name, _changes(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
                    _changes(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
                    {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds,
@@ -399,13 +404,19 @@ def _tune(raw: Any, source: str) -> Tune | None:
 
 
 def _check_tuned_variants(tune: Tune, variants: list[Variant], source: str) -> None:
-    """Every tuned variant has the ``by`` axes; every ``tune: false`` variant sets the tuned field itself."""
+    """Every tuned variant has the ``by`` axes; every ``tune: false`` variant sets the tuned field itself;
+    a variant that takes another's value names a tuned variant."""
+    names = {v.name: v for v in variants}
     for v in variants:
+        if isinstance(v.tune, str) and (names.get(v.tune) is None or names[v.tune].tune is not True
+                                        or names[v.tune].init_from is not None):
+            raise ValueError(f"{source}: variant {v.name!r} has tune: {v.tune!r}, which is not a tuned variant of the "
+                             f"spec; name one of {[n for n, w in names.items() if w.tune is True and not w.init_from]}")
         if not v.tune and tune.field not in v.overrides:
             raise ValueError(f"{source}: variant {v.name!r} has tune: false but does not set {tune.field}; give it "
                              f"overrides: {{{tune.field}: VALUE}} (the common value it trains at)")
     if tune.by != ["variant"]:
-        tuned = [v for v in variants if v.init_from is None and v.tune]
+        tuned = [v for v in variants if v.init_from is None and v.tune is True]
         missing = [a for a in tune.by + list(tune.at) if not all(a in v.labels for v in tuned)]
         if missing:
             raise ValueError(f"{source}: tune names axis {missing[0]!r}, which is not a grid axis of every variant")
@@ -535,7 +546,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
         axis_extend=_axis_extend(data.get("grid"), source, tune),
         registration=check_block(data.get("registration"), source),
-        **_options(data, source, names),
+        claims=parse_claims(data.get("claims"), source, variants), **_options(data, source, names),
     )
 
 

@@ -153,6 +153,7 @@ class EvalConfig(Section):
     section: ClassVar[str] = "eval"
     every: int = 250  # steps between validation passes
     batches: int = 20  # validation batches of train.batch_size sequences per pass
+    windows: Literal["first", "spread"] = "first"  # the split's first windows, or as many spread evenly over it
 
     def validate(self) -> None:
         self.positive("every", "batches")

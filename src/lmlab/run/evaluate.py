@@ -56,11 +56,13 @@ class EvalResult:
 def evaluate(
     model: nn.Module, data, *, batch_size: int, seq_len: int, max_batches: int | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext, byte_lengths: np.ndarray | None = None,
+    spread: bool = False,
 ) -> EvalResult:
     """Cross-entropy of ``model`` on ``data`` (a :class:`lmlab.data.TokenData`), read in order as
-    non-overlapping windows of ``seq_len`` tokens, ``batch_size`` at a time, at most ``max_batches``.
-    ``byte_lengths`` ((V,) UTF-8 bytes per token id, ``TokenData.byte_lengths``) adds the bytes the
-    targets cover and bits per byte."""
+    non-overlapping windows of ``seq_len`` tokens, ``batch_size`` at a time, at most ``max_batches``
+    (``spread``: that many batches' windows spread evenly over the whole split). ``byte_lengths``
+    ((V,) UTF-8 bytes per token id, ``TokenData.byte_lengths``) adds the bytes the targets cover and
+    bits per byte."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -69,7 +71,7 @@ def evaluate(
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
     sequences = 0
     try:
-        for x, y in data.iter_eval(batch_size, seq_len, max_batches):
+        for x, y in data.iter_eval(batch_size, seq_len, max_batches, spread=spread):
             x, y = x.to(device), y.to(device)  # (B, T)
             with autocast():
                 logits = model(x).logits  # (B, T, V)

@@ -71,7 +71,7 @@ class Task:
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, data, *, batch_size: int, seq_len: int, max_batches: int | None = None,
-                 autocast: Callable[[], Any] = contextlib.nullcontext) -> Evaluation:
+                 autocast: Callable[[], Any] = contextlib.nullcontext, spread: bool = False) -> Evaluation:
         raise NotImplementedError
 
 
@@ -84,9 +84,10 @@ class LanguageModeling(Task):
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Loss:
         return language_model_loss(model, x, y)
 
-    def evaluate(self, model, data, *, batch_size, seq_len, max_batches=None, autocast=contextlib.nullcontext):
+    def evaluate(self, model, data, *, batch_size, seq_len, max_batches=None, autocast=contextlib.nullcontext,
+                 spread=False):
         r = evaluate(model, data, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches, autocast=autocast,
-                     byte_lengths=getattr(data, "byte_lengths", None))
+                     byte_lengths=getattr(data, "byte_lengths", None), spread=spread)
         metrics = {} if r.bits_per_byte is None else {"bits_per_byte": r.bits_per_byte}
         return Evaluation(r.loss, metrics, {"result": r})
 
@@ -119,7 +120,8 @@ class Classification(Task):
         return loss, loss - sum(aux.values(), torch.zeros((), device=loss.device)), aux
 
     @torch.no_grad()
-    def evaluate(self, model, data, *, batch_size, seq_len, max_batches=None, autocast=contextlib.nullcontext):
+    def evaluate(self, model, data, *, batch_size, seq_len, max_batches=None, autocast=contextlib.nullcontext,
+                 spread=False):
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
@@ -127,7 +129,7 @@ class Classification(Task):
         confusion = torch.zeros(k, k, dtype=torch.int64)
         total = 0.0
         try:
-            for x, y in data.iter_eval(batch_size, seq_len, max_batches):
+            for x, y in data.iter_eval(batch_size, seq_len, max_batches, spread=spread):
                 with autocast():
                     logits, _ = model(x.to(device))
                 total += float(F.cross_entropy(logits.float(), y.to(device), reduction="sum"))

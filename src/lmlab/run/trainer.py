@@ -475,7 +475,7 @@ class Trainer:
             return None, False
         self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=self.cfg.train.batch_size,
                                             seq_len=self.cfg.seq_len, max_batches=self.cfg.eval.batches,
-                                            autocast=self.autocast)
+                                            autocast=self.autocast, spread=self.cfg.eval.windows == "spread")
         loss = self.last_eval.loss
         if self.parallel.sharded:
             mine = torch.tensor([loss if self.dist.main else 0.0], dtype=torch.float64, device=self.device)

@@ -14,18 +14,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ...run.data.batches import TokenData
+from ...run.data.batches import TokenData, spread_starts
 from ...run.evaluate import evaluate
 
 __all__ = ["SpreadSlice", "run_status", "spread_eval", "spread_starts", "unigram_loss"]
-
-def spread_starts(n_tokens: int, seq_len: int, windows: int) -> np.ndarray:
-    """``windows`` start offsets spread evenly over a split of ``n_tokens`` (each window has seq_len + 1 tokens)."""
-    last = n_tokens - seq_len - 1
-    if last < 0:
-        raise ValueError(f"the validation split holds {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    return np.unique(np.linspace(0, last, min(windows, last + 1)).round().astype(np.int64))
-
 
 class SpreadSlice:
     """Evaluation windows spread over a split, in the shape ``evaluate`` reads (``iter_eval``)."""
@@ -38,7 +30,8 @@ class SpreadSlice:
         """The split's bytes per token id (``TokenData.byte_lengths``), for bits per byte."""
         return self.data.byte_lengths
 
-    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None) -> Iterator[tuple[Any, Any]]:
+    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None,
+                  spread: bool = True) -> Iterator[tuple[Any, Any]]:
         import torch
 
         tokens = self.data.tokens

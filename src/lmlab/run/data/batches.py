@@ -4,6 +4,7 @@
     x, y = train.batch(8, 256, generator)             # (B, T) int64 each, y = x shifted by one
     x, y = train.batch(8, 256, generator, repeats)    # some windows carry a planted repeat (train.repeats)
     for x, y in train.iter_eval(8, 256): ...          # every window once, in order
+    for x, y in val.iter_eval(8, 256, 4, spread=True): ...  # 32 windows spread evenly over the split
     rows = RowData("data/rows", "val")                # classification: rows of tokens with a class each
 
 A shard is opened only if meta.json (meta.py) vouches for it: its size must match the recorded
@@ -39,6 +40,14 @@ def _open_shard(path: Path, dtype: np.dtype, expected: int) -> np.memmap:
             "it is damaged: run `lmlab prepare --overwrite`"
         )
     return np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
+
+
+def spread_starts(n_tokens: int, seq_len: int, windows: int) -> np.ndarray:
+    """``windows`` start offsets spread evenly over a split of ``n_tokens`` (each window has seq_len + 1 tokens)."""
+    last = n_tokens - seq_len - 1
+    if last < 0:
+        raise ValueError(f"the validation split holds {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+    return np.unique(np.linspace(0, last, min(windows, last + 1)).round().astype(np.int64))
 
 
 def read_prepared(data_dir: Path) -> DataMeta:
@@ -156,15 +165,21 @@ class TokenData:
         return (len(self.tokens) - 1) // seq_len
 
     def iter_eval(
-        self, batch_size: int, seq_len: int, max_batches: int | None = None
+        self, batch_size: int, seq_len: int, max_batches: int | None = None, spread: bool = False
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Deterministic evaluation batches: windows at offsets 0, T, 2T, ... (inputs do not
         overlap, so each token is predicted once), ``batch_size`` per batch, the last one
-        possibly smaller; at most ``max_batches`` batches when given."""
+        possibly smaller; at most ``max_batches`` batches when given. ``spread``: the
+        ``max_batches * batch_size`` windows are spread evenly over the whole split instead of
+        taken from its start (the same windows at every call), so a pass samples all of it."""
         self._check(batch_size, seq_len)
         if max_batches is not None:
             check_positive("max_batches", max_batches)
-        starts = np.arange(self.num_eval_windows(seq_len)) * seq_len
+        n = self.num_eval_windows(seq_len)
+        if spread and max_batches is not None and max_batches * batch_size < n:
+            starts = spread_starts(len(self.tokens), seq_len, max_batches * batch_size)
+        else:
+            starts = np.arange(n) * seq_len
         for b, i in enumerate(range(0, len(starts), batch_size)):
             if max_batches is not None and b >= max_batches:
                 return
@@ -218,11 +233,15 @@ class RowData:
         index = torch.randint(len(self), (batch_size,), generator=generator).numpy()
         return self.rows(index, seq_len)
 
-    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None
+    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None, spread: bool = False
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every row once, in order, ``batch_size`` at a time; at most ``max_batches`` batches."""
+        """Every row once, in order, ``batch_size`` at a time; at most ``max_batches`` batches
+        (``spread``: those rows spread evenly over the split instead of its first ones)."""
         check_positive("batch_size", batch_size)
-        for b, i in enumerate(range(0, len(self), batch_size)):
+        index = np.arange(len(self))
+        if spread and max_batches is not None and max_batches * batch_size < len(self):
+            index = np.unique(np.linspace(0, len(self) - 1, max_batches * batch_size).round().astype(np.int64))
+        for b, i in enumerate(range(0, len(index), batch_size)):
             if max_batches is not None and b >= max_batches:
                 return
-            yield self.rows(np.arange(i, min(i + batch_size, len(self))), seq_len)
+            yield self.rows(index[i : i + batch_size], seq_len)
