@@ -3,6 +3,7 @@ that measures whether a model continues a repeat."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from helpers import FAST_RUN, TINY_MODEL, corpus
 import lmlab
 from lmlab.experiments import load_experiment_spec, positions
 from lmlab.run.config import RepeatsConfig, RunConfig, TrainConfig
-from lmlab.run.data.batches import TokenData, plant_repeats
+from lmlab.run.data.batches import TokenData, plant_repeats, plantable_ids
 from lmlab.run.data.config import DataConfig
 from lmlab.run.data.prepare import prepare
 from lmlab.run.trainer import Trainer
@@ -92,6 +93,43 @@ def test_plant_repeats_is_vectorized_over_the_batch_and_copies_whole_segments():
         plant_repeats(w, RepeatsConfig(length=5), torch.Generator())
 
 
+def test_random_planting_writes_one_segment_of_plantable_ids_twice():
+    B, W, K = 300, 40, 5
+    ids = torch.tensor([3, 5, 7, 11, 13])
+    w = torch.full((B, W), -1)  # no real id: whatever was planted is visible
+    r = RepeatsConfig(fraction=1.0, length=K, source="random")
+    out = plant_repeats(w, r, torch.Generator().manual_seed(0), ids)
+    distances = []
+    for row in out:
+        at = (row != -1).nonzero().squeeze(1)
+        assert len(at) == 2 * K and torch.isin(row[at], ids).all()  # two segments, only plantable ids
+        p, q = int(at[0]), int(at[K])
+        assert torch.equal(at, torch.cat([torch.arange(p, p + K), torch.arange(q, q + K)])) and q >= p + K
+        assert torch.equal(row[q:q + K], row[p:p + K])  # the second copy equals the first
+        distances.append(q - p)
+    assert min(distances) == K and max(distances) > W // 2
+    assert set(out[out != -1].tolist()) == set(ids.tolist())  # drawn over all of them
+    half = plant_repeats(w, dataclasses.replace(r, fraction=0.5), torch.Generator().manual_seed(0), ids)
+    assert 0.35 < (half != -1).any(1).float().mean() < 0.65
+    with pytest.raises(ValueError, match=r"train\.repeats\.source=random needs the ids it may plant"):
+        plant_repeats(w, RepeatsConfig(source="random", length=K), torch.Generator())
+
+
+def test_random_planting_never_plants_special_ids_and_keeps_the_rest_of_the_text(train_data):
+    B, T, K = 2000, 32, 8
+    meta = train_data.meta
+    assert meta.eod_id is not None and meta.eod_id not in plantable_ids(meta).tolist()
+    assert len(plantable_ids(meta)) == meta.vocab_size - 1  # only the end-of-document id is special here
+    r = RepeatsConfig(fraction=1.0, length=K, source="random")
+    plain = window_of(train_data, *train_data.batch(B, T, torch.Generator().manual_seed(0)))
+    planted = window_of(train_data, *train_data.batch(B, T, torch.Generator().manual_seed(0), r))
+    changed = planted != plain  # (B, T+1): the same windows (the first draw), planted
+    assert changed.sum(1).max() <= 2 * K and changed.any(1).float().mean() > 0.99
+    assert not (planted[changed] == meta.eod_id).any()  # 30k planted tokens, no end-of-document among them
+    assert _state_after(train_data, B, T, 0, r).ne(_state_after(train_data, B, T, 0, RepeatsConfig(
+        fraction=1.0, length=K))).any()  # random draws more from the generator than text does
+
+
 # ============================================================== the config
 @pytest.mark.parametrize("changes, message", [
     ({"train.repeats.fraction": 0.0}, r"train\.repeats\.fraction=0\.0 is out of range; it must be in \(0, 1\]"),
@@ -100,6 +138,8 @@ def test_plant_repeats_is_vectorized_over_the_batch_and_copies_whole_segments():
     ({"train.repeats.length": 9, "model.max_seq_len": 16},
      r"train\.repeats\.length=9 does not fit twice in a window of seq_len \+ 1 = 17 tokens; choose length <= 8"),
     ({"train.repeats.fraction": 0.1, "task": "classify"}, r"train\.repeats plants repeats in a token stream"),
+    ({"train.repeats.source": "copy"},
+     r"train\.repeats\.source='copy' is not a valid choice; choose one of \['text', 'random'\]"),
 ])
 def test_repeats_config_refuses_what_cannot_be_planted(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -109,7 +149,7 @@ def test_repeats_config_refuses_what_cannot_be_planted(changes, message):
 def test_repeats_are_off_by_default_and_round_trip():
     assert TrainConfig().repeats is None and RunConfig().train.repeats is None
     cfg = RunConfig().override({"train.repeats.fraction": 0.2})
-    assert cfg.train.repeats == RepeatsConfig(fraction=0.2, length=16)
+    assert cfg.train.repeats == RepeatsConfig(fraction=0.2, length=16, source="text")  # today's planting by default
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -133,8 +173,9 @@ def fit(cfg, run_dir, callbacks=(), **kw):
         return trainer.fit()
 
 
-def test_resume_with_planted_repeats_repeats_the_uninterrupted_run_exactly(tmp_path):
-    cfg = run_config(tmp_path, {"train.steps": 8, "train.grad_accum": 2, **REPEATS})
+@pytest.mark.parametrize("source", ["text", "random"])
+def test_resume_with_planted_repeats_repeats_the_uninterrupted_run_exactly(tmp_path, source):
+    cfg = run_config(tmp_path, {"train.steps": 8, "train.grad_accum": 2, **REPEATS, "train.repeats.source": source})
     full = fit(cfg, tmp_path / "full")
 
     def stop_at_4(trainer, record):
@@ -180,7 +221,21 @@ class Oracle(torch.nn.Module):
 
 
 def probe_data(n_tokens: int = 5000, vocab: int = 50):
-    return SimpleNamespace(tokens=np.random.default_rng(0).integers(0, vocab, n_tokens))
+    """Validation-like data: ``tokens``, and ``plantable_ids`` all ids but 0 (as if 0 ended documents)."""
+    return SimpleNamespace(tokens=np.random.default_rng(0).integers(0, vocab, n_tokens),
+                           plantable_ids=torch.arange(1, vocab))
+
+
+class Guesser(torch.nn.Module):
+    """Random logits at every position, whatever the input: an argmax right 1/V of the time."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab, positions="rope", max_seq_len=10**6)
+        self.w, self.g = torch.nn.Parameter(torch.zeros(1)), torch.Generator().manual_seed(1)
+
+    def forward(self, x):  # (B, T) -> logits (B, T, V)
+        return SimpleNamespace(logits=torch.randn(*x.shape, self.config.vocab_size, generator=self.g))
 
 
 def test_copy_probe_scores_a_perfect_copier_at_its_distance_and_nothing_else():
@@ -194,11 +249,30 @@ def test_copy_probe_scores_a_perfect_copier_at_its_distance_and_nothing_else():
     assert positions.copy_probe(Oracle(50, None), data, length, first, k, n=20) == uniform  # deterministic
 
 
+def test_copy_probe_with_random_segments_is_copying_alone():
+    data, length, first, k, V = probe_data(), 64, 8, 8, 50
+    hit = positions.copy_probe(Oracle(V, length - k - first), data, length, first, k, n=20, source="random")
+    assert hit["acc"] == 1.0 and -1e-6 < hit["logp"] <= 0  # a perfect copier at the distance
+    uniform = positions.copy_probe(Oracle(V, None), data, length, first, k, n=20, source="random")
+    assert uniform["logp"] == pytest.approx(-np.log(V))
+    guess = positions.copy_probe(Guesser(V), data, length, first, k, n=2000, source="random")
+    assert guess["acc"] == pytest.approx(1 / V, abs=0.006)  # 14,000 targets: SE 0.0012
+    again = positions.copy_probe(Oracle(V, None), data, length, first, k, n=20, source="random")
+    assert again == uniform  # deterministic
+    flat = SimpleNamespace(tokens=np.zeros(5000, dtype=np.int64), plantable_ids=torch.arange(1, V))  # text: all 0
+    statistics = Oracle(V, 1)  # predicts the token before again: knows this text's statistics, copies nothing
+    assert positions.copy_probe(statistics, flat, length, first, k, n=200)["acc"] == 1.0
+    assert positions.copy_probe(statistics, flat, length, first, k, n=200, source="random")["acc"] < 0.05
+    with pytest.raises(ValueError, match=r"source='copy' is not a valid choice"):
+        positions.copy_probe(Oracle(V, None), data, length, first, k, n=2, source="copy")
+
+
 def test_copy_metrics_report_each_distance_with_log_prob_accuracy_and_errors():
-    m = positions.copy_metrics(Oracle(50, 64 - 16), probe_data(40000), 64, {1: 8, 8: 8, 16: 4})
     probes = ["copy_1x", *(f"copy_{m}x_{d}" for m in positions.LONG for d in ("far", "near"))]
-    assert set(m) == {f"{p}_{s}" for p in probes for s in ("logp", "logp_se", "acc", "acc_se")}
-    assert m["copy_1x_acc"] == 1.0 and m["copy_8x_far_acc"] < 0.2  # the oracle copies 48 back only
+    for source in ("text", "random"):  # the same keys whichever segments are planted
+        m = positions.copy_metrics(Oracle(50, 64 - 16), probe_data(40000), 64, {1: 8, 8: 8, 16: 4}, source)
+        assert set(m) == {f"{p}_{s}" for p in probes for s in ("logp", "logp_se", "acc", "acc_se")}
+        assert m["copy_1x_acc"] == 1.0 and m["copy_8x_far_acc"] < 0.2  # the oracle copies 48 back only
 
 
 def test_the_retrieval_fine_tunes_are_measured_at_eight_points():

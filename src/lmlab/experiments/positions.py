@@ -49,6 +49,10 @@ DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 # rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
 SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
+# what every run's copy probes plant, train.repeats.source of the rope-copy variants (a test keeps them
+# equal): random ids, so a probe measures copying alone, not how predictable the text is; the same
+# for every scheme, so their copy figures compare
+COPY_SOURCE = "random"
 # Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
 # 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
 # 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)); that model does not copy yet, and a
@@ -93,16 +97,25 @@ def length_metrics(model, data, L: int, multiples, tokens: int) -> dict[str, Any
 
 
 @torch.no_grad()
-def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N) -> dict[str, float]:
+def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N,
+               source: str = "text") -> dict[str, float]:
     """How well ``model`` continues a repeat: ``n`` windows of ``length`` validation tokens, spread
-    over the split (deterministic), each with its own text at [first_at, first_at + k) written
-    again at its end, as ``train.repeats`` plants them in training (the first copy
-    ``length - k - first_at`` tokens back). Over the repeat's tokens 2..k (the first cues it):
-    ``logp``, the mean log-probability per probe averaged over probes, a measure that moves
-    before accuracy does, and ``acc``, argmax accuracy; each with its standard error over probes
-    (``logp_se``, ``acc_se``)."""
+    over the split (deterministic), each with a k-token segment at [first_at, first_at + k) written
+    again at its end (the first copy ``length - k - first_at`` tokens back), as ``train.repeats``
+    plants them in training. ``source`` as ``train.repeats.source``: ``text``, the window's own text
+    at first_at is repeated; ``random``, k ids drawn uniformly from ``data.plantable_ids`` (by a
+    generator seeded 0: the same probes at every call) are written at both places, so only copying
+    predicts the repeat (a uniform guess scores logp -ln V, acc ~1/V). Over the repeat's tokens 2..k
+    (the first cues it): ``logp``, the mean log-probability per probe averaged over probes, a measure
+    that moves before accuracy does, and ``acc``, argmax accuracy; each with its standard error over
+    probes (``logp_se``, ``acc_se``)."""
     starts = spread_starts(len(data.tokens), length, n)
     x = np.stack([np.asarray(data.tokens[s : s + length]) for s in starts]).astype(np.int64)  # (n, length)
+    if source == "random":
+        ids = data.plantable_ids
+        x[:, first_at : first_at + k] = ids[torch.randint(len(ids), (n, k), generator=torch.Generator().manual_seed(0))]
+    elif source != "text":
+        raise ValueError(f"copy probe source={source!r} is not a valid choice; choose one of ['text', 'random']")
     x[:, length - k :] = x[:, first_at : first_at + k]
     target = torch.from_numpy(x[:, length - k + 1 :])  # (n, k-1): the repeat's tokens 2..k
     was = model.training
@@ -126,11 +139,11 @@ def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int 
     return out
 
 
-def copy_metrics(model, data, L: int, probes: dict[int, int]) -> dict[str, float]:
+def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "text") -> dict[str, float]:
     """For each multiple m of ``probes`` (m -> how many probes): copy_1x_* for m = 1 (first copy at
     0: in range), else copy_{m}x_far_* (first copy at 0, about the window length back) and
     copy_{m}x_near_* (L/2 back, at positions beyond L); each ``logp``, ``acc`` and their ``_se``
-    (:func:`copy_probe`)."""
+    (:func:`copy_probe`, segments of ``source``: the same keys whichever it is)."""
     k = min(COPY_K, L // 4)
     where: dict[str, tuple[int, int, int]] = {}  # key -> (window, first copy at, probes)
     for m, n in probes.items():
@@ -140,7 +153,7 @@ def copy_metrics(model, data, L: int, probes: dict[int, int]) -> dict[str, float
         elif model.config.positions != "learned" or T <= model.config.max_seq_len:
             where.update({f"copy_{m}x_far": (T, 0, n), f"copy_{m}x_near": (T, T - k - L // 2, n)})
     return {f"{key}_{name}": v for key, (T, first, n) in where.items()
-            for name, v in copy_probe(model, data, T, first, k, n).items()}
+            for name, v in copy_probe(model, data, T, first, k, n, source).items()}
 
 
 def rescaled(model, method: str, factor: float, original: int):
@@ -187,7 +200,7 @@ class Hooks(SweepHooks):
             for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
             if not k.startswith("pp_")
         }
-        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot)}
+        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, COPY_SOURCE)}
 
     def callbacks(self, variant, seed, run_dir):
         steps = snapshot_steps(self.steps[variant.name])
@@ -196,7 +209,7 @@ class Hooks(SweepHooks):
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
         out = {**length_metrics(model, data, L, MULTIPLES, self.tokens),
-               **copy_metrics(model, data, L, self.copy_end)}
+               **copy_metrics(model, data, L, self.copy_end, COPY_SOURCE)}
         if variant.init_from:
             snaps = Snapshots(run_dir, set(), self.ft_measure).read()
             out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
@@ -207,7 +220,7 @@ class Hooks(SweepHooks):
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
                     probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4),
-                                       self.copy_end[m])
+                                       self.copy_end[m], COPY_SOURCE)
                     out.update({f"zs_{name}_copy_{m}x_far_{k}": v for k, v in probe.items()})
         return out
 

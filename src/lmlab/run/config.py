@@ -60,11 +60,17 @@ class Section(Config):
                 check_positive(f"{self.section}.{name}", getattr(self, name), allow_zero=allow_zero)
 
 
+RepeatSource = Literal["text", "random"]  # what train.repeats plants (RepeatsConfig.source)
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RepeatsConfig(Section):
-    """Planted repeats (``train.repeats``): about ``fraction`` of training windows carry a segment of
-    their own text copied later in the same window, tokens [p, p+length) written again at [q, q+length)
-    with q >= p + length, so a model can learn to retrieve (an induction/copy task, Olsson et al. 2022).
+    """Planted repeats (``train.repeats``): about ``fraction`` of training windows carry a segment
+    written twice, at [p, p+length) and again at [q, q+length) with q >= p + length, so a model can
+    learn to retrieve (an induction/copy task, Olsson et al. 2022). ``source``: ``text``, the window's
+    own text at p is copied to q; ``random``, ``length`` token ids drawn uniformly (special ids such as
+    end-of-document excluded) are written at both p and q, so the second copy is predictable only by
+    copying (a loss of ln V without it), the strongest incentive to learn it.
 
     A field of ``train:``, not ``data:``: it changes how training batches are drawn from the shards,
     not which data they are, so prepared data stays shared between runs with and without it, and
@@ -73,6 +79,9 @@ class RepeatsConfig(Section):
     section: ClassVar[str] = "train.repeats"
     fraction: float = 0.1  # share of training windows that carry one planted repeat
     length: int = 16  # tokens in the repeated segment
+    # text: copy the window's own text (predictable in part from language statistics, a weak signal:
+    # the positions model never learned it); random: uniform token ids, only copying predicts them
+    source: RepeatSource = "text"
 
     def validate(self) -> None:
         if not 0.0 < self.fraction <= 1.0:

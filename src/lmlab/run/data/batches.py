@@ -71,13 +71,16 @@ def check_token_ids(tokens: np.ndarray, meta: DataMeta, path: Path) -> None:
         )
 
 
-def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch.Generator) -> torch.Tensor:
-    """``window`` (B, W) with about ``repeats.fraction`` of its rows carrying a planted repeat: tokens
-    [p, p+K) copied over [q, q+K), q >= p + K, K = ``repeats.length``. Three draws from ``generator``
-    whatever the rows (which rows, then two offsets each), so the batch is still decided by its state
-    alone. p and q - K are the smaller and larger of two uniform offsets in [0, W - 2K]: every
-    distance q - p from K to W - K occurs, shorter ones more often. Applied to the whole (B, T+1)
-    window, inputs and targets agree."""
+def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch.Generator,
+                  ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``window`` (B, W) with about ``repeats.fraction`` of its rows carrying a planted repeat: a
+    K-token segment (K = ``repeats.length``) at [p, p+K) and again at [q, q+K), q >= p + K. Source
+    ``text``: the window's own tokens at p are copied over q (three draws from ``generator``: which
+    rows, then two offsets each); ``random``: K ids drawn uniformly from ``ids`` (1-D int64, the ids
+    that may be planted, ``plantable_ids``) are written at both (a fourth draw, (B, K) whatever the
+    rows). Either way the batch is still decided by the generator's state alone. p and q - K are the
+    smaller and larger of two uniform offsets in [0, W - 2K]: every distance q - p from K to W - K
+    occurs, shorter ones more often. Applied to the whole (B, T+1) window, inputs and targets agree."""
     B, W = window.shape
     K = repeats.length
     if 2 * K > W:
@@ -89,8 +92,23 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
     rows = chosen.nonzero().squeeze(1)  # (R,)
     cols = torch.arange(K)  # (K,)
     out = window.clone()
-    out[rows[:, None], q[rows, None] + cols] = window[rows[:, None], p[rows, None] + cols]  # (R, K)
+    if repeats.source == "random":
+        if ids is None or len(ids) == 0:
+            raise ValueError("train.repeats.source=random needs the ids it may plant (TokenData.plantable_ids)")
+        segment = ids[torch.randint(len(ids), (B, K), generator=generator)]  # (B, K)
+        out[rows[:, None], p[rows, None] + cols] = segment[rows]  # (R, K)
+        out[rows[:, None], q[rows, None] + cols] = segment[rows]  # (R, K)
+    else:
+        out[rows[:, None], q[rows, None] + cols] = window[rows[:, None], p[rows, None] + cols]  # (R, K)
     return out
+
+
+def plantable_ids(meta: DataMeta) -> torch.Tensor:
+    """(V',) int64: the token ids a random planted segment draws from, every id of ``meta``'s
+    vocabulary except the special ones (end of document, unknown, padding), which never stand
+    inside text."""
+    special = {meta.eod_id, meta.unk_id, meta.pad_id} - {None}
+    return torch.tensor([i for i in range(meta.vocab_size) if i not in special], dtype=torch.int64)
 
 
 class TokenData:
@@ -119,6 +137,11 @@ class TokenData:
         from .tokenizer import load_tokenizer
 
         return token_byte_lengths(load_tokenizer(self.dir))
+
+    @functools.cached_property
+    def plantable_ids(self) -> torch.Tensor:
+        """(V',) int64: the ids ``train.repeats.source=random`` plants (:func:`plantable_ids`)."""
+        return plantable_ids(self.meta)
 
     # pickled (DataLoader workers, spawned processes) as a path, reopened on arrival, never copied
     def __getstate__(self) -> dict:
@@ -157,7 +180,10 @@ class TokenData:
         self._check(batch_size, seq_len)
         starts = torch.randint(len(self.tokens) - seq_len, (batch_size,), generator=generator)  # start + T + 1 <= N
         window = self._window(starts.numpy(), seq_len)  # (B, T+1)
-        return self._split(window if repeats is None else plant_repeats(window, repeats, generator))
+        if repeats is None:
+            return self._split(window)
+        ids = self.plantable_ids if repeats.source == "random" else None
+        return self._split(plant_repeats(window, repeats, generator, ids))
 
     def num_eval_windows(self, seq_len: int) -> int:
         """How many windows ``iter_eval`` covers: every target token once, except the tail that
