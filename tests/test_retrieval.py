@@ -287,5 +287,6 @@ def test_the_retrieval_fine_tunes_are_measured_at_eight_points():
     quick = load_experiment_spec("positions", quick=True)
     assert quick.configs["rope-copy-ft-yarn"].train.steps <= 4
     hooks = positions.Hooks(spec)  # the gate's (1x) and the claim's (8x) probes at a run's end: SE ~0.02
+    assert hooks.copy_source == spec.configs["rope-copy"].train.repeats.source  # probes plant what it trained on
     assert hooks.copy_end[1] == hooks.copy_end[8] == positions.COPY_N >= (0.85 / 0.02) ** 2 * 0.99
     assert max(positions.Hooks(quick).copy_end.values()) <= 32  # the quick profile stays a smoke test

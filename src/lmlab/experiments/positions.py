@@ -9,13 +9,14 @@ fine-tune rope's weights at 8L with no scaling, PI and YaRN, at a constant learn
 same measurements are taken at 8 points of each fine-tune (SNAPSHOT_FRACTIONS and its end).
 
 A retrieval probe sits beside the loss (an induction/copy probe in the manner of Olsson et al.
-2022): a window of validation text has its own K-token segment written again at its end; the
-probe is the mean log-probability and the argmax accuracy of the repeat's tokens 2..K. "far" puts
-the first copy at position 0 (distance ~ the window length, beyond L at 8x and 16x), "near" L/2
-before the repeat (in range as a distance, at positions beyond L). Models trained on plain text do
-not learn to copy at this size, so rope-copy and its fine-tunes (rope-copy-ft-*) train with planted
-repeats (``train.repeats``); retrieval beyond range is judged only once in-range accuracy reaches
-COPY_GATE.
+2022): a window of validation text carries a K-token segment at one place and again at its end,
+the segment as rope-copy's ``train.repeats.source`` plants it (random token ids, which only copying
+predicts, or the text's own); the probe is the mean log-probability and the argmax accuracy of the
+repeat's tokens 2..K. "far" puts the first copy at position 0 (distance ~ the window length, beyond
+L at 8x and 16x), "near" L/2 before the repeat (in range as a distance, at positions beyond L).
+Models trained on plain text do not learn to copy at this size, so rope-copy and its fine-tunes
+(rope-copy-ft-*) train with planted repeats (``train.repeats``); retrieval beyond range is judged
+only once in-range accuracy reaches COPY_GATE.
 
 The claims and their criteria are in :func:`positions_claims`.
 """
@@ -49,10 +50,6 @@ DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 # rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
 SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
-# what every run's copy probes plant, train.repeats.source of the rope-copy variants (a test keeps them
-# equal): random ids, so a probe measures copying alone, not how predictable the text is; the same
-# for every scheme, so their copy figures compare
-COPY_SOURCE = "random"
 # Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
 # 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
 # 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)); that model does not copy yet, and a
@@ -193,6 +190,10 @@ class Hooks(SweepHooks):
         n, curve = (COPY_N_QUICK, COPY_N_QUICK) if spec.is_quick else (COPY_N, COPY_N_CURVE)
         self.copy_end = {1: n, 8: n, 16: curve}  # at a run's end: the claim's lengths at COPY_N
         self.copy_snapshot = {1: n, 8: curve}  # at a fine-tune's snapshots
+        # what every run's probes plant: rope-copy's train.repeats.source, so the probe asks what it was
+        # trained on; the same for every scheme, so their copy figures compare
+        repeats = spec.configs["rope-copy"].train.repeats if "rope-copy" in spec.configs else None
+        self.copy_source = repeats.source if repeats is not None else "text"
 
     def ft_measure(self, model, data) -> dict[str, Any]:
         m = {
@@ -200,7 +201,7 @@ class Hooks(SweepHooks):
             for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
             if not k.startswith("pp_")
         }
-        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, COPY_SOURCE)}
+        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, self.copy_source)}
 
     def callbacks(self, variant, seed, run_dir):
         steps = snapshot_steps(self.steps[variant.name])
@@ -209,7 +210,7 @@ class Hooks(SweepHooks):
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
         out = {**length_metrics(model, data, L, MULTIPLES, self.tokens),
-               **copy_metrics(model, data, L, self.copy_end, COPY_SOURCE)}
+               **copy_metrics(model, data, L, self.copy_end, self.copy_source)}
         if variant.init_from:
             snaps = Snapshots(run_dir, set(), self.ft_measure).read()
             out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
@@ -220,7 +221,7 @@ class Hooks(SweepHooks):
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
                     probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4),
-                                       self.copy_end[m], COPY_SOURCE)
+                                       self.copy_end[m], self.copy_source)
                     out.update({f"zs_{name}_copy_{m}x_far_{k}": v for k, v in probe.items()})
         return out
 
