@@ -160,7 +160,7 @@ def help_sections(text: str) -> dict[str, str]:
 
 def test_train_help_names_presets_and_every_default_by_section(capsys):
     from lmlab.config import PRESETS, MoEConfig
-    from lmlab.run.config import RunConfig, flatten
+    from lmlab.run.config import RepeatsConfig, RunConfig, flatten
 
     code, out, _ = run(capsys, "train", "--help")
     sections = help_sections(out)
@@ -170,7 +170,9 @@ def test_train_help_names_presets_and_every_default_by_section(capsys):
     assert "--model.preset NAME" in header and set(PRESETS) <= set(re.findall(r"[\w-]+", header))
     # MoE is off by default (model.moe=None); its fields are shown with the defaults they take when one is set
     assert cfg.model.moe is None and "model.moe.* is off" not in out and "moe.* is off" in sections["model"]
-    defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict()}}
+    assert cfg.train.repeats is None and "repeats.* is off" in sections["train"]  # planted repeats: off too
+    defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict()},
+                "train": {**cfg.train.to_dict(), "repeats": RepeatsConfig().to_dict()}}
     for name, values in defaults.items():
         shown = " " + " ".join(sections[name].split()) + " "
         expected = [f"{k}={cli.show(v)}" for k, v in flatten(values).items()] if isinstance(values, dict) else [values]

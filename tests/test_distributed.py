@@ -289,6 +289,11 @@ def test_consolidate_writes_what_eval_reads(dense, tmp_path, capsys):
     run = copy_to_step(dense / "two", tmp_path / "run", 8)
     assert cli(["eval", str(run), "--checkpoint", "8"]) == 2
     assert "lmlab consolidate" in capsys.readouterr().err
+    fresh = tmp_path / "fresh"  # a fine-tune from it says the same, instead of calling its weights file missing
+    assert cli(["train", "--run-dir", str(fresh), "--train.init_from", str(run), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"write its weights file first: lmlab consolidate {run} --checkpoint" in err, err
+    assert not fresh.exists()
     assert cli(["consolidate", str(run), "--checkpoint", "all"]) == 0
     assert capsys.readouterr().out.count("model.safetensors") == 4  # steps 2, 4, 6, 8
     assert cli(["eval", str(run), "--checkpoint", "8", "--json", "--max-batches", "2"]) == 0

@@ -1195,6 +1195,27 @@ def test_a_sweep_curve_is_read_like_metrics(tmp_path):
     assert read_curve(tmp_path / "none") == []
 
 
+def test_a_damaged_sweep_record_names_the_file_and_the_fix(tmp_path):
+    """result.json / start.json of a sweep run: damaged is a one-line CorruptFile (exit 3) that names the
+    file and how to train the run again; never a traceback, never taken as unfinished and retrained."""
+    from lmlab.experiments.sweep.layout import read_result, read_start, write_result, write_start
+
+    run = tmp_path / "runs" / "one" / "seed0"
+    run.mkdir(parents=True)
+    assert read_result(run) is None and read_start(run) is None
+    write_result(run, {"variant": "one", "seed": 0})
+    write_start(run, {"config_hash": "sha256:ab"})
+    assert read_result(run)["variant"] == "one" and read_start(run)["config_hash"] == "sha256:ab"
+    for name, read in (("result.json", read_result), ("start.json", read_start)):
+        for bad in (b'{"variant": "one", "se', DEEP, b"[1, 2]", b"\xff\xfe"):
+            (run / name).write_bytes(bad)
+            with pytest.raises(CorruptFile, match=rf"{name} is damaged \(not (valid JSON|a record)\); delete .*seed0 "
+                                                  "to train that run again") as e:
+                read(run)
+            assert "\n" not in str(e.value)
+        (run / name).write_text("{}")
+
+
 def test_a_record_survives_a_crash_right_after_its_checkpoint(tmp_path, monkeypatch, capsys):
     """The old order (checkpoint, then log) lost step 4's record for good when the process died in
     between: resume restarts after the checkpoint. Records now reach the file first."""

@@ -538,7 +538,8 @@ def test_mean_std_and_markdown():
 def test_subcommands_show_defaults_in_help(capsys):
     assert cli.main(["experiment", "--help"]) == 0
     text = capsys.readouterr().out
-    assert "norm" in text and "positions" in text and "moe" in text and "(default: None)" in text
+    assert "norm" in text and "positions" in text and "moe" in text and "(default: 1)" in text  # --jobs
+    assert "(default: None)" not in text  # an option that is not given says in words what happens then
     assert "--jobs" in text and "--profile" in text
     assert cli.main(["sweep", "--help"]) == 0
     text = capsys.readouterr().out

@@ -128,6 +128,7 @@ def arm_table(rows: list[dict], spec, init_loss: float) -> list[dict]:
             "tokens": f"{runs[0]['tokens']:,}",
             "final val loss": (f"{statistics.fmean(finite):.3f} ± {statistics.stdev(finite):.3f}" if len(finite) > 1
                                else _m(finite)),
+            "final val bpb": _m([r.get("final_val_bpb") for r in runs]),
             "vs dense [95% CI]": iv.text() if iv else "—",
             "wall (min)": f"{statistics.fmean(r['wall_s'] for r in runs) / 60:.1f}",
             "tokens/s": f"{statistics.fmean(r['tokens_per_s'] for r in runs):,.0f}",

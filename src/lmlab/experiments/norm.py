@@ -182,6 +182,9 @@ def loss_table(rows: list[dict], init_loss: float) -> list[dict]:
                             if any(r["status"] == s for r in runs))
             row[f"lr {lr:g}"] = (_ms([capped(r, init_loss) for r in runs]) + flags) if runs else "—"
         row["best over rates"] = _ms(list(best_over_rates(arm, init_loss).values()))
+        bpb = [min(r["final_val_bpb"] for r in runs if isinstance(r.get("final_val_bpb"), (int, float)))
+               for runs in by_seed(arm).values() if any(isinstance(r.get("final_val_bpb"), (int, float)) for r in runs)]
+        row["best bpb"] = _ms(bpb)
         row["sensitivity"] = _ms(list(sensitivity(arm, init_loss).values()))
         table.append(row)
     return table

@@ -361,7 +361,8 @@ def scheme_table(rows: list[dict], names: list[str]) -> list[dict]:
     for n in names:
         runs = list(seeds_of(rows, n).values())
         na = runs and isinstance(runs[0].get("loss_8x"), str)
-        row = {"scheme": n, "1× loss": _ms([num(r.get("loss_1x")) for r in runs])}
+        row = {"scheme": n, "1× loss": _ms([num(r.get("loss_1x")) for r in runs]),
+               "final val bpb": _ms([num(r.get("final_val_bpb")) for r in runs])}
         for m in LONG:
             for part in ("in", "beyond"):
                 row[f"{m}× {part}"] = "n/a" if na else _ms([num(r.get(f"{part}_{m}x")) for r in runs])

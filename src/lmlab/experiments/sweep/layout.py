@@ -40,10 +40,24 @@ def lock_file(out: Path, variant: str, seed: int) -> Path:
     return Path(out) / "locks" / f"{variant}.seed{seed}.lock"
 
 
+def _read_record(p: Path) -> dict | None:
+    """A record the sweep wrote atomically (result.json, start.json), or None when absent; a damaged
+    one is a one-line CorruptFile naming it and the fix, never a traceback and never skipped."""
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        data = e
+    if not isinstance(data, dict):
+        raise CorruptFile(f"{p} is damaged ({'not valid JSON' if isinstance(data, Exception) else 'not a record'}); "
+                          f"delete {p.parent} to train that run again")
+    return data
+
+
 def read_result(run_dir: Path) -> dict | None:
     """A finished run's row (result.json), or None while it is unfinished."""
-    p = run_dir / _RESULT_FILE
-    return json.loads(p.read_text()) if p.is_file() else None
+    return _read_record(run_dir / _RESULT_FILE)
 
 
 def write_result(run_dir: Path, row: dict[str, Any]) -> None:
@@ -53,8 +67,7 @@ def write_result(run_dir: Path, row: dict[str, Any]) -> None:
 
 def read_start(run_dir: Path) -> dict | None:
     """What was recorded when the run first started (start.json), or None."""
-    p = run_dir / _START_FILE
-    return json.loads(p.read_text()) if p.is_file() else None
+    return _read_record(run_dir / _START_FILE)
 
 
 def write_start(run_dir: Path, start: dict[str, Any]) -> None:

@@ -57,6 +57,15 @@ def is_distributed(path: str | Path) -> bool:
     return (Path(path) / DCP_DIR).is_dir()
 
 
+def require_weights(where: Path, run: str | Path, weights: str = "model.safetensors") -> None:
+    """Refuse a distributed checkpoint ``where`` (of run ``run``) that has no consolidated weights
+    file yet, naming the command that writes it (eval, generate, export and init_from read one file)."""
+    if is_distributed(where) and not (Path(where) / weights).is_file():
+        step = int(Path(where).name.split("_")[-1])
+        raise ValueError(f"{str(where)!r} is a distributed checkpoint (parallel.strategy=fsdp or expert parallel); "
+                         f"write its weights file first: lmlab consolidate {run} --checkpoint {step}")
+
+
 # ============================================================== reading DCP safely
 def read_metadata(path: str | Path) -> Any:
     """The DCP index of checkpoint directory ``path`` (its ``dcp/.metadata``), read safely: see dcp_index.py."""
