@@ -24,7 +24,6 @@ from torch import nn
 from ..config import ModelConfig
 from ..hf import config_from_hf, read_config, read_safetensors, state_dict_from_hf
 from .checkpoint import local as ckpt
-from .checkpoint.sharded import require_weights
 from .data.config import DataConfig, run_data_dir
 from .data.tokenizer import HF_FILE, Tokenizer, load_tokenizer, tokenizer_from_path
 from .errors import CorruptFile, one_line
@@ -131,7 +130,7 @@ def _from_run(run: Path) -> InitSource:
         where = ckpt.resolve(run / "checkpoints", "best")
     except FileNotFoundError:
         raise ValueError(f"train.init_from {str(run)!r} has no checkpoint yet; train it first") from None
-    require_weights(where, run, ckpt.WEIGHTS)
+    ckpt.require_weights(where, run)
     return InitSource(run, "run", model, task, where / ckpt.WEIGHTS, data_dir if data_dir.is_dir() else None)
 
 

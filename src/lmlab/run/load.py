@@ -17,7 +17,6 @@ from ..memory import check_fits, loading_memory
 from ..model import Transformer
 from .checkpoint import local as ckpt
 from .checkpoint.directory import CHECKPOINTS, CONFIG_FILE
-from .checkpoint.sharded import require_weights
 from .config import RunConfig, load_config
 from .data.config import run_data_dir
 from .data.meta import DataMeta
@@ -62,7 +61,7 @@ def load_run(
         )
     cfg = load_config(path / CONFIG_FILE, overrides)
     where = ckpt.resolve(path / CHECKPOINTS, checkpoint)
-    require_weights(where, path, ckpt.WEIGHTS)
+    ckpt.require_weights(where, path)
     check_fits(lambda n: loading_memory(cfg.model, parameters=n), cfg.model, torch.device(device),
                what=f"the model of {str(path)!r}", fix="check its config (and any --model.* overrides)")
     data_dir = run_data_dir(path, cfg.data)

@@ -45,6 +45,7 @@ STATE = "state.pt"
 BEST = "best.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 REMEDY = "delete its step_* directory to fall back to the checkpoint before it"
+DCP_DIR = "dcp"  # a step directory's distributed (DCP) checkpoint, written by sharded.py
 CHECKSUMS = "sha256"  # weights metadata: {stored tensor name: sha256 of its bytes}; state.pt: see state_checksums
 
 
@@ -381,3 +382,12 @@ def resolve(root: str | Path, which: str | int = "latest") -> Path:
     if step not in found:
         raise ValueError(f"there is no checkpoint at step {step} in {str(root)!r}; steps saved: {sorted(found)}")
     return found[step]
+
+
+def require_weights(where: Path, run: str | Path) -> None:
+    """Refuse a distributed checkpoint ``where`` (of run ``run``) that has no consolidated weights
+    file yet, naming the command that writes it (eval, generate, export and init_from read one file)."""
+    if (Path(where) / DCP_DIR).is_dir() and not (Path(where) / WEIGHTS).is_file():
+        step = int(Path(where).name.split("_")[-1])
+        raise ValueError(f"{str(where)!r} is a distributed checkpoint (parallel.strategy=fsdp or expert parallel); "
+                         f"write its weights file first: lmlab consolidate {run} --checkpoint {step}")

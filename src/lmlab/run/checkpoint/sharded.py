@@ -48,22 +48,13 @@ from . import local as ckpt
 from .atomic import fsync_dir
 from .dcp_index import read_index
 
-DCP_DIR = "dcp"
+DCP_DIR = ckpt.DCP_DIR  # the distributed checkpoint inside a step directory
 FILE_CHECKSUMS = "files_sha256"  # state.pt: {file in dcp/: sha256 of its bytes}
 
 
 def is_distributed(path: str | Path) -> bool:
     """Is the checkpoint directory ``path`` a distributed (DCP) checkpoint?"""
     return (Path(path) / DCP_DIR).is_dir()
-
-
-def require_weights(where: Path, run: str | Path, weights: str = "model.safetensors") -> None:
-    """Refuse a distributed checkpoint ``where`` (of run ``run``) that has no consolidated weights
-    file yet, naming the command that writes it (eval, generate, export and init_from read one file)."""
-    if is_distributed(where) and not (Path(where) / weights).is_file():
-        step = int(Path(where).name.split("_")[-1])
-        raise ValueError(f"{str(where)!r} is a distributed checkpoint (parallel.strategy=fsdp or expert parallel); "
-                         f"write its weights file first: lmlab consolidate {run} --checkpoint {step}")
 
 
 # ============================================================== reading DCP safely
