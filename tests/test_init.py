@@ -13,6 +13,7 @@ def test_public_names_are_exported():
     assert set(lmlab.__all__) == {
         "IGNORE_INDEX", "KVCache", "LMOutput", "ModelConfig", "MoEConfig", "PRESETS", "RopeConfig",
         "SequenceClassifier", "Transformer", "__version__", "from_hf", "to_hf",
+        "load_run", "read_metrics",  # a run read back (lmlab.run), loaded on first use
     }
     assert all(hasattr(lmlab, name) for name in lmlab.__all__)
     assert lmlab.MoEConfig is lmlab.config.MoEConfig  # the MoE config lives with the other configs
