@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .schema import (
     Config,
+    added,
     check_positive,
     check_range,
     check_size,
@@ -24,7 +25,9 @@ from .schema import (
 )
 
 Norm = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "sandwich", "reordered"]
+QKNorm = Literal["none", "head", "full"]
+AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
@@ -278,8 +281,9 @@ class MTPConfig(Config):
     added to the training loss as the auxiliary loss ``mtp``. At inference the modules can draft ``depth`` tokens
     for self-speculative decoding (``generate(..., decoder="speculative")``)."""
 
-    depth: int = 1  # D: DeepSeek-V3 trains with 1
-    loss_weight: float = 0.3  # lambda: 0.3 for V3's first 10T tokens, then 0.1 (sec. 4.2)
+    # ``added``: fields of a section that is off (None) by default, so no run hashed before them changes
+    depth: int = added(1, since="issue 23: multi-token prediction")  # D: DeepSeek-V3 trains with 1
+    loss_weight: float = added(0.3, since="issue 23: multi-token prediction")  # lambda: V3's first 10T tokens, then 0.1
 
     def validate(self) -> None:
         check_size("mtp.depth", self.depth)
@@ -302,12 +306,20 @@ class ModelConfig(Config):
 
     # ---- design axes
     norm: Norm = "rmsnorm"
-    norm_position: NormPosition = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017)
+    # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
+    norm_position: NormPosition = "pre"
     positions: Positions = "rope"
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
     activation: Activation = "silu"  # glu + silu = SwiGLU
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
+    # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
+    # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
+    qk_norm: QKNorm = added("none", since="issue 23: QK-norm")
+    # sigmoid gate on the attention output before its projection, from the block's attention input:
+    # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
+    attn_gate: AttnGate = added("none", since="issue 23: gated attention")
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
@@ -323,7 +335,7 @@ class ModelConfig(Config):
     init_std: float = 0.02
     init: InitRule = "normal"  # normal: N(0, init_std); xavier: Xavier-normal matrices (see model.init_weights)
     init_seed: int = 0  # weights are a pure function of (config, init_seed)
-    mtp: MTPConfig | None = None  # None = next-token prediction only; see MTPConfig
+    mtp: MTPConfig | None = added(None, since="issue 23: multi-token prediction")  # None = next-token only
 
     def __post_init__(self) -> None:
         super().__post_init__()

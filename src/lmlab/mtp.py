@@ -76,8 +76,8 @@ class MTPModule(nn.Module):
         self.enorm, self.hnorm = build_norm(cfg), build_norm(cfg)
         self.eh_proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
         self.block = block
-        # as the main model: post-norm blocks already end with a norm, pre-norm needs one before the head
-        self.norm = build_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        # as the main model: a block that ends with a norm (post-norm) needs none before the head
+        self.norm = build_norm(cfg) if block.final_norm else nn.Identity()
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, ctx: Context, cache=None) -> torch.Tensor:
         """h_prev (B, T, C) = h^{k-1}, emb (B, T, C) = Emb(t_{i+k}) -> h^k (B, T, C), before ``norm``."""
