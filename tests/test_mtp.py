@@ -229,3 +229,21 @@ def test_mtp_is_named_in_the_config():
     cfg = ModelConfig().override({"mtp.depth": 2})
     assert cfg.mtp.depth == 2 and cfg.mtp.loss_weight == 0.3
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_an_moe_models_mtp_block_is_moe_and_its_losses_and_biases_count():
+    """DeepSeek-V3's MTP layer is a mixture-of-experts layer like the main layers after the first dense ones: its
+    balance loss joins the main layers', and loss-free balancing updates its router bias too."""
+    cfg = ModelConfig.from_preset("deepseek-v3", d_model=32, n_layers=2, vocab_size=64, **{"mtp.depth": 1})
+    model = Transformer(cfg)
+    (mtp_moe,) = model.mtp.moe_layers
+    x = tokens(2, 13, seed=7)
+    out = model(x[:, :-1], x[:, 1:])
+    main = sum(moe.aux_losses["expert_balance"] for moe in model.moe_layers)
+    assert_close(out.aux_losses["expert_balance"], main + mtp_moe.aux_losses["expert_balance"])
+    out.loss.backward()
+    before = mtp_moe.router.score_bias.clone()
+    model.update_router_biases()
+    assert not torch.equal(mtp_moe.router.score_bias, before)
+    counts = model.num_params()  # the MTP layer's idle experts are not active parameters either
+    assert counts["total"] - counts["active"] == sum(m.inactive_params() for m in [*model.moe_layers, mtp_moe])
