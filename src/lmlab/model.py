@@ -231,10 +231,11 @@ class Transformer(nn.Module):
                 "the token that follows idx[b, t] (IGNORE_INDEX = -100 to skip it), so the shapes must match"
             )
         h, ctx = self.hidden_and_context(idx, cache, attention_mask)  # (B, T, C)
+        named = [(n, v) for moe in self.moe_layers for n, v in moe.aux_losses.items()]
+        if targets is not None:  # multi-token prediction ("mtp", and its MoE layers' own) trains with targets only
+            named += self.mtp.losses(h, targets, ctx, self.embed_tokens, self.head.weight, self.loss_fn).items()
         aux_losses: dict[str, torch.Tensor] = {}
-        extra = self.mtp.losses(h, targets, ctx, self.embed_tokens, self.head.weight, self.loss_fn) if (
-            targets is not None) else {}  # multi-token prediction trains with targets only
-        for name, value in [(n, v) for moe in self.moe_layers for n, v in moe.aux_losses.items()] + [*extra.items()]:
+        for name, value in named:
             aux_losses[name] = aux_losses.get(name, 0.0) + value
         aux_loss = sum(aux_losses.values(), torch.zeros((), device=h.device))
         ce = loss = None
