@@ -271,6 +271,44 @@ class MoEConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class MLAConfig(Config):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1; DeepSeek-V3 the same);
+    ``ModelConfig.mla``.
+
+    Keys and values of every head are up-projected from one compressed latent c_t = W_DKV x_t of
+    ``kv_lora_rank`` values per token (eq. 9-11), so the decode cache holds that latent, not keys and
+    values. Rotary positions cannot act on keys made from a cached latent (the rotation would sit
+    between W_UK and the query), so each head's query and key get ``qk_rope_head_dim`` extra
+    "decoupled" dimensions that rotate, the key's shared by all heads and computed from x_t directly
+    (eq. 14-19). Queries are compressed the same way through ``q_lora_rank`` (eq. 12-13; None =
+    a full-rank query projection, as DeepSeek-V2-Lite). Each latent is RMS-normalized before its
+    up-projection, as the released models do.
+    """
+
+    q_lora_rank: int | None = None  # d_c' of the query latent; None: W_Q is one (d_model, H * qk) matrix
+    kv_lora_rank: int = 64  # d_c: the cached latent per token (V2/V3: 512 = 4 * 128, sec. 2.1.4)
+    qk_nope_head_dim: int = 32  # d_h: the part of each head's query and key that is not rotated
+    qk_rope_head_dim: int = 16  # d_h^R: the decoupled rotary part (V2/V3: d_h / 2)
+    v_head_dim: int = 32  # each head's value width
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of each head's query and key: the unrotated part and the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_size(f"mla.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_size("mla.q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even: rotary turns pairs of dimensions; "
+                f"choose {self.qk_rope_head_dim + 1}"
+            )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig(Config):
     """A decoder-only Transformer language model. Defaults are a small llama-like model."""
 
@@ -297,6 +335,7 @@ class ModelConfig(Config):
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
+    mla: MLAConfig | None = None  # None = standard attention; else multi-head latent attention (DeepSeek-V2)
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)
@@ -367,13 +406,27 @@ class ModelConfig(Config):
                 "init='xavier' and residual_scaling='gpt2' are two rules for the same weights; choose "
                 "init='normal' for GPT-2's scaled init, or residual_scaling in ['none', 'deepnorm']"
             )
+        if self.mla is not None:
+            self._validate_mla()
         if self.positions != "rope" and self.rope.scaling != "none":
             raise ValueError(
                 f"rope.scaling={self.rope.scaling!r} only applies to positions='rope', not positions={self.positions!r}"
             )
 
+    def _validate_mla(self) -> None:
+        if self.positions != "rope":
+            raise ValueError(
+                f"mla needs positions='rope' (its decoupled query/key dimensions are rotary), not "
+                f"positions={self.positions!r}; set positions='rope' or mla=None"
+            )
+        if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} does not apply with mla: every head's keys and values come from one "
+                "cached latent; leave n_kv_heads unset (= n_heads)"
+            )
+
     def _validate_resolved(self) -> None:
-        if self.positions == "rope" and self.head_dim % 2:
+        if self.mla is None and self.positions == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"positions='rope' needs an even head_dim, got head_dim={self.head_dim} "
                 f"(d_model={self.d_model}, n_heads={self.n_heads}); change n_heads or head_dim"
@@ -404,6 +457,28 @@ class ModelConfig(Config):
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.applies_to(layer)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each query and key head that rotary turns: head_dim, or under ``mla`` its
+        decoupled ``qk_rope_head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """(query/key width, value width) of each head: (head_dim, head_dim), or MLA's own."""
+        if self.mla is None:
+            return self.head_dim, self.head_dim
+        return self.mla.qk_head_dim, self.mla.v_head_dim
+
+    @property
+    def cache_widths(self) -> tuple[int, int, int]:
+        """What the decode cache holds per token and layer, as (heads, key width, value width): n_kv_heads
+        keys and values of head_dim; under ``mla`` one compressed latent of kv_lora_rank and the shared
+        rotary key of qk_rope_head_dim (DeepSeek-V2 sec. 2.1.2-2.1.3)."""
+        if self.mla is None:
+            return self.n_kv_heads, self.head_dim, self.head_dim
+        return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
 
 
 # Named starting points. Sizes are laptop-small; every field can be overridden.
