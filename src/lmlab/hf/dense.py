@@ -129,7 +129,9 @@ LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before
 # ---- the other direction: lmlab -> the Llama layout
 def llama_layout_refusal(cfg: ModelConfig, name: str) -> str | None:
     """What a Llama-layout architecture ``name`` cannot compute: it is pre-norm (checked for every
-    architecture in ``export.py``) RMSNorm, rotary, gated feed-forward."""
+    architecture in ``export.py``) RMSNorm, rotary, gated feed-forward, standard attention."""
+    if cfg.mla is not None:
+        return f"mla set ({name} has no multi-head latent attention; deepseek_v2 and deepseek_v3 have)"
     return refusal(cfg, {
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"),
         "positions": ("rope", f"{name} uses rotary positions"),
@@ -321,6 +323,8 @@ def gpt2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | Non
 
 
 def gpt2_refusal(cfg: ModelConfig) -> str | None:
+    if cfg.mla is not None:
+        return "mla set (GPT-2 has no multi-head latent attention)"
     if cfg.n_kv_heads != cfg.n_heads or cfg.head_dim * cfg.n_heads != cfg.d_model:
         return (
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "
