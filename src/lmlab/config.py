@@ -286,7 +286,7 @@ class MLAConfig(Config):
     """
 
     q_lora_rank: int | None = None  # d_c' of the query latent; None: W_Q is one (d_model, H * qk) matrix
-    kv_lora_rank: int = 64  # d_c: the cached latent per token (V2/V3: 512 = 4 * 128, sec. 2.1.4)
+    kv_lora_rank: int = 128  # d_c: the cached latent per token; 4 d_h as in V2/V3 (512 = 4 * 128, sec. 2.1.4)
     qk_nope_head_dim: int = 32  # d_h: the part of each head's query and key that is not rotated
     qk_rope_head_dim: int = 16  # d_h^R: the decoupled rotary part (V2/V3: d_h / 2)
     v_head_dim: int = 32  # each head's value width
@@ -535,9 +535,12 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 (sec. 2.1.2) scaled down: sigmoid affinities normalized over the chosen experts and
     # scaled by 2.5, 8 groups of which 4 are searched (group score = best two), loss-free balancing
     # with gamma = 1e-3 plus a tiny balance loss (V3 uses alpha = 1e-4 per sequence; here per batch),
-    # one shared expert, the first layer dense.
+    # one shared expert, the first layer dense. Multi-head latent attention (sec. 2.1.1) at V3's
+    # proportions to a head of d_h = 32: latent d_c = 4 d_h = 128, decoupled rotary d_h / 2 = 16,
+    # queries through a rank-128 latent (V3's 1536 = 12 d_h would exceed d_model here).
     "deepseek-v3": dict(
         _BODY, ffn="glu", activation="silu",
+        mla=dict(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
         moe=dict(
             n_experts=32, top_k=4, n_shared=1, d_expert=128, first_dense=1,
             scoring="sigmoid", normalize_top_k=True, routed_scale=2.5,
