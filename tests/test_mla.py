@@ -174,6 +174,8 @@ def test_flops_count_the_mla_widths():
 @pytest.mark.parametrize("fields, message", [
     (dict(positions="alibi"), r"mla needs positions='rope' \(its decoupled query/key dimensions are rotary\)"),
     (dict(n_kv_heads=2), "n_kv_heads=2 does not apply with mla"),
+    (dict(qk_norm="head"), "qk_norm='head' is an option of standard attention, not of mla"),
+    (dict(attn_gate="headwise"), "attn_gate='headwise' is an option of standard attention, not of mla"),
     (dict(mla=MLA | dict(qk_rope_head_dim=5)), r"mla.qk_rope_head_dim=5 must be even"),
     (dict(mla=MLA | dict(kv_lora_rank=0)), r"mla.kv_lora_rank=0"),
     (dict(mla=MLA | dict(q_lora_rank=0)), r"mla.q_lora_rank=0"),

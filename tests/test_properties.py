@@ -1,5 +1,6 @@
 """Invariants over the whole variant grid:
-norm placement × norm × positions × feed-forward × attention (MHA/GQA), plus a few extra designs
+norm placement × norm × positions × feed-forward × attention (MHA/GQA); query/key norm × output gate ×
+positions; plus a few extra designs
 (multi-head latent attention among them).
 
 For every combination: causality, cached incremental decoding equals the full forward, every
@@ -20,7 +21,7 @@ from lmlab import Transformer
 
 T = 12  # sequence length; > relative_clip + 1 so every relative offset bucket is used
 GRID_AXES = dict(
-    norm_position=["pre", "post"],
+    norm_position=["pre", "post", "sandwich", "reordered"],
     norm=["layernorm", "rmsnorm"],
     positions=["none", "sinusoidal", "learned", "relative", "alibi", "rope"],
     ffn=[("mlp", "gelu"), ("glu", "silu")],
@@ -50,11 +51,36 @@ EXTRAS = {  # designs the grid's axes do not reach
                                                     v_head_dim=6), _impl="explicit"),
     "mla-absorbed-q-lora": dict(positions="rope", mla=dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
                                                            qk_rope_head_dim=4, v_head_dim=6), _impl="absorbed"),
+    "mla-sandwich": dict(positions="rope", norm_position="sandwich", mla=dict(kv_lora_rank=16, qk_nope_head_dim=8,
+                                                                              qk_rope_head_dim=4, v_head_dim=6)),
     "mla-post-interleaved": {"positions": "rope", "norm_position": "post", "rope.layout": "interleaved",
                              "mla": dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                          v_head_dim=6)},
 }
-CASES = {**_grid(), **EXTRAS}
+# the attention refinements across position schemes with their own attention path (rotary fused or
+# split, relative's explicit path with a value term, ALiBi's bias), grouped-query
+QK_GATE_AXES = dict(
+    qk_norm=["none", "head", "full"],
+    attn_gate=["none", "elementwise", "headwise"],
+    positions=["rope", "relative", "alibi"],
+)
+
+
+def _qk_gate_grid() -> dict[str, dict]:
+    cases = {}
+    for qk, gate, scheme in itertools.product(*QK_GATE_AXES.values()):
+        if qk == gate == "none":  # the main grid's
+            continue
+        cases[f"qk_{qk}-gate_{gate}-{scheme}"] = dict(qk_norm=qk, attn_gate=gate, positions=scheme, n_kv_heads=2)
+    return cases
+
+
+EXTRAS.update({
+    "qk_full-rope-interleaved": dict(qk_norm="full", positions="rope", n_kv_heads=2, **{"rope.layout": "interleaved"}),
+    "qk_head-gate-sandwich-explicit": dict(qk_norm="head", attn_gate="elementwise", norm_position="sandwich",
+                                           _impl="explicit"),
+})
+CASES = {**_grid(), **_qk_gate_grid(), **EXTRAS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +95,8 @@ def _model(case: str) -> Transformer:
 
 
 def test_grid_is_complete():
-    assert len(_grid()) == 2 * 2 * 6 * 2 * 2 == 96
+    assert len(_grid()) == 4 * 2 * 6 * 2 * 2 == 192
+    assert len(_qk_gate_grid()) == (3 * 3 - 1) * 3 == 24
 
 
 @pytest.mark.parametrize("case", CASES)

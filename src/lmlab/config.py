@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .schema import (
     Config,
+    added,
     check_positive,
     check_range,
     check_size,
@@ -24,7 +25,9 @@ from .schema import (
 )
 
 Norm = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "sandwich", "reordered"]
+QKNorm = Literal["none", "head", "full"]
+AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
@@ -270,6 +273,9 @@ class MoEConfig(Config):
         return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
 
 
+_MLA = "issue 23: multi-head latent attention"
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class MLAConfig(Config):
     """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1; DeepSeek-V3 the same);
@@ -285,11 +291,12 @@ class MLAConfig(Config):
     up-projection, as the released models do.
     """
 
-    q_lora_rank: int | None = None  # d_c' of the query latent; None: W_Q is one (d_model, H * qk) matrix
-    kv_lora_rank: int = 128  # d_c: the cached latent per token; 4 d_h as in V2/V3 (512 = 4 * 128, sec. 2.1.4)
-    qk_nope_head_dim: int = 32  # d_h: the part of each head's query and key that is not rotated
-    qk_rope_head_dim: int = 16  # d_h^R: the decoupled rotary part (V2/V3: d_h / 2)
-    v_head_dim: int = 32  # each head's value width
+    # every field is new with ModelConfig.mla (issue 23), so each is declared with ``added``
+    q_lora_rank: int | None = added(None, since=_MLA)  # d_c' of the query latent; None: one (d_model, H * qk) W_Q
+    kv_lora_rank: int = added(128, since=_MLA)  # d_c: the cached latent per token; 4 d_h as V2/V3's 512 (sec. 2.1.4)
+    qk_nope_head_dim: int = added(32, since=_MLA)  # d_h: the part of each head's query and key that is not rotated
+    qk_rope_head_dim: int = added(16, since=_MLA)  # d_h^R: the decoupled rotary part (V2/V3: d_h / 2)
+    v_head_dim: int = added(32, since=_MLA)  # each head's value width
 
     @property
     def qk_head_dim(self) -> int:
@@ -324,18 +331,27 @@ class ModelConfig(Config):
 
     # ---- design axes
     norm: Norm = "rmsnorm"
-    norm_position: NormPosition = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017)
+    # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
+    norm_position: NormPosition = "pre"
     positions: Positions = "rope"
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
     activation: Activation = "silu"  # glu + silu = SwiGLU
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
+    # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
+    # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
+    qk_norm: QKNorm = added("none", since="issue 23: QK-norm")
+    # sigmoid gate on the attention output before its projection, from the block's attention input:
+    # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
+    attn_gate: AttnGate = added("none", since="issue 23: gated attention")
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
-    mla: MLAConfig | None = None  # None = standard attention; else multi-head latent attention (DeepSeek-V2)
+    # None = standard attention; else multi-head latent attention (DeepSeek-V2)
+    mla: MLAConfig | None = added(None, since=_MLA)
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)
@@ -419,6 +435,12 @@ class ModelConfig(Config):
                 f"mla needs positions='rope' (its decoupled query/key dimensions are rotary), not "
                 f"positions={self.positions!r}; set positions='rope' or mla=None"
             )
+        for name in ("qk_norm", "attn_gate"):
+            if getattr(self, name) != "none":
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is an option of standard attention, not of mla (whose latents "
+                    f"have their own RMSNorms); set {name}='none' or mla=None"
+                )
         if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} does not apply with mla: every head's keys and values come from one "
