@@ -201,6 +201,7 @@ def deepseek_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any,
     why = refusal(cfg, {
         "bias": (False, f"{name} has no biases"), "qkv_bias": (False, f"{name} has no biases"),
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"), "ffn": ("glu", f"{name}'s feed-forward is SwiGLU"),
+        "norm_position": ("pre", f"{name} normalizes each sublayer's input"),
     }) or rope_refusal(cfg)
     if why is None and cfg.moe is not None:
         why = refusal(cfg, {"moe.every": (1, f"every {name} layer after the first dense ones is a mixture"),
