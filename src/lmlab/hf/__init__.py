@@ -39,7 +39,7 @@ The package's modules import one way, registry <- dense <- moe <- qwen3 <- olmo 
 - ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
 - ``moe.py``: mixtral, qwen2_moe, glm4_moe and deepseek_v3 (read for its MoE layers only), on
   the Llama layout;
-- ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms), and the q/k norm tensors every such family maps;
+- ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
 - this file: the reading entry points and the checkpoint files. A new family is a config function,
