@@ -32,7 +32,7 @@ Families: a registry keyed by config.json's ``model_type``
   ``save_pretrained`` writes). :func:`to_hf` takes the first registered family that can hold the
   model, so the choice follows what the config needs, never a model's name.
 
-The package's modules import one way, registry <- dense <- moe <- deepseek, qwen3 <- olmo <- export <- this
+The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- export <- this
 file:
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
