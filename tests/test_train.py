@@ -21,6 +21,7 @@ from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
+from lmlab.run.phases import Phases
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
 
 TINY = TINY_MODEL
@@ -180,6 +181,27 @@ def test_training_logs_checkpoints_and_config(tmp_path):
     assert prov[0]["lmlab"] == lmlab.__version__ and prov[0]["step"] == 0 and "git" in prov[0]
     state = ckpt.load_state(run / "checkpoints" / "step_0000012")
     assert state["step"] == 12 and state["tokens"] == 12 * 4 * 2 * 32
+
+
+def test_phases_count_exclusive_time_and_a_run_reports_where_its_time_went(tmp_path, monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr("lmlab.run.phases.time.perf_counter", lambda: float(next(clock)))
+    phases = Phases()
+    with phases("save"):  # t=0
+        with phases("finite checks"):  # t=1
+            pass  # t=2: back in save
+        with phases("finite checks"):  # t=3
+            pass  # t=4
+    # t=5: save had 0-1, 2-3 and 4-5; the checks 1-2 and 3-4
+    assert phases.seconds == {"save": 3.0, "finite checks": 2.0} and phases.stack == []
+    monkeypatch.undo()
+
+    cfg = run_config(tmp_path, {"log.sample_tokens": 4})
+    result, _, trainer = train(cfg, tmp_path / "run")
+    assert set(result.phases) == {"setup", "step", "log", "eval", "save", "finite checks", "sample"}
+    assert all(s > 0 for s in result.phases.values())
+    outside_setup = sum(s for name, s in result.phases.items() if name != "setup")
+    assert outside_setup <= result.elapsed_s + 1e-3  # exclusive: no second counted twice
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):

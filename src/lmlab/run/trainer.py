@@ -69,6 +69,7 @@ from .optim import build_optimizer, learning_rate, schedule_warning
 from .parallel.compile import compile_blocks, eager
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
+from .phases import Phases
 from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
 from .tasks import TASKS, Loss, language_model_loss
@@ -92,6 +93,7 @@ class TrainResult:
     stopped_by: int | None = None  # the signal that stopped training early, or None
     sample: str | None = None  # text generated at the end
     val_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's, e.g. classify: accuracy
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per phase (Trainer.phases)
 
 
 # ============================================================== one step
@@ -247,8 +249,10 @@ class Trainer:
         self.data: RunData | None = None
         self.checkpointer: Checkpointer | None = None
         self.lock: DirLock | None = None  # rank 0's hold on the run directory
+        # wall seconds per phase: setup, step, eval, save, finite checks, log, sample (run/phases.py)
+        self.phases = Phases()
         try:
-            with self.dist.collectives():
+            with self.dist.collectives(), self.phases("setup"):
                 self._setup(cfg, resume, overwrite, command)
         except BaseException as e:
             self._abandon(peers_lost=lost_peers(e))
@@ -364,15 +368,18 @@ class Trainer:
         loss = val_loss = None
         with self.progress.running(t.steps, self.step), self.stop.handlers():
             while self.step < t.steps and not self.stop.stopping:
-                loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
+                with self.phases("step"):
+                    loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
                 self.step += 1
                 self.tokens += tokens_per_step
-                record = self._record(loss, grad_norm, aux, tokens_per_step)
+                with self.phases("log"):
+                    record = self._record(loss, grad_norm, aux, tokens_per_step)
                 now, improved = None, False
                 if self.bad_steps < t.max_bad_steps:
                     now, improved = self._evaluate_if_due(record)
                     val_loss = now if now is not None else val_loss
-                self._log(record)  # before the checkpoint: a crash in between loses no record
+                with self.phases("log"):
+                    self._log(record)  # before the checkpoint: a crash in between loses no record
                 self._check_diverged()
                 self._save_if_due(improved, now)
             if self.stop.stopping:
@@ -381,7 +388,8 @@ class Trainer:
                     self.progress.print(notice)
                 if self._takes_part:
                     self._save()
-        self.checkpointer.finish()
+        with self.phases("save"):
+            self.checkpointer.finish()
         sample = None
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
@@ -393,6 +401,7 @@ class Trainer:
             tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
             stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
             val_metrics=dict(last.metrics) if (last := getattr(self, "last_eval", None)) is not None else {},
+            phases=dict(self.phases.seconds),
         )
 
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
@@ -473,6 +482,10 @@ class Trainer:
         Sharded, every process evaluates the same batches and takes rank 0's value, so all decide alike."""
         if not self._takes_part:
             return None, False
+        with self.phases("eval"):
+            return self._evaluate_here()
+
+    def _evaluate_here(self) -> tuple[float, bool]:
         self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=self.cfg.train.batch_size,
                                             seq_len=self.cfg.seq_len, max_batches=self.cfg.eval.batches,
                                             autocast=self.autocast, spread=self.cfg.eval.windows == "spread")
@@ -489,10 +502,15 @@ class Trainer:
         """Checkpoint the current step through the checkpointer (rank 0; every rank when sharded) if
         it is a good one (see :meth:`_unsaveable`): a bad checkpoint never joins the good ones.
         ``best``: it is the best so far. The records logged so far are made durable first."""
-        why_not = self._unsaveable(val_loss)
+        with self.phases("save"), self.phases("finite checks"):
+            why_not = self._unsaveable(val_loss)
         if why_not:
             self.progress.print(f"step {self.step}: checkpoint not written: {why_not}")
             return None
+        with self.phases("save"):
+            return self._write_checkpoint(best)
+
+    def _write_checkpoint(self, best: bool) -> Path:
         if self.log is not None:
             self.log.sync()
         return self.checkpointer.save(TrainState(step=self.step, skipped_steps=self.skipped_steps, tokens=self.tokens,
@@ -518,8 +536,10 @@ class Trainer:
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, *, record: bool = False) -> str:
         """Text after ``prompt`` (default: log.sample_prompt), seeded by train.seed; ``record``: logged (rank 0)."""
         log = self.cfg.log
-        text = sample_from(self.model, self.tokenizer, self.parallel, log.sample_prompt if prompt is None else prompt,
-                           max_new_tokens or log.sample_tokens, self.cfg.train.seed)
+        prompt = log.sample_prompt if prompt is None else prompt
+        with self.phases("sample"):
+            text = sample_from(self.model, self.tokenizer, self.parallel, prompt, max_new_tokens or log.sample_tokens,
+                               self.cfg.train.seed)
         if record and self.log is not None:
             self.log.text(self.step, "sample", text)
         return text
