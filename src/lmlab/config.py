@@ -24,7 +24,9 @@ from .schema import (
 )
 
 Norm = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "sandwich", "reordered"]
+QKNorm = Literal["none", "head", "full"]
+AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
@@ -286,12 +288,20 @@ class ModelConfig(Config):
 
     # ---- design axes
     norm: Norm = "rmsnorm"
-    norm_position: NormPosition = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017)
+    # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
+    norm_position: NormPosition = "pre"
     positions: Positions = "rope"
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
     activation: Activation = "silu"  # glu + silu = SwiGLU
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
+    # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
+    # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
+    qk_norm: QKNorm = "none"
+    # sigmoid gate on the attention output before its projection, from the block's attention input:
+    # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
+    attn_gate: AttnGate = "none"
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
