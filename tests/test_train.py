@@ -22,7 +22,7 @@ from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
 from lmlab.run.phases import Phases
-from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
+from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward, seed_dropout
 
 TINY = TINY_MODEL
 
@@ -98,6 +98,29 @@ def test_clip_gradients_scales_to_max_norm_and_reports_non_finite():
     torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([3.0, 4.0]))
     b.grad = torch.tensor([float("inf")])
     assert not math.isfinite(clip_gradients([a, b], 1.0))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 0.0, 1e9])
+def test_clip_gradients_fast_path_equals_clip_grad_norm_bit_for_bit(max_norm):
+    g = torch.Generator().manual_seed(5)
+    shapes = [(7, 3), (3,), (2, 4, 5), (1,)]
+    ours = [torch.zeros(s, requires_grad=True) for s in shapes]
+    ref = [torch.zeros(s, requires_grad=True) for s in shapes]
+    for p, q in zip(ours, ref):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+    norm = clip_gradients(ours, max_norm)
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm if max_norm > 0 else float("inf"))
+    assert norm == float(want)
+    for p, q in zip(ours, ref):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_seed_dropout_on_the_cpu_draws_what_torch_manual_seed_draws():
+    torch.manual_seed(123)
+    want = torch.rand(5)
+    seed_dropout(123, torch.device("cpu"))
+    assert torch.equal(torch.rand(5), want)
 
 
 def test_gradient_accumulation_equals_one_big_batch():
