@@ -209,6 +209,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny recipe (seconds; for CI)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 2; quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="fewer iterations than the recipe's 2000 (schedule and "
+                   "evaluations every 250 steps as given; for a loaded machine)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads, for both sides")
     p.add_argument("--device", choices=["cpu"], default="cpu", help="the recipe is a CPU one")
     args = p.parse_args()
@@ -221,6 +223,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first call imports torch._dynamo: timed apart
     r = RECIPES["quick" if args.quick else "cpu"]
+    if args.steps:
+        r = dataclasses.replace(r, steps=args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         meta = prepare(DataConfig(source="builtin", tokenizer="byte"), data)

@@ -21,7 +21,7 @@ from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
-from lmlab.run.phases import Phases
+from lmlab.run.phases import Phases, summary
 from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward, seed_dropout
 
 TINY = TINY_MODEL
@@ -225,6 +225,7 @@ def test_phases_count_exclusive_time_and_a_run_reports_where_its_time_went(tmp_p
     assert all(s > 0 for s in result.phases.values())
     outside_setup = sum(s for name, s in result.phases.items() if name != "setup")
     assert outside_setup <= result.elapsed_s + 1e-3  # exclusive: no second counted twice
+    assert summary({"eval": 1.5, "step": 10.0}) == "time: step 10.0 s, eval 1.5 s"
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):

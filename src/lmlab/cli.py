@@ -530,6 +530,9 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     if result.sample is not None:
         print("sample:\n" + result.sample)
     if not args.quiet:
+        from .run.phases import summary
+
+        print(summary(result.phases))  # where the time went: setup, step, eval, save, ... (docs/speed.md)
         print(next_steps(run_dir, cfg.task))
     return 0
 

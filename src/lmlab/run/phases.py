@@ -44,3 +44,9 @@ class Phases:
         else:
             self.stack.append(entering)
         self.since = now
+
+
+def summary(seconds: dict[str, float]) -> str:
+    """One line of where a run's time went, largest first: "time: step 141.2 s, eval 4.1 s, ..."."""
+    parts = sorted(seconds.items(), key=lambda kv: -kv[1])
+    return "time: " + ", ".join(f"{name} {s:.1f} s" for name, s in parts)
