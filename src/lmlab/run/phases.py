@@ -1,6 +1,6 @@
 """Where a run's wall time goes: seconds per phase (set-up, step, eval, save, finite checks, log, sample).
 
-    phases = Phases()
+    phases = Phases()                   # or, on a method of an object with .phases: @timed("save")
     with phases("save"):
         with phases("finite checks"):   # nested: counted as finite checks, not as save
             ...
@@ -13,8 +13,11 @@ the time spent inside any of them. Two ``perf_counter`` calls per phase: cheap e
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Phases:
@@ -44,6 +47,17 @@ class Phases:
         else:
             self.stack.append(entering)
         self.since = now
+
+
+def timed(phase: str) -> Callable[[F], F]:
+    """A method's calls counted as ``phase`` in its object's ``phases`` (a :class:`Phases`)."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def inner(self, *args: Any, **kwargs: Any) -> Any:
+            with self.phases(phase):
+                return method(self, *args, **kwargs)
+        return inner  # type: ignore[return-value]
+    return wrap
 
 
 def summary(seconds: dict[str, float]) -> str:

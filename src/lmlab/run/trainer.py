@@ -69,7 +69,7 @@ from .optim import build_optimizer, learning_rate, schedule_warning
 from .parallel.compile import compile_blocks, eager
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
-from .phases import Phases
+from .phases import Phases, timed
 from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
 from .tasks import TASKS, Loss, language_model_loss
@@ -139,6 +139,16 @@ def seed_dropout(seed: int, device: torch.device) -> None:
         torch.default_generator.manual_seed(seed)
     else:
         torch.manual_seed(seed)
+
+
+def check_diverged(step: int, bad_steps: int, max_bad_steps: int, last: Path | None) -> None:
+    """Raise :class:`TrainingDiverged` after ``max_bad_steps`` consecutive non-finite steps, naming
+    ``last``, the last good checkpoint."""
+    if bad_steps >= max_bad_steps:
+        raise TrainingDiverged(
+            f"stopped at step {step}: {bad_steps} consecutive steps with a non-finite loss or gradient "
+            f"(train.max_bad_steps={max_bad_steps}); last good checkpoint: {last or 'none (no checkpoint was written)'}"
+        )
 
 
 # ============================================================== setup checks, samples
@@ -251,7 +261,7 @@ class Trainer:
             raise ValueError("resume and overwrite exclude each other; choose one")
         self.run = RunDir(run_dir)
         self.run_dir = self.run.path
-        self.callbacks, self.quiet = list(callbacks), quiet
+        self.callbacks, self.quiet, self.phases = list(callbacks), quiet, Phases()  # phases: wall seconds per phase
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = Dist.from_env(self.device, cfg.parallel.collective_timeout, cfg.parallel.setup_timeout)
         self.progress = Progress(show=self.dist.main and not quiet)
@@ -259,8 +269,6 @@ class Trainer:
         self.data: RunData | None = None
         self.checkpointer: Checkpointer | None = None
         self.lock: DirLock | None = None  # rank 0's hold on the run directory
-        # wall seconds per phase: setup, step, eval, save, finite checks, log, sample (run/phases.py)
-        self.phases = Phases()
         try:
             with self.dist.collectives(), self.phases("setup"):
                 self._setup(cfg, resume, overwrite, command)
@@ -378,19 +386,16 @@ class Trainer:
         loss = val_loss = None
         with self.progress.running(t.steps, self.step), self.stop.handlers():
             while self.step < t.steps and not self.stop.stopping:
-                with self.phases("step"):
-                    loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
+                loss, grad_norm, aux = self._train_step(self.step, micro_ids, local_accum)
                 self.step += 1
                 self.tokens += tokens_per_step
-                with self.phases("log"):
-                    record = self._record(loss, grad_norm, aux, tokens_per_step)
+                record = self._record(loss, grad_norm, aux, tokens_per_step)
                 now, improved = None, False
                 if self.bad_steps < t.max_bad_steps:
                     now, improved = self._evaluate_if_due(record)
                     val_loss = now if now is not None else val_loss
-                with self.phases("log"):
-                    self._log(record)  # before the checkpoint: a crash in between loses no record
-                self._check_diverged()
+                self._log(record)  # before the checkpoint: a crash in between loses no record
+                check_diverged(self.step, self.bad_steps, t.max_bad_steps, self.checkpointer.latest)
                 self._save_if_due(improved, now)
             if self.stop.stopping:
                 mute_stdout_if_closed()  # `| tee` died with the same Ctrl-C: nothing printed may stop the save
@@ -398,8 +403,7 @@ class Trainer:
                     self.progress.print(notice)
                 if self._takes_part:
                     self._save()
-        with self.phases("save"):
-            self.checkpointer.finish()
+        self.checkpointer.finish()  # an async checkpoint still being written (DCP): waited for here
         sample = None
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
@@ -414,6 +418,7 @@ class Trainer:
             phases=dict(self.phases.seconds),
         )
 
+    @timed("step")
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
         t = self.cfg.train
         for group in self.optimizer.param_groups:
@@ -450,15 +455,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, {k: float(v) for k, v in aux.items()}
 
-    def _check_diverged(self) -> None:
-        t = self.cfg.train
-        if self.bad_steps >= t.max_bad_steps:
-            last = self.checkpointer.latest or "none (no checkpoint was written)"
-            raise TrainingDiverged(
-                f"stopped at step {self.step}: {self.bad_steps} consecutive steps with a non-finite loss or "
-                f"gradient (train.max_bad_steps={t.max_bad_steps}); last good checkpoint: {last}"
-            )
-
     def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
         """At evaluation steps add val_loss (and the task's metrics) to ``record``; returns (this
         step's val loss or None, improved)."""
@@ -488,15 +484,12 @@ class Trainer:
         """Does this process evaluate, sample and save? Rank 0, or all when sharded (a forward needs all)."""
         return self.dist.main or self.parallel.sharded
 
+    @timed("eval")
     def _evaluate(self) -> tuple[float | None, bool]:
         """(validation loss, whether it is the best so far) where :attr:`_takes_part`; (None, False) elsewhere.
         Sharded, every process evaluates the same batches and takes rank 0's value, so all decide alike."""
         if not self._takes_part:
             return None, False
-        with self.phases("eval"):
-            return self._evaluate_here()
-
-    def _evaluate_here(self) -> tuple[float, bool]:
         self.last_eval = self.task.evaluate(self.model, self.val_data, batch_size=self.cfg.train.batch_size,
                                             seq_len=self.cfg.seq_len, max_batches=self.cfg.eval.batches,
                                             autocast=self.autocast, spread=self.cfg.eval.windows == "spread")
@@ -509,24 +502,21 @@ class Trainer:
             self.best_val, self.best_step = loss, self.step
         return loss, improved
 
+    @timed("save")
     def _save(self, best: bool = False, val_loss: float | None = None) -> Path | None:
         """Checkpoint the current step through the checkpointer (rank 0; every rank when sharded) if
         it is a good one (see :meth:`_unsaveable`): a bad checkpoint never joins the good ones.
         ``best``: it is the best so far. The records logged so far are made durable first."""
-        with self.phases("save"), self.phases("finite checks"):
-            why_not = self._unsaveable(val_loss)
+        why_not = self._unsaveable(val_loss)
         if why_not:
             self.progress.print(f"step {self.step}: checkpoint not written: {why_not}")
             return None
-        with self.phases("save"):
-            return self._write_checkpoint(best)
-
-    def _write_checkpoint(self, best: bool) -> Path:
         if self.log is not None:
             self.log.sync()
         return self.checkpointer.save(TrainState(step=self.step, skipped_steps=self.skipped_steps, tokens=self.tokens,
                                                  best_val=self.best_val, best_step=self.best_step), best=best)
 
+    @timed("finite checks")
     def _unsaveable(self, val_loss: float | None) -> str | None:
         """Why this step must not be checkpointed, or None: its own loss or gradient was not finite,
         a weight is not finite, or the weights give a non-finite loss (``val_loss`` when this step
@@ -544,18 +534,18 @@ class Trainer:
             return f"the weights give a validation loss of {val_loss}"
         return None
 
+    @timed("sample")
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, *, record: bool = False) -> str:
         """Text after ``prompt`` (default: log.sample_prompt), seeded by train.seed; ``record``: logged (rank 0)."""
         log = self.cfg.log
-        prompt = log.sample_prompt if prompt is None else prompt
-        with self.phases("sample"):
-            text = sample_from(self.model, self.tokenizer, self.parallel, prompt, max_new_tokens or log.sample_tokens,
-                               self.cfg.train.seed)
+        text = sample_from(self.model, self.tokenizer, self.parallel, log.sample_prompt if prompt is None else prompt,
+                           max_new_tokens or log.sample_tokens, self.cfg.train.seed)
         if record and self.log is not None:
             self.log.text(self.step, "sample", text)
         return text
 
     # ---- logging
+    @timed("log")
     def _record(self, loss: float, grad_norm: float, aux: dict[str, float], tokens_per_step: int) -> dict[str, Any]:
         """This step's metrics: only {"step"} between log.every steps, else the full record."""
         last = self.cfg.train.steps
@@ -576,6 +566,7 @@ class Trainer:
         self.progress.advance(record)
         return record
 
+    @timed("log")
     def _log(self, record: dict[str, Any]) -> None:
         for cb in self.callbacks:
             cb(self, record)
