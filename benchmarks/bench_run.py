@@ -161,10 +161,10 @@ def lmlab_run(data_dir: Path, r: Recipe, run_dir: Path, seed: int = 0) -> RunTim
     return RunTimes(wall, evals, phases)
 
 
-def start_seconds(*argv: str) -> float:
-    """Wall seconds of ``python ARGV`` in a fresh interpreter (the best of 3)."""
+def start_seconds(*argv: str, repeats: int = 3) -> float:
+    """Wall seconds of ``python ARGV`` in a fresh interpreter (the best of ``repeats``)."""
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         t = time.perf_counter()
         subprocess.run([sys.executable, *argv], check=True, capture_output=True)
         best = min(best, time.perf_counter() - t)
@@ -199,7 +199,7 @@ def report(r: Recipe, runs: dict[str, list[RunTimes]], imports: dict[str, float]
         cells = "  ".join(f"{name} {s:7.2f} s ({s / r.steps * 1e3:6.2f} ms/step)" for name, s in zip(runs, row))
         print(f"  {phase:13s} {cells}")
     print(f"  step ratio (plain / lmlab): {steps['plain'] / steps['lmlab']:.2f}x")
-    print(f"start-up, fresh interpreter (best of 3): import torch {imports['torch']:.2f} s, import lmlab "
+    print(f"start-up, fresh interpreter: import torch {imports['torch']:.2f} s, import lmlab "
           f"{imports['lmlab']:.2f} s, import lmlab.cli {imports['cli']:.2f} s, `lmlab --help` {imports['help']:.2f} s")
     print(f"  import torch and build an optimizer {imports['optimizer']:.2f} s: its first call imports torch._dynamo, "
           "which both sides pay in a fresh process, neither in the rounds above")
@@ -236,9 +236,17 @@ def main() -> None:
         for i in range(args.rounds):
             runs["lmlab"].append(lmlab_run(data, r, Path(tmp) / f"run{i}", seed=i))
             runs["plain"].append(plain_run(data, r, meta.vocab_size, seed=i))
-    imports = {"torch": start_seconds("-c", "import torch"), "lmlab": start_seconds("-c", "import lmlab"),
-               "cli": start_seconds("-c", "import lmlab.cli"), "help": start_seconds("-m", "lmlab", "--help"),
-               "optimizer": start_seconds("-c", "import torch; torch.optim.AdamW([torch.ones(1, requires_grad=True)])")}
+            for name, times in runs.items():  # as it goes: a long benchmark on a loaded machine keeps what it has
+                t = times[-1]
+                print(f"  round {i + 1}: {name} {t.wall:.1f} s, val loss {t.evals[-1][1]:.4f}; "
+                      + ", ".join(f"{k} {v:.2f} s" for k, v in t.phases.items()), flush=True)
+    n = 1 if args.quick else 3
+    imports = {"torch": start_seconds("-c", "import torch", repeats=n),
+               "lmlab": start_seconds("-c", "import lmlab", repeats=n),
+               "cli": start_seconds("-c", "import lmlab.cli", repeats=n),
+               "help": start_seconds("-m", "lmlab", "--help", repeats=n),
+               "optimizer": start_seconds("-c", "import torch; torch.optim.AdamW([torch.ones(1, requires_grad=True)])",
+                                          repeats=n)}
     report(r, dict(runs), imports)
 
 
