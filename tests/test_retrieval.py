@@ -70,6 +70,22 @@ def test_planted_windows_repeat_an_earlier_segment_of_their_own_text(train_data)
     assert min(distances) >= K and max(distances) > T // 2  # short and long distances both occur
 
 
+def test_training_plants_the_copy_probes_in_range_distance_as_often_as_any_other():
+    """The probe's in-range repeat lies T - K back (first copy at 0, positions.copy_metrics); training
+    must plant that distance as often as the others, not in a tail the model rarely sees."""
+    T, K, B = 64, 16, 20000
+    w = torch.full((B, T + 1), -1)  # the training window: inputs and targets, T + 1 tokens
+    out = plant_repeats(w, RepeatsConfig(fraction=1.0, length=K, source="random"), torch.Generator().manual_seed(0),
+                        torch.arange(1, 2048))
+    at = (out != -1).int().argmax(1)  # (B,): p, the first planted column
+    q = (out != -1).int().flip(1).argmax(1).neg() + T - K + 1  # (B,): the last planted column minus K - 1
+    counts = torch.bincount(q - at, minlength=T + 2)[K:T - K + 2]  # distances K .. T + 1 - K
+    share = counts.float() / B
+    probe = T - min(positions.COPY_K, T // 4)  # copy_metrics' 1x: a window of T tokens, k = 16, first copy at 0
+    assert (share > 0.6 / len(counts)).all()  # every distance from K to T + 1 - K, evenly (1/34 each)
+    assert share[probe - K] > 0.025  # the probe's 48 in 2.9% of planted windows (sorted offsets gave 0.35%)
+
+
 def test_planting_is_decided_by_the_generator_state_alone(train_data):
     r = RepeatsConfig(fraction=0.5, length=4)
     g = torch.Generator().manual_seed(1)

@@ -76,19 +76,23 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
     """``window`` (B, W) with about ``repeats.fraction`` of its rows carrying a planted repeat: a
     K-token segment (K = ``repeats.length``) at [p, p+K) and again at [q, q+K), q >= p + K. Source
     ``text``: the window's own tokens at p are copied over q (three draws from ``generator``: which
-    rows, then two offsets each); ``random``: K ids drawn uniformly from ``ids`` (1-D int64, the ids
-    that may be planted, ``plantable_ids``) are written at both (a fourth draw, (B, K) whatever the
-    rows). Either way the batch is still decided by the generator's state alone. p and q - K are the
-    smaller and larger of two uniform offsets in [0, W - 2K]: every distance q - p from K to W - K
-    occurs, shorter ones more often. Applied to the whole (B, T+1) window, inputs and targets agree."""
+    rows, then a distance and an offset each); ``random``: K ids drawn uniformly from ``ids`` (1-D
+    int64, the ids that may be planted, ``plantable_ids``) are written at both (a fourth draw, (B, K)
+    whatever the rows). Either way the batch is still decided by the generator's state alone. The
+    distance q - p is uniform over [K, W - K] and p uniform over the offsets that fit it, so every
+    distance is as common as any other, the copy probe's in-range one (T - K: first copy at 0,
+    ``positions.copy_metrics``) included; two uniform offsets sorted, as before, made distances near
+    W - K rare (that one: 4 windows in 1,156 at W = 65, K = 16). Applied to the whole (B, T+1)
+    window, inputs and targets agree."""
     B, W = window.shape
     K = repeats.length
     if 2 * K > W:
         raise ValueError(f"train.repeats.length={K} does not fit twice in a window of {W} tokens; "
                          f"choose length <= {W // 2}")
     chosen = torch.rand(B, generator=generator) < repeats.fraction  # (B,)
-    a, b = torch.randint(W - 2 * K + 1, (2, B), generator=generator)  # (B,) each
-    p, q = torch.minimum(a, b), torch.maximum(a, b) + K  # (B,) each: q - p >= K
+    d = torch.randint(K, W - K + 1, (B,), generator=generator)  # (B,): the distance q - p, uniform
+    p = (torch.rand(B, generator=generator, dtype=torch.float64) * (W - K - d + 1)).long()  # (B,): in [0, W-K-d]
+    q = p + d  # (B,): q + K <= W
     rows = chosen.nonzero().squeeze(1)  # (R,)
     cols = torch.arange(K)  # (K,)
     out = window.clone()
