@@ -146,6 +146,28 @@ def test_random_planting_never_plants_special_ids_and_keeps_the_rest_of_the_text
         fraction=1.0, length=K))).any()  # random draws more from the generator than text does
 
 
+def test_an_alphabet_plants_only_the_lowest_plantable_ids_in_training_and_in_the_probe(train_data):
+    B, T, K, n = 500, 32, 8, 5
+    r = RepeatsConfig(fraction=1.0, length=K, source="random", alphabet=n)
+    plain = window_of(train_data, *train_data.batch(B, T, torch.Generator().manual_seed(0)))
+    planted = window_of(train_data, *train_data.batch(B, T, torch.Generator().manual_seed(0), r))
+    changed = planted != plain
+    alphabet = plantable_ids(train_data.meta)[:n]
+    assert torch.isin(planted[changed], alphabet).all() and changed.sum() > B * K  # only those ids, in every window
+    assert set(planted[changed].tolist()) == set(alphabet.tolist())  # and all of them
+    seen = []
+
+    class Recorder(Oracle):
+        def forward(self, x):
+            seen.append(x.clone())
+            return super().forward(x)
+
+    data = probe_data()
+    positions.copy_probe(Recorder(50, None), data, 64, 8, 8, n=20, source="random", alphabet=3)
+    segments = torch.cat(seen)[:, 8:16]  # (20, 8): the first copies
+    assert set(segments.flatten().tolist()) <= set(data.plantable_ids[:3].tolist())
+
+
 # ============================================================== the config
 @pytest.mark.parametrize("changes, message", [
     ({"train.repeats.fraction": 0.0}, r"train\.repeats\.fraction=0\.0 is out of range; it must be in \(0, 1\]"),
@@ -154,6 +176,8 @@ def test_random_planting_never_plants_special_ids_and_keeps_the_rest_of_the_text
     ({"train.repeats.length": 9, "model.max_seq_len": 16},
      r"train\.repeats\.length=9 does not fit twice in a window of seq_len \+ 1 = 17 tokens; choose length <= 8"),
     ({"train.repeats.fraction": 0.1, "task": "classify"}, r"train\.repeats plants repeats in a token stream"),
+    ({"train.repeats.alphabet": 64}, r"train\.repeats\.alphabet=64 only applies to source=random"),
+    ({"train.repeats.alphabet": 1, "train.repeats.source": "random"}, r"train\.repeats\.alphabet=1 is too small"),
     ({"train.repeats.source": "copy"},
      r"train\.repeats\.source='copy' is not a valid choice; choose one of \['text', 'random'\]"),
 ])
@@ -167,6 +191,8 @@ def test_repeats_are_off_by_default_and_round_trip():
     cfg = RunConfig().override({"train.repeats.fraction": 0.2})
     assert cfg.train.repeats == RepeatsConfig(fraction=0.2, length=16, source="text")  # today's planting by default
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    cfg = cfg.override({"train.repeats.source": "random", "train.repeats.alphabet": 64})
+    assert cfg.train.repeats.alphabet == 64 and RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
 # ============================================================== training with it

@@ -95,21 +95,22 @@ def length_metrics(model, data, L: int, multiples, tokens: int) -> dict[str, Any
 
 @torch.no_grad()
 def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N,
-               source: str = "text") -> dict[str, float]:
+               source: str = "text", alphabet: int | None = None) -> dict[str, float]:
     """How well ``model`` continues a repeat: ``n`` windows of ``length`` validation tokens, spread
     over the split (deterministic), each with a k-token segment at [first_at, first_at + k) written
     again at its end (the first copy ``length - k - first_at`` tokens back), as ``train.repeats``
     plants them in training. ``source`` as ``train.repeats.source``: ``text``, the window's own text
     at first_at is repeated; ``random``, k ids drawn uniformly from ``data.plantable_ids`` (by a
-    generator seeded 0: the same probes at every call) are written at both places, so only copying
-    predicts the repeat (a uniform guess scores logp -ln V, acc ~1/V). Over the repeat's tokens 2..k
+    generator seeded 0: the same probes at every call; the first ``alphabet`` of them when given, as
+    ``train.repeats.alphabet``) are written at both places, so only copying predicts the repeat (a
+    uniform guess over the V ids drawn from scores logp -ln V, acc ~1/V). Over the repeat's tokens 2..k
     (the first cues it): ``logp``, the mean log-probability per probe averaged over probes, a measure
     that moves before accuracy does, and ``acc``, argmax accuracy; each with its standard error over
     probes (``logp_se``, ``acc_se``)."""
     starts = spread_starts(len(data.tokens), length, n)
     x = np.stack([np.asarray(data.tokens[s : s + length]) for s in starts]).astype(np.int64)  # (n, length)
     if source == "random":
-        ids = data.plantable_ids
+        ids = data.plantable_ids[:alphabet]
         x[:, first_at : first_at + k] = ids[torch.randint(len(ids), (n, k), generator=torch.Generator().manual_seed(0))]
     elif source != "text":
         raise ValueError(f"copy probe source={source!r} is not a valid choice; choose one of ['text', 'random']")
@@ -136,11 +137,12 @@ def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int 
     return out
 
 
-def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "text") -> dict[str, float]:
+def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "text",
+                 alphabet: int | None = None) -> dict[str, float]:
     """For each multiple m of ``probes`` (m -> how many probes): copy_1x_* for m = 1 (first copy at
     0: in range), else copy_{m}x_far_* (first copy at 0, about the window length back) and
     copy_{m}x_near_* (L/2 back, at positions beyond L); each ``logp``, ``acc`` and their ``_se``
-    (:func:`copy_probe`, segments of ``source``: the same keys whichever it is)."""
+    (:func:`copy_probe`, segments of ``source`` and ``alphabet``: the same keys whichever they are)."""
     k = min(COPY_K, L // 4)
     where: dict[str, tuple[int, int, int]] = {}  # key -> (window, first copy at, probes)
     for m, n in probes.items():
@@ -150,7 +152,7 @@ def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "tex
         elif model.config.positions != "learned" or T <= model.config.max_seq_len:
             where.update({f"copy_{m}x_far": (T, 0, n), f"copy_{m}x_near": (T, T - k - L // 2, n)})
     return {f"{key}_{name}": v for key, (T, first, n) in where.items()
-            for name, v in copy_probe(model, data, T, first, k, n, source).items()}
+            for name, v in copy_probe(model, data, T, first, k, n, source, alphabet).items()}
 
 
 def rescaled(model, method: str, factor: float, original: int):
@@ -190,10 +192,11 @@ class Hooks(SweepHooks):
         n, curve = (COPY_N_QUICK, COPY_N_QUICK) if spec.is_quick else (COPY_N, COPY_N_CURVE)
         self.copy_end = {1: n, 8: n, 16: curve}  # at a run's end: the claim's lengths at COPY_N
         self.copy_snapshot = {1: n, 8: curve}  # at a fine-tune's snapshots
-        # what every run's probes plant: rope-copy's train.repeats.source, so the probe asks what it was
+        # what every run's probes plant: rope-copy's train.repeats.source and alphabet, so the probe asks what it was
         # trained on; the same for every scheme, so their copy figures compare
         repeats = spec.configs["rope-copy"].train.repeats if "rope-copy" in spec.configs else None
         self.copy_source = repeats.source if repeats is not None else "text"
+        self.copy_alphabet = repeats.alphabet if repeats is not None else None
 
     def ft_measure(self, model, data) -> dict[str, Any]:
         m = {
@@ -201,7 +204,7 @@ class Hooks(SweepHooks):
             for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
             if not k.startswith("pp_")
         }
-        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, self.copy_source)}
+        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, self.copy_source, self.copy_alphabet)}
 
     def callbacks(self, variant, seed, run_dir):
         steps = snapshot_steps(self.steps[variant.name])
@@ -210,7 +213,7 @@ class Hooks(SweepHooks):
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
         out = {**length_metrics(model, data, L, MULTIPLES, self.tokens),
-               **copy_metrics(model, data, L, self.copy_end, self.copy_source)}
+               **copy_metrics(model, data, L, self.copy_end, self.copy_source, self.copy_alphabet)}
         if variant.init_from:
             snaps = Snapshots(run_dir, set(), self.ft_measure).read()
             out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
@@ -221,7 +224,7 @@ class Hooks(SweepHooks):
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
                     probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4),
-                                       self.copy_end[m], self.copy_source)
+                                       self.copy_end[m], self.copy_source, self.copy_alphabet)
                     out.update({f"zs_{name}_copy_{m}x_far_{k}": v for k, v in probe.items()})
         return out
 

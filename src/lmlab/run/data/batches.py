@@ -110,7 +110,8 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
 def plantable_ids(meta: DataMeta) -> torch.Tensor:
     """(V',) int64: the token ids a random planted segment draws from, every id of ``meta``'s
     vocabulary except the special ones (end of document, unknown, padding), which never stand
-    inside text."""
+    inside text; in increasing order, so ``train.repeats.alphabet`` = n takes the n lowest (for a
+    byte-level BPE, the single characters it starts from)."""
     special = {meta.eod_id, meta.unk_id, meta.pad_id} - {None}
     return torch.tensor([i for i in range(meta.vocab_size) if i not in special], dtype=torch.int64)
 
@@ -186,7 +187,7 @@ class TokenData:
         window = self._window(starts.numpy(), seq_len)  # (B, T+1)
         if repeats is None:
             return self._split(window)
-        ids = self.plantable_ids if repeats.source == "random" else None
+        ids = self.plantable_ids[: repeats.alphabet] if repeats.source == "random" else None
         return self._split(plant_repeats(window, repeats, generator, ids))
 
     def num_eval_windows(self, seq_len: int) -> int:
