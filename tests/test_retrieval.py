@@ -86,6 +86,20 @@ def test_training_plants_the_copy_probes_in_range_distance_as_often_as_any_other
     assert share[probe - K] > 0.025  # the probe's 48 in 2.9% of planted windows (sorted offsets gave 0.35%)
 
 
+def test_planting_at_the_ends_puts_both_copies_where_the_copy_probe_does(train_data):
+    B, T, K = 200, 32, 8
+    r = RepeatsConfig(fraction=1.0, length=K, source="random", place="ends")
+    plain_x, plain_y = train_data.batch(B, T, torch.Generator().manual_seed(0))
+    x, y = train_data.batch(B, T, torch.Generator().manual_seed(0), r)
+    assert torch.equal(x[:, :K], x[:, T - K:])  # inputs: a segment at [0, K) and again ending at the last input
+    assert torch.equal(x[:, K:T - K], plain_x[:, K:T - K]) and torch.equal(y[:, -1], plain_y[:, -1])  # text around
+    assert torch.equal(y[:, T - K:T - 1], x[:, 1:K])  # targets: the repeat's tokens 2..K, as copy_probe scores them
+    g, h = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    train_data.batch(B, T, g, r)
+    train_data.batch(B, T, h, dataclasses.replace(r, place="uniform"))
+    assert torch.equal(g.get_state(), h.get_state())  # the same draws either way
+
+
 def test_planting_is_decided_by_the_generator_state_alone(train_data):
     r = RepeatsConfig(fraction=0.5, length=4)
     g = torch.Generator().manual_seed(1)
@@ -178,6 +192,8 @@ def test_an_alphabet_plants_only_the_lowest_plantable_ids_in_training_and_in_the
     ({"train.repeats.fraction": 0.1, "task": "classify"}, r"train\.repeats plants repeats in a token stream"),
     ({"train.repeats.alphabet": 64}, r"train\.repeats\.alphabet=64 only applies to source=random"),
     ({"train.repeats.alphabet": 1, "train.repeats.source": "random"}, r"train\.repeats\.alphabet=1 is too small"),
+    ({"train.repeats.place": "end"},
+     r"train\.repeats\.place='end' is not a valid choice; choose one of \['uniform', 'ends'\]"),
     ({"train.repeats.source": "copy"},
      r"train\.repeats\.source='copy' is not a valid choice; choose one of \['text', 'random'\]"),
 ])
@@ -193,6 +209,8 @@ def test_repeats_are_off_by_default_and_round_trip():
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     cfg = cfg.override({"train.repeats.source": "random", "train.repeats.alphabet": 64})
     assert cfg.train.repeats.alphabet == 64 and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.train.repeats.place == "uniform"
+    assert cfg.override({"train.repeats.place": "ends"}).train.repeats.place == "ends"
 
 
 # ============================================================== training with it

@@ -61,6 +61,7 @@ class Section(Config):
 
 
 RepeatSource = Literal["text", "random"]  # what train.repeats plants (RepeatsConfig.source)
+RepeatPlace = Literal["uniform", "ends"]  # where train.repeats plants it (RepeatsConfig.place)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -87,6 +88,12 @@ class RepeatsConfig(Section):
     # output must learn an identity over every id); a small alphabet, like the digits of a passkey
     # (Mohtashami & Jaggi 2023, the retrieval test of Peng et al.'s YaRN), is learned in hundreds
     alphabet: int | None = None
+    # uniform: the distance uniform over [length, T + 1 - length], then the offset; ends: the first copy
+    # at the window's start and the second ending at its last input (distance T - length), where the
+    # copy probe puts them (positions.copy_metrics), a passkey at a fixed depth. At the positions size
+    # no copier formed at uniform distances in 500-600 steps; a head that looks a fixed distance back
+    # needs no induction circuit (previous-token head, then content match)
+    place: RepeatPlace = "uniform"
 
     def validate(self) -> None:
         if not 0.0 < self.fraction <= 1.0:

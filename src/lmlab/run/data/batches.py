@@ -82,8 +82,9 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
     distance q - p is uniform over [K, W - K] and p uniform over the offsets that fit it, so every
     distance is as common as any other, the copy probe's in-range one (T - K: first copy at 0,
     ``positions.copy_metrics``) included; two uniform offsets sorted, as before, made distances near
-    W - K rare (that one: 4 windows in 1,156 at W = 65, K = 16). Applied to the whole (B, T+1)
-    window, inputs and targets agree."""
+    W - K rare (that one: 4 windows in 1,156 at W = 65, K = 16). ``repeats.place`` ``ends``: p = 0
+    and q = W - 1 - K, the probe's distance alone. Applied to the whole (B, T+1) window, inputs and
+    targets agree."""
     B, W = window.shape
     K = repeats.length
     if 2 * K > W:
@@ -93,6 +94,8 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
     d = torch.randint(K, W - K + 1, (B,), generator=generator)  # (B,): the distance q - p, uniform
     p = (torch.rand(B, generator=generator, dtype=torch.float64) * (W - K - d + 1)).long()  # (B,): in [0, W-K-d]
     q = p + d  # (B,): q + K <= W
+    if repeats.place == "ends":  # the same draws, so the generator advances alike; the probe's geometry
+        p, q = torch.zeros_like(p), torch.full_like(q, W - 1 - K)  # the second copy ends at the last input
     rows = chosen.nonzero().squeeze(1)  # (R,)
     cols = torch.arange(K)  # (K,)
     out = window.clone()
