@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .schema import (
     Config,
+    added,
     check_positive,
     check_range,
     check_size,
@@ -24,7 +25,9 @@ from .schema import (
 )
 
 Norm = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "sandwich", "reordered"]
+QKNorm = Literal["none", "head", "full"]
+AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
@@ -286,12 +289,20 @@ class ModelConfig(Config):
 
     # ---- design axes
     norm: Norm = "rmsnorm"
-    norm_position: NormPosition = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017)
+    # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
+    norm_position: NormPosition = "pre"
     positions: Positions = "rope"
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
     activation: Activation = "silu"  # glu + silu = SwiGLU
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
+    # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
+    # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
+    qk_norm: QKNorm = added("none", since="issue 23: QK-norm")
+    # sigmoid gate on the attention output before its projection, from the block's attention input:
+    # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
+    attn_gate: AttnGate = added("none", since="issue 23: gated attention")
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
@@ -423,6 +434,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama": dict(
         norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu", activation="silu",
         n_heads=8, n_kv_heads=2, bias=False, tie_embeddings=False,
+    ),
+    # Qwen3 (Yang et al. 2025, arXiv:2505.09388): Llama's block with an RMSNorm on each query and key
+    # head before rotary, no q/k/v biases, rotary base 1e6, tied embeddings as in the small Qwen3 models.
+    "qwen3": dict(
+        norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu", activation="silu",
+        n_heads=8, n_kv_heads=2, qk_norm="head", bias=False, tie_embeddings=True, norm_eps=1e-6,
+        rope=dict(base=1e6),
+    ),
+    # OLMo 2 (OLMo et al. 2024, arXiv:2501.00656, sec. 3.1): reordered norms, x + norm(f(x)), and an
+    # RMSNorm over the whole q and k projections, for training stability; multi-head attention,
+    # rotary base 5e5, RMSNorm eps 1e-6.
+    "olmo2": dict(
+        norm="rmsnorm", norm_position="reordered", positions="rope", ffn="glu", activation="silu",
+        n_heads=8, qk_norm="full", bias=False, tie_embeddings=False, norm_eps=1e-6, rope=dict(base=5e5),
     ),
 }
 

@@ -5,10 +5,10 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe), or named with ``architecture=``. Nothing approximate is ever written: a model
-that no transformers architecture computes exactly is refused with a ValueError that names the
-field and its value. Dropout and balancing coefficients act only in training and are not part of
-what is checked.
+qwen2_moe, glm4_moe, qwen3, qwen3_moe, olmo2, olmoe), or named with ``architecture=``. Nothing
+approximate is ever written: a model that no transformers architecture computes exactly is refused
+with a ValueError that names the field and its value. Dropout and balancing coefficients act only in
+training and are not part of what is checked.
 
 The directory appears whole or not at all: everything is computed and checked first, the files
 are written into a hidden temporary directory next to ``out``, fsynced, and renamed into place.
@@ -31,7 +31,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, fsync_dir
-from . import dense, moe  # noqa: F401  (importing them registers their families)
+from . import dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, Tensors
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
@@ -40,12 +40,15 @@ DEFAULT_SHARD_SIZE = "5GB"  # transformers 4.x's default; every version reads th
 # (field, value that no exported architecture computes, why): checked before any architecture
 NO_EQUIVALENT: tuple[tuple[str, Any, str], ...] = (
     ("residual_scaling", "deepnorm", "DeepNorm up-scales the residual before each post-norm (Wang et al. 2022)"),
-    ("norm_position", "post", "post-norm; every transformers decoder lmlab writes normalizes before each sublayer"),
+    ("norm_position", "post", "post-norm; no transformers decoder lmlab writes normalizes the residual stream itself"),
     ("positions", "sinusoidal", "fixed sinusoidal positions added to the embeddings"),
     ("positions", "relative", "Shaw et al. relative positions (learned key and value terms)"),
     ("positions", "alibi", "ALiBi attention biases"),
     ("positions", "none", "no position information at all"),
     ("embed_scale", "sqrt_d", "embeddings multiplied by sqrt(d_model)"),
+    ("attn_gate", "elementwise", "a sigmoid gate on the attention output (Qwen3-Next's, whose other layers are "
+                                 "linear attention, is not written)"),
+    ("attn_gate", "headwise", "a per-head sigmoid gate on the attention output"),
     ("moe.second_expert", "random", "GShard's randomly dispatched second expert"),
 )
 
