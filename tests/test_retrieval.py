@@ -339,14 +339,21 @@ def test_the_retrieval_fine_tunes_are_measured_at_eight_points():
     spec = load_experiment_spec("positions")
     for name in ("rope-copy-ft-none", "rope-copy-ft-pi", "rope-copy-ft-yarn"):
         cfg = spec.configs[name]
-        assert cfg.train.repeats == RepeatsConfig(fraction=0.1, length=16) and cfg.seq_len == 512
+        assert cfg.train.repeats == spec.configs["rope-copy"].train.repeats and cfg.seq_len == 512  # as the base
         assert len(positions.snapshot_steps(cfg.train.steps)) + 1 >= 8  # snapshots and the end
         assert cfg.train.steps // cfg.eval.every >= 8
-    assert spec.configs["rope-copy"].train.repeats is not None and spec.configs["rope"].train.repeats is None
+    # the setting that reached the copy gate in the pilot (positions.yaml): random ids of a 64-id alphabet,
+    # planted where the probe looks
+    assert spec.configs["rope-copy"].train.repeats == RepeatsConfig(fraction=1.0, length=16, source="random",
+                                                                    alphabet=64, place="ends")
+    assert spec.configs["rope"].train.repeats is None
     assert spec.configs["rope-copy"].model == spec.configs["rope"].model  # the same size as rope
     quick = load_experiment_spec("positions", quick=True)
     assert quick.configs["rope-copy-ft-yarn"].train.steps <= 4
     hooks = positions.Hooks(spec)  # the gate's (1x) and the claim's (8x) probes at a run's end: SE ~0.02
-    assert hooks.copy_source == spec.configs["rope-copy"].train.repeats.source  # probes plant what it trained on
-    assert hooks.copy_end[1] == hooks.copy_end[8] == positions.COPY_N >= (0.85 / 0.02) ** 2 * 0.99
+    repeats = spec.configs["rope-copy"].train.repeats  # probes plant what it trained on
+    assert (hooks.copy_source, hooks.copy_alphabet) == (repeats.source, repeats.alphabet) == ("random", 64)
+    assert hooks.copy_end[1] == hooks.copy_end[8] == positions.COPY_N
+    assert positions.COPY_SD / positions.COPY_N ** 0.5 <= 0.02 / 2  # SE 0.02 even at twice the measured spread
+    assert positions.COPY_SD / positions.COPY_N_CURVE ** 0.5 <= 0.02 + 1e-9
     assert max(positions.Hooks(quick).copy_end.values()) <= 32  # the quick profile stays a smoke test

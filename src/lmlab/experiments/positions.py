@@ -53,14 +53,16 @@ DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 # rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
 SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
-# Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
-# 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
-# 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)); that model does not copy yet, and a
-# model that does should spread less (its log-probs pile up near 0). At a run's end the in-range and 8x
-# probes (the gate's and the claim's) use COPY_N; the 16x probes and the fine-tune snapshots' 8x
-# probes use COPY_N_CURVE (standard error ~0.04) at a quarter of the cost: 1800 probes at 8x are
-# 0.9M tokens of forward passes (400 took 83 s on one thread of a loaded 2-core CPU).
-COPY_N, COPY_N_CURVE = 1800, 450
+# Probes per distance, from the spread of the per-probe mean log-prob (COPY_SD): the standard error is
+# COPY_SD / sqrt(n). Measured on the pilot of rope-copy's setting (positions.yaml p4; 1x, 128 probes
+# every 100 steps): sd 0.15, 0.20, 0.13 and 0.06 nats at steps 300-600, largest at the gate (acc 0.57
+# at step 400), where a model half copies; 100 probes would give 0.02 there. COPY_N doubles the sd for
+# the fine-tunes' 8x probes, which may spread more: 400 give 0.02 at sd 0.4 (0.01 at the measured 0.2),
+# and COPY_N_CURVE (the 16x probes, the snapshots' 8x) 0.02 at the measured sd. The first text-repeat
+# model, which did not copy, spread 0.85 and needed 1800; 400 probes at 8x are 0.2M tokens of forward
+# passes (83 s on one thread of a loaded 2-core CPU).
+COPY_SD = 0.2  # measured per-probe sd of copy_1x_logp at the gate (rope-copy's pilot)
+COPY_N, COPY_N_CURVE = round((2 * COPY_SD / 0.02) ** 2), round((COPY_SD / 0.02) ** 2)  # 400, 100
 COPY_N_QUICK = 32  # the quick profile's: a smoke test, seconds
 COPY_BATCH = 8  # probe windows per forward pass
 COPY_GATE = 0.5  # in-range copy accuracy (copy_1x_acc) a model must reach before its retrieval beyond range is judged

@@ -91,8 +91,9 @@ class RepeatsConfig(Section):
     # uniform: the distance uniform over [length, T + 1 - length], then the offset; ends: the first copy
     # at the window's start and the second ending at its last input (distance T - length), where the
     # copy probe puts them (positions.copy_metrics), a passkey at a fixed depth. At the positions size
-    # no copier formed at uniform distances in 500-600 steps; a head that looks a fixed distance back
-    # needs no induction circuit (previous-token head, then content match)
+    # no copier formed at uniform distances in 500-600 steps; at the ends it did (in-range copy accuracy
+    # 0.57 at step 400, 0.92 at 500): a head that looks a fixed distance back needs no induction circuit
+    # (a previous-token head, then a content match), so it forms sooner
     place: RepeatPlace = "uniform"
 
     def validate(self) -> None:
