@@ -547,9 +547,9 @@ def paper_note(decisions, cfg, rows: list[dict]) -> str:
             f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
             f"{t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M training tokens) do not copy a repeated segment "
             "even in range, so the probe has nothing for an extension to "
-            "carry further. Random-token segments are off-distribution, and Olsson et al. (2022) saw induction heads "
-            "appear in a phase change well into training, which runs this short have not reached; a test of the "
-            "claim needs a model that copies in range first, which the --profile gpu size is meant to reach."
+            "carry further. Olsson et al. (2022) saw induction heads appear in a phase change well into training; "
+            "at the default size the pilot of rope-copy's planting (positions.yaml) copied in range by step 400 of "
+            "800, and planting at uniform distances (which needs an induction circuit) had not by step 600."
         )
     return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 
