@@ -107,6 +107,8 @@ def test_new_parameters_start_at_identity_gains_and_drawn_gates():
         assert torch.equal(p, torch.ones_like(p))
     w = block.attn.gate.proj.weight
     assert 0.015 < w.std().item() < 0.025  # N(0, init_std = 0.02), 1024 draws
+    xavier = Transformer(tiny_config(attn_gate="elementwise", init="xavier")).blocks[0].attn.gate.proj.weight
+    assert 0.15 < xavier.std().item() < 0.2  # an attention matrix: Xavier-normal, sqrt(2 / (32 + 32)) = 0.177
 
 
 @pytest.mark.parametrize("placement", ["pre", "sandwich", "reordered"])

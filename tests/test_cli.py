@@ -222,6 +222,7 @@ def subparser(name: str):
     return cli.build_parser([name])._subparsers._group_actions[0].choices[name]
 
 
+@pytest.mark.slow
 def test_progress_off_a_terminal_is_one_plain_line_per_record(tmp_path):
     """Under `| tee` or in a batch job's log: no progress-bar redraws (\r), and every step's line starts a line,
     so that `grep ^step` finds them all (a logged step, a validation, the final one)."""
@@ -269,6 +270,8 @@ def test_train_prints_next_steps_that_run(capsys, tmp_path, monkeypatch):
         torch.set_num_threads(before)
     done = next(line for line in out.splitlines() if line.startswith("done: "))
     assert re.search(r"\(perplexity [\d.]+, [\d.]+ bits/byte\)", done), done  # a language model's measures
+    spent = next(line for line in out.splitlines() if line.startswith("time: "))  # where the time went
+    assert re.fullmatch(r"time: \w[\w ]* [\d.]+ s(, \w[\w ]* [\d.]+ s)+", spent) and "step " in spent, spent
     steps = out.split("\nnext:\n", 1)[1].splitlines()
     commands = [shlex.split(line, comments=True) for line in steps]
     assert [c[:3] for c in commands] == [["lmlab", "generate", "runs/my run"], ["lmlab", "eval", "runs/my run"],
@@ -501,6 +504,7 @@ def test_learned_positions_past_their_table(capsys, tmp_path):
 
 
 # ============================================================== signals
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint_and_resume_continues(capsys, tmp_path, sig):
     source = corpus(tmp_path / "c.txt")

@@ -1,5 +1,5 @@
-"""Qwen3, Qwen3-MoE, OLMo 2 and OLMoE both ways: tiny random transformers checkpoints loaded with
-``from_hf`` give the same logits and come back identical through ``to_hf``; lmlab models with
+"""Qwen3, Qwen3-MoE, OLMo 2, OLMoE (and GLM-4-MoE's use_qk_norm) both ways: tiny random transformers
+checkpoints loaded with ``from_hf`` give the same logits and come back identical through ``to_hf``; lmlab models with
 ``qk_norm`` (and OLMo 2's reordered norms) export as these families with the same logits; and what
 does not map is refused by name."""
 
@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 import lmlab
 from lmlab import Transformer
-from lmlab.hf import config_from_hf, read_safetensors, to_hf
+from lmlab.hf import config_from_hf, detect_model_type, read_safetensors, state_dict_from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -41,6 +41,10 @@ HF_CASES = {
                        dict(qk_norm="full", norm_position="reordered", n_kv_heads=4)),
     "olmoe": ("OlmoeConfig", dict(MOE_LAYOUT, num_experts=4, num_experts_per_tok=2),
               dict(qk_norm="full", norm_position="pre", moe=dict(n_experts=4, normalize_top_k=False))),
+    "glm4_moe_qk_norm": ("Glm4MoeConfig", dict(
+        MOE_LAYOUT, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+        partial_rotary_factor=1.0, num_nextn_predict_layers=0), dict(qk_norm="head", moe=dict(scoring="sigmoid"))),
 }
 
 
@@ -89,6 +93,19 @@ def test_hf_checkpoint_loads_with_the_same_logits_and_comes_back_identical(tmp_p
     assert torch.equal(_logits(load_hf(done.path), idx), ref)
 
 
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "olmo2", "olmoe"])
+def test_state_dict_from_hf_tells_these_families_from_tensor_names(case):
+    """Without a model_type, the q/k norm tensors (and OLMo 2's norm names) pick the one family that maps them."""
+    original, config = _hf_model(case)
+    cfg = config_from_hf(config.to_dict())
+    sd = original.state_dict()
+    assert detect_model_type(cfg, sd) == config.model_type
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(state_dict_from_hf(cfg, sd))
+    idx = _tokens(16)
+    assert_close(_logits(ours, idx), _logits(original, idx))
+
+
 # name -> (lmlab fields, the architecture to_hf chooses by itself)
 LMLAB_CASES = {
     "qwen3": (dict(qk_norm="head", n_kv_heads=2, head_dim=16, tie_embeddings=True), "qwen3"),
@@ -99,6 +116,8 @@ LMLAB_CASES = {
     "olmo2_interleaved": ({"qk_norm": "full", "norm_position": "reordered", "n_kv_heads": 1,
                            "rope.layout": "interleaved", "rope.base": 5e5}, "olmo2"),
     "olmoe": (dict(qk_norm="full", n_kv_heads=2, moe=MOE), "olmoe"),
+    "glm4_moe_qk_norm": (dict(qk_norm="head", n_kv_heads=2, moe=MOE | dict(scoring="sigmoid", n_groups=2,
+                                                                           n_shared=1, first_dense=1)), "glm4_moe"),
 }
 
 

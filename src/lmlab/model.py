@@ -24,9 +24,10 @@ from .config import ModelConfig
 from .feedforward import FFNS
 from .init import Init, init_module
 from .loss import LOSSES
+from .mla import LatentAttention
 from .moe import MoE
 from .norm import build_norm
-from .positions import Context, build_positions, causal_context, padded_context
+from .positions import AttentionTerm, Context, build_positions, causal_context, padded_context
 from .schema import check_choice
 
 
@@ -34,7 +35,7 @@ from .schema import check_choice
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, positions):
         super().__init__()
-        self.attn = Attention(cfg, layer, positions.attention_term())
+        self.attn = build_attention(cfg, layer, positions.attention_term())
         self.ffn = build_ffn(cfg, layer)
         self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -99,6 +100,12 @@ class ReorderedNormBlock(Block):
 
 
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
+
+
+def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Module:
+    """The attention sublayer of block ``layer``: standard multi-head (grouped-query) attention, or
+    multi-head latent attention where ``cfg.mla`` is set."""
+    return Attention(cfg, layer, term) if cfg.mla is None else LatentAttention(cfg, layer, term)
 
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -303,11 +310,13 @@ class Transformer(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 N + 12 L H d_head T (PaLM, Chowdhery et al. 2022, app. B),
-        where N counts active matmul weights: the output head included, ``embedding_parameters()`` not."""
+        where N counts active matmul weights: the output head included, ``embedding_parameters()`` not.
+        With query/key and value widths that differ (MLA), 12 d_head is 6 (d_qk + d_v)."""
         cfg, T = self.config, seq_len or self.config.max_seq_len
         n = self.num_params()["active"] - sum(p.numel() for p in self.embedding_parameters())
         n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
-        return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
+        d_qk, d_v = cfg.attention_widths
+        return 6.0 * n + 6.0 * cfg.n_layers * cfg.n_heads * (d_qk + d_v) * T
 
 
 class SequenceClassifier(nn.Module):
@@ -345,8 +354,9 @@ class SequenceClassifier(nn.Module):
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """All initialization, as a pure function of ``cfg.init_seed``: one generator, drawn in module order.
 
-    - weights ~ N(0, init_std): linear layers, embeddings, relative-position tables, routers;
-      biases 0; norm gains 1, shifts 0;
+    - weights ~ N(0, init_std): linear layers, embeddings, relative-position tables, routers, the attention
+      output gate's W_g (every gate starts near sigmoid(0) = 1/2); biases 0; norm gains 1 (the q/k norms'
+      and the sandwich's output norms too), shifts 0;
     - ``gpt2``: projections that write into the residual stream (attention output, feed-forward and
       expert down projections) ~ N(0, init_std / sqrt(2L)) (Radford et al. 2019, sec. 2.3);
     - ``deepnorm``: attention and feed-forward matrices (each expert's too) are Xavier-normal, with
@@ -354,8 +364,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
       keys (Wang et al. 2022, Table 1 and Algorithm 1); routers and gates keep N(0, init_std).
     - ``init="xavier"``: every matrix (attention, feed-forward, each expert, the output head) is
       Xavier-normal, std sqrt(2 / (fan_in + fan_out)) (Glorot & Bengio 2010), and embeddings
-      ~ N(0, d_model^-1/2), as in the fairseq Transformer that Xiong et al. (2020) measured; routers,
-      gates and relative tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
+      ~ N(0, d_model^-1/2), as in the fairseq Transformer that Xiong et al. (2020) measured (the attention
+      output gate's W_g is an attention matrix: Xavier too); routers, MoE shared-expert gates and relative
+      tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
       which decides whether post-norm's sublayers move the residual stream at all at init.
     Each module whose weights need more than the defaults says how in an ``init_params(init)`` hook
     (attention, feed-forward, relative tables, experts); :func:`lmlab.init.init_module` applies the

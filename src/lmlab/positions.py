@@ -364,7 +364,7 @@ class Rotary(PositionScheme):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         with torch.device("cpu"):  # real values even for a model built on the meta device (from_hf)
-            inv_freq, factor = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_seq_len, cfg.max_seq_len)
+            inv_freq, factor = rope_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_seq_len, cfg.max_seq_len)
         # Not a buffer: model.to(bfloat16) would round the frequencies (cos off by ~1.5 at position
         # 4096). Kept in fp32, one copy per device.
         self.inv_freq = inv_freq
@@ -408,7 +408,7 @@ class DynamicRotary(Rotary):
     the frequencies depend only on the current length, so a forward never depends on history."""
 
     def state(self, ctx):
-        rope, d = self.cfg.rope, self.cfg.head_dim
+        rope, d = self.cfg.rope, self.cfg.rotary_dim
         original = rope.original_max_seq_len or self.cfg.max_seq_len
         seq_len = ctx.q_pos[:, -1:] + 1  # (B|1, 1)
         # as rope_frequencies computes it, in float32, elementwise

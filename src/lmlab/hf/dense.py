@@ -1,7 +1,8 @@
 """Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, in both directions, plus the
 Llama layout that the mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
 :func:`llama_weights` with a pluggable per-layer feed-forward part, and their inverses
-:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), and
+:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), the q/k norm
+tensors of the families that have them (:func:`qk_norm_weights`, :func:`qk_norm_to_hf`), and
 conversions between the two rotary layouts of q/k projection rows."""
 
 from __future__ import annotations
@@ -126,11 +127,37 @@ def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu) -
 LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before transformers 4.31 saved
 
 
+# ---- query/key norm tensors (qk_norm), for every family that has them
+def qk_norm_weights(cfg: ModelConfig, t: HFTensors, attn: str = "self_attn.") -> dict[str, torch.Tensor | None]:
+    """Each layer's ``{attn}q_norm.weight`` and ``k_norm.weight`` -> ``blocks.{i}.attn.qk_norm.*``."""
+    sd = {}
+    for i in range(cfg.n_layers):
+        for part in ("q_norm", "k_norm"):
+            sd[f"blocks.{i}.attn.qk_norm.{part}.weight"] = t.take(f"model.layers.{i}.{attn}{part}.weight")
+    return sd
+
+
+def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> dict[str, torch.Tensor]:
+    """The inverse of :func:`qk_norm_weights`. With interleaved rotary pairs the gains are permuted as the q/k
+    rows are (``interleaved_to_half``): one head's worth for ``head``, every head for ``full``."""
+    heads = {"q_norm": cfg.n_heads, "k_norm": cfg.n_kv_heads} if cfg.qk_norm == "full" else {"q_norm": 1, "k_norm": 1}
+    out = {}
+    for i in range(cfg.n_layers):
+        for part, n in heads.items():
+            w = sd[f"blocks.{i}.attn.qk_norm.{part}.weight"]
+            half = interleaved_to_half(w, n) if cfg.rope.layout == "interleaved" else w
+            out[f"model.layers.{i}.{attn}{part}.weight"] = half
+    return out
+
+
 # ---- the other direction: lmlab -> the Llama layout
 def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "pre",
                          qk_norm: str = "none") -> str | None:
     """What a Llama-layout architecture ``name`` cannot compute: its norm placement (pre-norm unless
-    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward."""
+    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, and standard
+    (not latent) attention."""
+    if cfg.mla is not None:
+        return f"mla set ({name} has no multi-head latent attention; deepseek_v2 and deepseek_v3 have)"
     placements = {"pre": "normalizes each sublayer's input", "reordered": "normalizes each sublayer's output"}
     qk_norms = {"none": "has no query/key norm", "head": "normalizes queries and keys per head",
                 "full": "normalizes the whole query and key projections"}
@@ -327,6 +354,8 @@ def gpt2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | Non
 
 
 def gpt2_refusal(cfg: ModelConfig) -> str | None:
+    if cfg.mla is not None:
+        return "mla set (GPT-2 has no multi-head latent attention)"
     if cfg.n_kv_heads != cfg.n_heads or cfg.head_dim * cfg.n_heads != cfg.d_model:
         return (
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "

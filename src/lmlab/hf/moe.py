@@ -1,11 +1,11 @@
 """Hugging Face mixture-of-experts checkpoints: Mixtral, Qwen2-MoE, GLM-4-MoE, and DeepSeek-V3's MoE layers.
 
-Registers four ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
-``dense.py`` with their own per-layer feed-forward part. Mixtral, Qwen2-MoE and GLM-4-MoE go both
-ways; DeepSeek-V3 checkpoints use multi-head latent attention, which lmlab lacks, so they are
-refused, and lmlab's DeepSeek-V3-style layers (sigmoid affinities, correction bias, group-limited
-top-k, routed scaling, shared experts, first layers dense) leave as GLM-4-MoE, which computes the
-same router and experts with standard grouped-query attention. Expert weights are read in either
+Registers three ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
+``dense.py`` with their own per-layer feed-forward part, all both ways. DeepSeek-V3's MoE layers
+are mapped here (:func:`deepseek_v3_moe`) and its checkpoints, with multi-head latent attention, in
+``deepseek.py``; lmlab's DeepSeek-V3-style layers with standard grouped-query attention (sigmoid
+affinities, correction bias, group-limited top-k, routed scaling, shared experts, first layers
+dense) leave as GLM-4-MoE, which computes the same router and experts. Expert weights are read in either
 published layout, and written in the first, which every transformers version reads:
 
 - per expert, as on the Hub and as ``save_pretrained`` writes them
@@ -40,6 +40,8 @@ from .dense import (
     llama_layout_to_hf,
     llama_weights,
     llama_weights_to_hf,
+    qk_norm_to_hf,
+    qk_norm_weights,
 )
 from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
 
@@ -346,7 +348,7 @@ register("qwen2_moe", Family(qwen2_moe_config, qwen2_moe_weights, LLAMA_IGNORE, 
 
 
 # ============================================================== DeepSeek-V3
-# transformers' DeepseekV3Config defaults (5.x) that concern the MoE layers.
+# transformers' DeepseekV3Config defaults (5.x) that concern the MoE layers (the rest: deepseek.py).
 DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
     n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
     routed_scaling_factor=2.5, n_group=8, topk_group=4, norm_topk_prob=True, first_k_dense_replace=3,
@@ -382,26 +384,6 @@ def deepseek_v3_moe_weights(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) 
     )
 
 
-def deepseek_v3_config(hf: Mapping[str, Any]) -> ModelConfig:
-    raise _mla_error(with_defaults(hf, DEEPSEEK_V3_DEFAULTS))
-
-
-def deepseek_v3_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
-    raise _mla_error({"model_type": "deepseek_v3", **DEEPSEEK_V3_DEFAULTS})
-
-
-def _mla_error(hf: Mapping[str, Any]) -> ValueError:
-    ranks = ", ".join(f"{k}={hf.get(k)}" for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"))
-    return ValueError(
-        f"config.json (model_type {hf.get('model_type')!r}) uses multi-head latent attention ({ranks}), which "
-        "lmlab's attention does not support (it has no low-rank compressed keys and values), so the checkpoint "
-        "cannot be loaded; its MoE layers alone map with lmlab.hf.moe.deepseek_v3_moe and deepseek_v3_moe_weights"
-    )
-
-
-register("deepseek_v3", Family(deepseek_v3_config, deepseek_v3_weights))
-
-
 # ============================================================== GLM-4-MoE
 # transformers' Glm4MoeConfig defaults (5.x); partial_rotary_factor 0.5 is set in its __post_init__.
 GLM4_MOE_DEFAULTS: dict[str, Any] = dict(
@@ -416,11 +398,10 @@ GLM4_MOE_DEFAULTS: dict[str, Any] = dict(
 def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     """GLM-4-MoE (GLM-4.5): DeepSeek-V3's router and experts (sigmoid affinities plus correction bias,
     group-limited top-k with a group's score its best two, routed scaling, shared experts, the first
-    k layers dense) with grouped-query attention (biases on q, k, v with attention_bias). Only full
-    rotary (partial_rotary_factor 1) and no q/k norms map exactly; GLM-4.5's own use both."""
+    k layers dense) with grouped-query attention (biases on q, k, v with attention_bias) and, with
+    use_qk_norm, Qwen3's per-head q/k norms (qk_norm="head"). Only full rotary (partial_rotary_factor 1)
+    maps exactly; GLM-4.5's own rotates half of each head."""
     hf = with_defaults(hf, GLM4_MOE_DEFAULTS)
-    if hf["use_qk_norm"]:
-        raise _refuse(hf, "use_qk_norm", "lmlab does not normalize queries and keys")
     groups = hf["n_group"] or 1
     moe = MoEConfig(
         n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
@@ -428,7 +409,8 @@ def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
         routed_scale=hf["routed_scaling_factor"], n_groups=groups, topk_groups=hf["topk_group"] or groups,
         group_score="top2", first_dense=hf["first_k_dense_replace"],
     )
-    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe)
+    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe,
+                               qk_norm="head" if hf["use_qk_norm"] else "none")
 
 
 GLM4_MOE_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -453,17 +435,19 @@ def glm4_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor |
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         if layer and int(layer.group(1)) >= cfg.n_layers:
             t.taken.add(name)
-    return llama_weights(cfg, t, ffn=glm4_moe_ffn)
+    norms = qk_norm_weights(cfg, t) if cfg.qk_norm == "head" else {}
+    return {**llama_weights(cfg, t, ffn=glm4_moe_ffn), **norms}
 
 
 def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
     moe = cfg.moe
     width = moe.expert_width(cfg.d_ff)
+    qk_norm = "none" if cfg.qk_norm == "none" else "head"  # use_qk_norm: per head, or none
     why = moe_refusal(cfg, "GLM-4-MoE", {
         "moe.scoring": ("sigmoid", "GLM-4-MoE scores experts with a sigmoid"),
         "moe.shared_gate": ("none", "GLM-4-MoE's shared experts are not gated"),
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
-    })
+    }, qk_norm=qk_norm)
     if why is None and _shared_total(cfg) % width:
         why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
                f"moe_intermediate_size={width})")
@@ -492,7 +476,8 @@ def glm4_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "n_routed_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
         "moe_intermediate_size": width, "n_shared_experts": _shared_total(cfg) // width,
         "routed_scaling_factor": moe.routed_scale, "n_group": n_group, "topk_group": topk_group,
-        "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.normalize_top_k, "use_qk_norm": False,
+        "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.normalize_top_k,
+        "use_qk_norm": cfg.qk_norm == "head",
         "num_nextn_predict_layers": 0, "output_router_logits": False,
     }
 
@@ -518,7 +503,8 @@ def glm4_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dic
 
 
 def glm4_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
-    return llama_weights_to_hf(cfg, sd, ffn=glm4_moe_ffn_to_hf)
+    norms = qk_norm_to_hf(cfg, sd) if cfg.qk_norm == "head" else {}
+    return {**llama_weights_to_hf(cfg, sd, ffn=glm4_moe_ffn_to_hf), **norms}
 
 
 register("glm4_moe", Family(glm4_moe_config, glm4_moe_weights, LLAMA_IGNORE, Export(

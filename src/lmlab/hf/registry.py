@@ -67,7 +67,7 @@ class Export:
     raising ValueError for a weight the architecture has no place for."""
 
     architecture: str  # the transformers class, config.json's "architectures"
-    moe: bool  # holds mixture-of-experts models (else dense ones)
+    moe: bool | None  # holds mixture-of-experts models (else dense ones); None: both
     refuse: Callable[[ModelConfig], str | None]
     config: Callable[[ModelConfig], dict[str, Any]]
     weights: Callable[[ModelConfig, Tensors], dict[str, torch.Tensor]]
@@ -208,7 +208,7 @@ def rope_to_hf(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     ``rope_parameters`` (transformers >= 4.57). ``extra`` joins ``rope_parameters`` (GLM's
     ``partial_rotary_factor``). Static NTK scaling is a larger base: base * factor^(d/(d-2)).
     Call :func:`rope_refusal` first."""
-    rope, d = cfg.rope, cfg.head_dim
+    rope, d = cfg.rope, cfg.rotary_dim
     original = rope.original_max_seq_len or cfg.max_seq_len
     theta = rope.base * rope.factor ** (d / (d - 2)) if rope.scaling == "ntk" else rope.base
     scaling: dict[str, Any] | None = None
