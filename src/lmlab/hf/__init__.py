@@ -7,7 +7,7 @@
 
 Only safetensors are read. A pickled ``pytorch_model.bin`` can run arbitrary code when it is
 loaded, so it is refused with a hint to convert it. Every feature of a checkpoint that lmlab
-cannot express exactly (sliding windows, partial rotary, mixed biases, ...) is refused with one
+cannot express exactly (partial rotary in Llama, mixed biases, unknown layer types, ...) is refused with one
 ValueError naming it, rather than loaded approximately.
 
 Families: a registry keyed by config.json's ``model_type``

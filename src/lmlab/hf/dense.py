@@ -6,11 +6,11 @@ conversions between the two rotary layouts of q/k projection rows."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from ..config import ModelConfig
+from ..config import AttentionConfig, ModelConfig
 from .registry import (
     ACTIVATION_NAMES,
     Export,
@@ -18,6 +18,9 @@ from .registry import (
     HFTensors,
     Tensors,
     activation_from_hf,
+    attention_from_hf,
+    layer_types_to_hf,
+    layers_refusal,
     model_config,
     refusal,
     register,
@@ -75,14 +78,12 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
 
 
 def mistral_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """Mistral is Llama without biases, plus a sliding attention window that lmlab lacks."""
+    """Mistral is Llama without biases, with a sliding window of ``sliding_window`` tokens in every
+    layer (null: full attention)."""
     window = with_defaults(hf, MISTRAL_DEFAULTS)["sliding_window"]
-    if window is not None:
-        raise ValueError(
-            f"config.json has sliding_window={window}: lmlab has no sliding-window attention, so only "
-            "Mistral checkpoints with sliding_window null can be loaded"
-        )
-    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, MISTRAL_DEFAULTS)
+    attention = AttentionConfig() if window is None else AttentionConfig(window=window, pattern=("local",))
+    cfg = llama_config({**hf, "attention_bias": False, "mlp_bias": False}, MISTRAL_DEFAULTS)
+    return cfg.replace(attention=attention)
 
 
 def llama_attention(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
@@ -127,14 +128,15 @@ LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before
 
 
 # ---- the other direction: lmlab -> the Llama layout
-def llama_layout_refusal(cfg: ModelConfig, name: str) -> str | None:
+def llama_layout_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) -> str | None:
     """What a Llama-layout architecture ``name`` cannot compute: it is pre-norm (checked for every
-    architecture in ``export.py``) RMSNorm, rotary, gated feed-forward."""
+    architecture in ``export.py``) RMSNorm, rotary, gated feed-forward, and has the per-layer
+    choices of ``supports`` (see :func:`~lmlab.hf.registry.layers_refusal`)."""
     return refusal(cfg, {
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"),
         "positions": ("rope", f"{name} uses rotary positions"),
         "ffn": ("glu", f"{name}'s feed-forward is gated, W2 (act(Wg x) * W1 x)"),
-    }) or rope_refusal(cfg)
+    }) or rope_refusal(cfg) or layers_refusal(cfg, name, supports)
 
 
 def llama_layout_to_hf(cfg: ModelConfig, **extra_rope: Any) -> dict[str, Any]:
@@ -216,13 +218,15 @@ def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def mistral_refusal(cfg: ModelConfig) -> str | None:
+    if len(set(cfg.attention.pattern)) > 1:
+        return f"attention.pattern={list(cfg.attention.pattern)} (Mistral's sliding window applies to every layer)"
     return refusal(cfg, {
         "bias": (False, "Mistral has no biases"), "qkv_bias": (False, "Mistral has no biases"),
-    }) or llama_layout_refusal(cfg, "Mistral")
+    }) or llama_layout_refusal(cfg, "Mistral", supports=("window",))
 
 
 def mistral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama_layout_to_hf(cfg), "sliding_window": None}
+    return {**llama_layout_to_hf(cfg), "sliding_window": cfg.attention.window}
 
 
 register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE, Export(
@@ -240,24 +244,28 @@ QWEN2_DEFAULTS: dict[str, Any] = dict(
 
 
 def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False)."""
+    """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False).
+    With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (or as ``layer_types`` says)."""
     hf = with_defaults(hf, QWEN2_DEFAULTS)
-    if hf["use_sliding_window"] or "sliding_attention" in (hf["layer_types"] or ()):
-        raise ValueError(
-            "config.json enables sliding-window attention (use_sliding_window / layer_types): lmlab has no "
-            "sliding-window attention, so only Qwen2 checkpoints with full attention in every layer load"
-        )
-    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS).replace(qkv_bias=True)
+    n, window = hf["num_hidden_layers"], hf["sliding_window"] if hf["use_sliding_window"] else None
+    types = hf["layer_types"]
+    if types is None:  # as Qwen2Config.__post_init__ derives them
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    cfg = llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS)
+    return cfg.replace(qkv_bias=True, attention=attention_from_hf(types, window, n))
 
 
 def qwen2_refusal(cfg: ModelConfig) -> str | None:
     return refusal(cfg, {
         "qkv_bias": (True, "Qwen2 has biases on q, k and v"), "bias": (False, "Qwen2 has biases on q, k and v only"),
-    }) or llama_layout_refusal(cfg, "Qwen2")
+    }) or llama_layout_refusal(cfg, "Qwen2", supports=("window",))
 
 
 def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama_layout_to_hf(cfg), "use_sliding_window": False, "sliding_window": None}
+    window = cfg.attention.window
+    return {**llama_layout_to_hf(cfg), "use_sliding_window": window is not None, "sliding_window": window,
+            "layer_types": layer_types_to_hf(cfg)}
 
 
 register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE, Export(
@@ -326,7 +334,7 @@ def gpt2_refusal(cfg: ModelConfig) -> str | None:
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "
             f"d_model / n_heads for queries, keys and values alike)"
         )
-    return refusal(cfg, {
+    return layers_refusal(cfg, "GPT-2") or refusal(cfg, {
         "norm": ("layernorm", "GPT-2 normalizes with LayerNorm"),
         "positions": ("learned", "GPT-2 learns absolute positions"),
         "ffn": ("mlp", "GPT-2's feed-forward is W2 act(W1 x)"),
