@@ -163,6 +163,8 @@ PLACEMENTS = {
     "pre": dict(norm_position="pre"),
     "post": dict(norm_position="post"),
     "deepnorm": dict(norm_position="post", residual_scaling="deepnorm"),
+    "sandwich": dict(norm_position="sandwich"),
+    "reordered": dict(norm_position="reordered"),
 }
 
 
@@ -194,8 +196,9 @@ def test_block_output_matches_its_placement_formula(placement, norm):
     block.attn, block.ffn = Known(1), Known(2)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for p in list(block.norm1.parameters()) + list(block.norm2.parameters()):
-            p.copy_(torch.randn(p.shape, generator=g))
+        for name, p in block.named_parameters():
+            if "norm" in name:  # norm1, norm2 (and the sandwich's post_norm1, post_norm2)
+                p.copy_(torch.randn(p.shape, generator=g))
     x = torch.randn(2, 5, 32, generator=g)
     out = block(x, model.positions.context(0, 5, x.device))
     f, h, n1, n2 = (
@@ -207,6 +210,13 @@ def test_block_output_matches_its_placement_formula(placement, norm):
     if placement == "pre":  # x + f(norm(x))
         mid = x + f(n1(x))
         expected = mid + h(n2(mid))
+    elif placement == "sandwich":  # x + norm'(f(norm(x)))
+        p1, p2 = (lambda t: _norm(norm, t, block.post_norm1)), (lambda t: _norm(norm, t, block.post_norm2))
+        mid = x + p1(f(n1(x)))
+        expected = mid + p2(h(n2(mid)))
+    elif placement == "reordered":  # x + norm(f(x))
+        mid = x + n1(f(x))
+        expected = mid + n2(h(mid))
     else:  # norm(α x + f(x)), α = 1 or DeepNorm's (2L)^(1/4)
         a = (2 * 3) ** 0.25 if placement == "deepnorm" else 1.0
         mid = n1(a * x + f(x))
@@ -214,8 +224,8 @@ def test_block_output_matches_its_placement_formula(placement, norm):
     assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("placement", ["pre", "post"])
-def test_only_pre_norm_has_a_final_norm(placement):
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "reordered"])
+def test_only_post_norm_has_no_final_norm(placement):
     model = Transformer(tiny_config(norm_position=placement, norm="layernorm")).eval()
     seen = {}
     model.blocks[-1].register_forward_hook(lambda m, args, out: seen.update(last=out))
@@ -223,7 +233,7 @@ def test_only_pre_norm_has_a_final_norm(placement):
     with torch.no_grad():
         h = model.hidden(idx)
         logits = model(idx).logits
-    if placement == "pre":
+    if placement != "post":  # the residual stream is never normalized as a whole
         assert isinstance(model.final_norm, nn.LayerNorm)
         assert_close(h, _norm("layernorm", seen["last"], model.final_norm), rtol=1e-5, atol=1e-5)
     else:
@@ -312,7 +322,7 @@ def test_init_refuses_parameters_that_no_rule_covers():
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_norms_start_as_identity_gains(norm):
     model = Transformer(tiny_config(norm=norm, bias=True))
-    norms = [m for n, m in model.named_modules() if "norm" in n.split(".")[-1]]
+    norms = [m for n, m in model.named_modules() if "norm" in n.split(".")[-1] and hasattr(m, "weight")]  # no qk_norm
     assert len(norms) == 2 * 2 + 1
     for m in norms:
         assert torch.equal(m.weight, torch.ones(32))

@@ -51,7 +51,9 @@ for _name in SIZES:
 
 CHOICES = {
     "norm": ["layernorm", "rmsnorm"],
-    "norm_position": ["pre", "post"],
+    "norm_position": ["pre", "post", "sandwich", "reordered"],
+    "qk_norm": ["none", "head", "full"],
+    "attn_gate": ["none", "elementwise", "headwise"],
     "positions": ["none", "sinusoidal", "learned", "relative", "alibi", "rope"],
     "ffn": ["mlp", "glu"],
     "activation": ["gelu", "gelu_tanh", "silu", "relu"],

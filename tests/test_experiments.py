@@ -6,6 +6,7 @@ the verdict files."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -361,8 +362,62 @@ def test_shipped_experiments_resolve_to_the_models_their_runs_were_hashed_with()
     for name in sorted(EXPERIMENTS):
         for profile in [None, *sorted(read_yaml(spec_path(name), name).get("profiles") or {})]:
             for variant, cfg in load_experiment_spec(name, profile=profile).configs.items():
-                blob = json.dumps(cfg.model.to_dict(), sort_keys=True).encode()
+                blob = json.dumps(cfg.model.identity_dict(), sort_keys=True).encode()
                 now[f"{name}/{profile or 'default'}/{variant}"] = hashlib.sha256(blob).hexdigest()[:16]
     assert now == expected
     for name, cfg in load_experiment_spec("moe").configs.items():  # every arm the rerun trains balances its experts
         assert cfg.model.moe is None or cfg.model.moe.balancing, name
+
+
+def _config_fields(cls, prefix=""):
+    """(dotted path, dataclass field) for every field of ``cls`` and of the configs nested in it."""
+    import typing
+
+    from lmlab.schema import Config, _unwrap_optional
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield prefix + f.name, f
+        sub = _unwrap_optional(hints[f.name])[0]
+        if isinstance(sub, type) and issubclass(sub, Config):
+            yield from _config_fields(sub, prefix + f.name + ".")
+
+
+def test_every_field_added_since_the_first_hashed_runs_is_declared_with_added():
+    """Sweeps key finished runs by a hash of their config (``Config.identity_dict``). A new field would change
+    every key, and the next ``lmlab experiment`` would train every finished run again, unless it is declared
+    with ``schema.added``, which leaves it out of the identity while it holds its default.
+    fixtures/config_fields.json lists the fields of the runs first hashed (the issue-21 registration, 779e261)."""
+    from lmlab.run.config import RunConfig
+
+    baseline = set(json.loads((Path(__file__).parent / "fixtures" / "config_fields.json").read_text()))
+    now = dict(_config_fields(RunConfig))
+    undeclared = [p for p, f in now.items() if p not in baseline and "added" not in f.metadata]
+    assert not undeclared, (f"new config field(s) {undeclared} change the hash of every finished sweep run; "
+                            "declare each with schema.added(default, since=...)")
+    gone = sorted(baseline - set(now))
+    assert not gone, f"config field(s) {gone} were removed or renamed: that changes the hash of every finished run"
+
+
+from lmlab.schema import Config, added  # noqa: E402  (the two configs below, module-level for their type hints)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class _Inner(Config):
+    a: int = 1
+    b: str = added("x", since="test")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class _Outer(Config):
+    size: int = 2
+    inner: _Inner = dataclasses.field(default_factory=_Inner)
+    extra: _Inner | None = added(None, since="test")
+    late: _Inner = added(since="test", factory=_Inner)
+
+
+def test_identity_dict_leaves_out_an_added_field_only_while_it_holds_its_default():
+    assert _Outer().identity_dict() == {"size": 2, "inner": {"a": 1}}
+    assert _Outer().to_dict()["inner"] == {"a": 1, "b": "x"}  # the saved config stays explicit
+    changed = _Outer(inner=_Inner(b="y"), extra=_Inner(), late=_Inner(a=3))
+    assert changed.identity_dict() == {"size": 2, "inner": {"a": 1, "b": "y"}, "extra": {"a": 1}, "late": {"a": 3}}

@@ -1,5 +1,6 @@
 """Invariants over the whole variant grid:
-norm placement × norm × positions × feed-forward × attention (MHA/GQA), plus a few extra designs.
+norm placement × norm × positions × feed-forward × attention (MHA/GQA); query/key norm × output gate ×
+positions; plus a few extra designs.
 
 For every combination: causality, cached incremental decoding equals the full forward, every
 parameter gets a gradient, and weights and outputs are a pure function of (config, init_seed).
@@ -19,7 +20,7 @@ from lmlab import Transformer
 
 T = 12  # sequence length; > relative_clip + 1 so every relative offset bucket is used
 GRID_AXES = dict(
-    norm_position=["pre", "post"],
+    norm_position=["pre", "post", "sandwich", "reordered"],
     norm=["layernorm", "rmsnorm"],
     positions=["none", "sinusoidal", "learned", "relative", "alibi", "rope"],
     ffn=[("mlp", "gelu"), ("glu", "silu")],
@@ -53,7 +54,30 @@ EXTRAS = {  # designs the grid's axes do not reach
     "nope-every-2": {"rope.nope_every": 2},
     "local-rope-base": {"attention.window": 4, "attention.pattern": ["local", "global"], "rope.local_base": 100.0},
 }
-CASES = {**_grid(), **EXTRAS}
+# the attention refinements across position schemes with their own attention path (rotary fused or
+# split, relative's explicit path with a value term, ALiBi's bias), grouped-query
+QK_GATE_AXES = dict(
+    qk_norm=["none", "head", "full"],
+    attn_gate=["none", "elementwise", "headwise"],
+    positions=["rope", "relative", "alibi"],
+)
+
+
+def _qk_gate_grid() -> dict[str, dict]:
+    cases = {}
+    for qk, gate, scheme in itertools.product(*QK_GATE_AXES.values()):
+        if qk == gate == "none":  # the main grid's
+            continue
+        cases[f"qk_{qk}-gate_{gate}-{scheme}"] = dict(qk_norm=qk, attn_gate=gate, positions=scheme, n_kv_heads=2)
+    return cases
+
+
+EXTRAS.update({
+    "qk_full-rope-interleaved": dict(qk_norm="full", positions="rope", n_kv_heads=2, **{"rope.layout": "interleaved"}),
+    "qk_head-gate-sandwich-explicit": dict(qk_norm="head", attn_gate="elementwise", norm_position="sandwich",
+                                           _impl="explicit"),
+})
+CASES = {**_grid(), **_qk_gate_grid(), **EXTRAS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +92,8 @@ def _model(case: str) -> Transformer:
 
 
 def test_grid_is_complete():
-    assert len(_grid()) == 2 * 2 * 6 * 2 * 2 == 96
+    assert len(_grid()) == 4 * 2 * 6 * 2 * 2 == 192
+    assert len(_qk_gate_grid()) == (3 * 3 - 1) * 3 == 24
 
 
 @pytest.mark.parametrize("case", CASES)

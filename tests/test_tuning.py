@@ -317,3 +317,20 @@ def test_a_grid_axis_extension_stops_at_max_and_is_checked_before_training(tmp_p
         load_spec(write_spec(tmp_path, variants=None, grid=LR_GRID, tune=tune([1e-3, 2e-3], by=["depth"])))
     with pytest.raises(ValueError, match=r"grid\[0\]: unknown key 'extends'"):
         load_spec(write_spec(tmp_path, variants=None, grid=[{**LR_GRID[0], "extends": {}}]))
+
+
+def test_moe_report_names_a_tuning_problem_of_the_arms_a_registered_claim_compares():
+    """The moe report checks issue 21's tuning rule per rerun claim: a chosen rate at a grid edge is named
+    under the claim it could decide; interior choices read as a passed check; re-analysed claims are skipped."""
+    from lmlab.experiments import load_experiment_spec
+    from lmlab.experiments.moe import tuning_check_text
+
+    spec = load_experiment_spec("moe")
+    edge = tuning_check_text(spec, {"values": [1e-3, 2e-3, 4e-3], "seeds": [1000, 1001],
+                                    "chosen": {"dense": 2e-3, "fg-m4-shared": 4e-3, "fg-m4": 2e-3}})
+    assert edge.startswith("**Tuning problems**")
+    assert "capacity: " in edge and "shared: " in edge and "'fg-m4-shared' was tuned to 0.004" in edge
+    assert "'dense' was tuned" not in edge and "loss-free" not in edge
+    ok = tuning_check_text(spec, {"values": [1e-3, 2e-3, 4e-3], "seeds": [1000, 1001],
+                                  "chosen": {"dense": 2e-3, "fg-m4-shared": 2e-3, "fg-m4": 2e-3}})
+    assert ok.startswith("Tuning check (capacity, capacity-common, shared)")

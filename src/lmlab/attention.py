@@ -21,6 +21,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .init import Init, init_module
+from .norm import RMSNorm
 from .positions import AttentionTerm, Context, causal_context, padded_context
 
 
@@ -199,6 +200,82 @@ class QKVHeads(torch.autograd.Function):
         return g, None, None, None, None
 
 
+# ============================================================== query/key norms (ModelConfig.qk_norm)
+class NoQKNorm(nn.Module):
+    """Queries and keys as projected."""
+
+    normalizes = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
+class HeadQKNorm(NoQKNorm):
+    """RMSNorm over each head's head_dim, one gain for all query heads and one for all key heads,
+    before rotary (Qwen3, Gemma 3; Dehghani et al. 2023 used LayerNorm)."""
+
+    normalizes = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, T, H, hd), k (B, T, KV, hd), normalized over hd."""
+        return self.q_norm(q), self.k_norm(k)
+
+
+class FullQKNorm(NoQKNorm):
+    """RMSNorm over the whole query projection (H*hd) and the whole key projection (KV*hd), before
+    they are split into heads and rotated (OLMo 2, OLMoE)."""
+
+    normalizes = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, T, H, hd), k (B, T, KV, hd), each normalized over its last two axes together."""
+        return self.q_norm(q.flatten(-2)).view(q.shape), self.k_norm(k.flatten(-2)).view(k.shape)
+
+
+QK_NORMS = {"none": lambda cfg: NoQKNorm(), "head": HeadQKNorm, "full": FullQKNorm}
+
+
+# ============================================================== output gates (ModelConfig.attn_gate)
+class NoGate(nn.Module):
+    """The attention output as computed."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class OutputGate(nn.Module):
+    """y * sigmoid(x W_g): the attention output (B, T, H, hd), before the output projection, scaled by a
+    gate computed from the block's attention input x (B, T, C), one per element (``per_head`` = hd) or one
+    per head (``per_head`` = 1) (Qiu et al. 2025, arXiv:2505.06708, eq. 5; their best: elementwise, after
+    SDPA). Qwen3-Next's gate is the elementwise one, its W_g rows interleaved with q_proj's per head."""
+
+    def __init__(self, cfg: ModelConfig, per_head: int):
+        super().__init__()
+        self.per_head = per_head
+        self.proj = nn.Linear(cfg.d_model, cfg.n_heads * per_head, bias=cfg.qkv_bias)  # part of the query side
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        B, T, H, _ = y.shape
+        gate = torch.sigmoid(self.proj(x)).view(B, T, H, self.per_head)  # (B, T, H, hd | 1)
+        return y * gate.to(y.dtype)
+
+
+GATES = {
+    "none": lambda cfg: NoGate(),
+    "elementwise": lambda cfg: OutputGate(cfg, cfg.head_dim),
+    "headwise": lambda cfg: OutputGate(cfg, 1),
+}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__()
@@ -209,13 +286,19 @@ class Attention(nn.Module):
         qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, qkv_dim, bias=cfg.qkv_bias)  # [q; k; v], one matmul
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.qk_norm = QK_NORMS[cfg.qk_norm](cfg)
+        self.gate = GATES[cfg.attn_gate](cfg)
         self.term = term  # the position scheme's part in attention
         # a learned logit per head that joins every softmax's denominator (gpt-oss); None = plain softmax
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention.sinks == "learned" else None
         self.softmax = softmax_plain if self.sinks is None else self.softmax_with_sinks
         self.set_impl("sdpa" if term.sdpa_ok else "explicit")
-        # rotary (half layout) heads come from one autograd Function, the rest from a split
-        self.heads = self.heads_rotary if term.half_rotation else self.heads_split
+        # rotary (half layout) heads come from one autograd Function, the rest from a split; normalized
+        # queries and keys from a split, normalized, then rotated
+        if self.qk_norm.normalizes:
+            self.heads = self.heads_normalized
+        else:
+            self.heads = self.heads_rotary if term.half_rotation else self.heads_split
 
     def set_impl(self, impl: str) -> None:
         sdpa = self.attend_sdpa if self.sinks is None else self.attend_sdpa_sinks
@@ -242,6 +325,8 @@ class Attention(nn.Module):
         if self.sinks is not None:  # N(0, std), as transformers initializes gpt-oss's sinks
             init.normal(self.sinks, init.std)
         init_module(self.term, init)
+        init_module(self.qk_norm, init)  # gains 1
+        init_module(self.gate, init)  # W_g ~ N(0, std): every gate starts near sigmoid(0) = 1/2
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -251,13 +336,15 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, S, hd)
         y = self.attend(q, k, v, ctx)  # (B, H, T, hd)
-        return self.out(y.transpose(1, 2).reshape(B, T, H * hd))
+        y = self.gate(x, y.transpose(1, 2))  # (B, T, H, hd)
+        return self.out(y.reshape(B, T, H * hd))
 
-    # ---- [q; k; v] (B, T, H + 2KV, hd) -> rotated q, k and v, (B, heads, T, hd) each
+    # ---- [q; k; v] (B, T, H + 2KV, hd) -> (normalized,) rotated q, k and v, (B, heads, T, hd) each
     def heads_reference(self, qkv: torch.Tensor, ctx: Context):
-        """The reference: slice, rotate queries and keys in one call, split."""
+        """The reference: slice, normalize queries and keys, rotate them in one call, split."""
         H, KV = self.n_heads, self.n_kv_heads
-        qkv = qkv.transpose(1, 2)  # (B, H + 2KV, T, hd)
+        q, k = self.qk_norm(qkv[:, :, :H], qkv[:, :, H : H + KV])
+        qkv = torch.cat([q, k, qkv[:, :, H + KV :]], dim=2).transpose(1, 2)  # (B, H + 2KV, T, hd)
         q, k = self.term.rotate(qkv[:, : H + KV], ctx).split([H, KV], dim=1)
         return q, k, qkv[:, H + KV :]
 
@@ -266,6 +353,12 @@ class Attention(nn.Module):
         gradient and add them up); per-head rotations, so q and k rotate separately."""
         q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         return self.term.rotate(q, ctx), self.term.rotate(k, ctx), v
+
+    def heads_normalized(self, qkv: torch.Tensor, ctx: Context):
+        """:meth:`heads_split` with ``qk_norm`` applied to queries and keys before they rotate."""
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
+        q, k = self.qk_norm(q, k)
+        return self.term.rotate(q.transpose(1, 2), ctx), self.term.rotate(k.transpose(1, 2), ctx), v.transpose(1, 2)
 
     def heads_rotary(self, qkv: torch.Tensor, ctx: Context):
         """Half-layout rotary heads through :class:`QKVHeads`: no ``cat`` in the backward at all.

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .schema import (
     Config,
+    added,
     check_positive,
     check_range,
     check_size,
@@ -24,7 +25,9 @@ from .schema import (
 )
 
 Norm = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "sandwich", "reordered"]
+QKNorm = Literal["none", "head", "full"]
+AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
@@ -76,9 +79,12 @@ class RopeConfig(Config):
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     # ---- which dimensions and layers rotate
-    partial: float = 1.0  # rotate the first int(partial * head_dim) dims of each head (GPT-NeoX rotary_pct, Phi)
-    nope_every: int = 0  # n > 0: layers l with (l + 1) % n == 0 have no positions (NoPE; SmolLM3, Llama 4)
-    local_base: float | None = None  # local layers (ModelConfig.attention) rotate with this base, unscaled (Gemma 3)
+    # rotate the first int(partial * head_dim) dims of each head (GPT-NeoX rotary_pct, Phi)
+    partial: float = added(1.0, since="issue 23")
+    # n > 0: layers l with (l + 1) % n == 0 have no positions (NoPE; SmolLM3, Llama 4)
+    nope_every: int = added(0, since="issue 23")
+    # local layers (ModelConfig.attention) rotate with this base, unscaled (Gemma 3); None = as the others
+    local_base: float | None = added(None, since="issue 23")
 
     def validate(self) -> None:
         check_positive("rope.base", self.base)
@@ -295,9 +301,10 @@ class AttentionConfig(Config):
     takes attention and gives nothing back, so a head may attend to nothing (gpt-oss; Xiao et al.
     2023, arXiv:2309.17453, found models make one of the first token)."""
 
-    window: int | None = None  # W tokens a local layer's query sees, itself included; None = no local layers
-    pattern: tuple[LayerKind, ...] = ("global",)
-    sinks: Sinks = "none"
+    # W tokens a local layer's query sees, itself included; None = no local layers
+    window: int | None = added(None, since="issue 23")
+    pattern: tuple[LayerKind, ...] = added(("global",), since="issue 23")  # repeated over the layers
+    sinks: Sinks = added("none", since="issue 23")
 
     def validate(self) -> None:
         if not self.pattern:
@@ -336,17 +343,25 @@ class ModelConfig(Config):
 
     # ---- design axes
     norm: Norm = "rmsnorm"
-    norm_position: NormPosition = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017)
+    # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
+    norm_position: NormPosition = "pre"
     positions: Positions = "rope"
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
     activation: Activation = "silu"  # glu + silu = SwiGLU
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
+    # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
+    # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
+    qk_norm: QKNorm = "none"
+    # sigmoid gate on the attention output before its projection, from the block's attention input:
+    # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
+    attn_gate: AttnGate = "none"
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
-    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)  # windows per layer, sinks
+    attention: AttentionConfig = added(since="issue 23", factory=AttentionConfig)  # windows per layer, sinks
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
 
     # ---- details

@@ -1,6 +1,6 @@
 """The decoder-only Transformer: blocks, the stack, heads, initialization and accounting.
 
-    tokens ─ embed ─(+ absolute positions)─ [block] × L ─ final norm (pre only) ─ head ─ logits
+    tokens ─ embed ─(+ absolute positions)─ [block] × L ─ final norm (not post) ─ head ─ logits
 
 Every choice is made here at construction from the config, through the registries of
 ``norm.py``, ``positions.py``, ``feedforward.py`` and this file's ``BLOCKS``; forward passes
@@ -53,6 +53,8 @@ class PreNormBlock(Block):
     """x ─┬─ norm ─ attn ─(+)─┬─ norm ─ ffn ─(+)─▶      residual stream never normalized
           └──────────────────┘└──────────────────┘"""
 
+    final_norm = True  # the stream is never normalized, so the model normalizes it once before the head
+
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x), ctx, cache))
         x = x + self.drop(self.ffn(self.norm2(x)))
@@ -65,6 +67,8 @@ class PostNormBlock(Block):
 
     α = 1, or DeepNorm's (2L)^(1/4) for decoder-only models (Wang et al. 2022, Table 1)."""
 
+    final_norm = False  # every block already ends with a norm
+
     def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__(cfg, layer, term)
         self.alpha = deepnorm_alpha(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else 1.0
@@ -75,7 +79,35 @@ class PostNormBlock(Block):
         return x
 
 
-BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock}
+class SandwichNormBlock(Block):
+    """x ─┬─ norm ─ attn ─ norm ─(+)─┬─ norm ─ ffn ─ norm ─(+)─▶      each branch normalized in and out
+          └─────────────────────────┘└────────────────────────┘      (Gemma 2/3; Ding et al. 2021's CogView)"""
+
+    final_norm = True
+
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__(cfg, layer, term)
+        self.post_norm1, self.post_norm2 = build_norm(cfg), build_norm(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.post_norm1(self.attn(self.norm1(x), ctx, cache)))
+        x = x + self.drop(self.post_norm2(self.ffn(self.norm2(x))))
+        return x
+
+
+class ReorderedNormBlock(Block):
+    """x ─┬─ attn ─ norm ─(+)─┬─ ffn ─ norm ─(+)─▶      the branch's output normalized, its input not
+          └──────────────────┘└─────────────────┘      (OLMo 2, arXiv:2501.00656 sec. 3.1; Swin v2)"""
+
+    final_norm = True
+
+    def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.norm1(self.attn(x, ctx, cache)))
+        x = x + self.drop(self.norm2(self.ffn(x)))
+        return x
+
+
+BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
 
 
 class LayerContexts:
@@ -176,8 +208,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(
             BLOCKS[cfg.norm_position](cfg, i, term) for i, term in enumerate(self.layer_contexts.terms)
         )
-        # post-norm already ends every block with a norm; pre-norm needs one before the head
-        self.final_norm = build_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        # post-norm already ends every block with a norm; the others need one before the head
+        self.final_norm = build_norm(cfg) if BLOCKS[cfg.norm_position].final_norm else nn.Identity()
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight

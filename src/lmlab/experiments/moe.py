@@ -29,7 +29,7 @@ from .registration import registration_record
 from .report import band_plot, figure, markdown_table, read_csv, report_header, save
 from .sweep import Hooks as SweepHooks
 from .sweep.tables import eval_slice_text, seed_curves
-from .sweep.tuning import grid_edge_text
+from .sweep.tuning import grid_edge_text, tune_problems
 
 LOAD_BATCHES = 8  # validation batches for the load heatmap
 
@@ -224,7 +224,27 @@ def tune_text(spec, tune: dict | None) -> str:
         return ""
     return (f"Learning rate per arm from {tune['values']} by full-length tuning runs (seeds {tune['seeds']}, "
             "which no main run reuses), the grid extended past an edge that held an arm's best rate: "
-            + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ". " + grid_edge_text(tune))
+            + ", ".join(f"{g} {v:g}" for g, v in tune["chosen"].items()) + ". " + grid_edge_text(tune)
+            + tuning_check_text(spec, tune))
+
+
+def tuning_check_text(spec, tune: dict | None) -> str:
+    """The issue-21 tuning rule (``tune_problems``) checked per registered claim on the arms it compares that
+    this spec trains: each tuned on its own full-length runs with at least 2 seeds, none at a grid edge; or
+    all at one common rate."""
+    checked, problems = [], []
+    for c in spec.claims:
+        arms = [a for a in c.arms() if isinstance(a, str) and a in spec.configs]
+        if arms and c.analysis == "rerun":  # a re-analysed claim reads earlier runs, tuned as they were
+            checked.append(c.id)
+            problems += [f"{c.id}: {p}" for p in tune_problems(spec, arms, tune)]
+    if not checked:
+        return ""
+    if not problems:
+        return (f"Tuning check ({', '.join(checked)}): the arms each claim compares were tuned on their own "
+                "full-length runs with at least 2 seeds, none at an edge of its grid, or all train at one "
+                "common rate. ")
+    return "**Tuning problems** (a verdict may rest on tuning): " + "; ".join(problems) + ". "
 
 
 def paper_note(decisions, cfg) -> str:

@@ -128,11 +128,17 @@ LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before
 
 
 # ---- the other direction: lmlab -> the Llama layout
-def llama_layout_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) -> str | None:
-    """What a Llama-layout architecture ``name`` cannot compute: it is pre-norm (checked for every
-    architecture in ``export.py``) RMSNorm, rotary, gated feed-forward, and has the per-layer
-    choices of ``supports`` (see :func:`~lmlab.hf.registry.layers_refusal`)."""
+def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "pre",
+                         qk_norm: str = "none", supports: Iterable[str] = ()) -> str | None:
+    """What a Llama-layout architecture ``name`` cannot compute: its norm placement (pre-norm unless
+    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, and the
+    per-layer choices of ``supports`` (see :func:`~lmlab.hf.registry.layers_refusal`)."""
+    placements = {"pre": "normalizes each sublayer's input", "reordered": "normalizes each sublayer's output"}
+    qk_norms = {"none": "has no query/key norm", "head": "normalizes queries and keys per head",
+                "full": "normalizes the whole query and key projections"}
     return refusal(cfg, {
+        "norm_position": (norm_position, f"{name} {placements.get(norm_position, norm_position)}"),
+        "qk_norm": (qk_norm, f"{name} {qk_norms[qk_norm]}"),
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"),
         "positions": ("rope", f"{name} uses rotary positions"),
         "ffn": ("glu", f"{name}'s feed-forward is gated, W2 (act(Wg x) * W1 x)"),
@@ -335,6 +341,8 @@ def gpt2_refusal(cfg: ModelConfig) -> str | None:
             f"d_model / n_heads for queries, keys and values alike)"
         )
     return layers_refusal(cfg, "GPT-2") or refusal(cfg, {
+        "norm_position": ("pre", "GPT-2 normalizes each sublayer's input"),
+        "qk_norm": ("none", "GPT-2 has no query/key norm"),
         "norm": ("layernorm", "GPT-2 normalizes with LayerNorm"),
         "positions": ("learned", "GPT-2 learns absolute positions"),
         "ffn": ("mlp", "GPT-2's feed-forward is W2 act(W1 x)"),

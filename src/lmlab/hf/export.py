@@ -40,12 +40,15 @@ DEFAULT_SHARD_SIZE = "5GB"  # transformers 4.x's default; every version reads th
 # (field, value that no exported architecture computes, why): checked before any architecture
 NO_EQUIVALENT: tuple[tuple[str, Any, str], ...] = (
     ("residual_scaling", "deepnorm", "DeepNorm up-scales the residual before each post-norm (Wang et al. 2022)"),
-    ("norm_position", "post", "post-norm; every transformers decoder lmlab writes normalizes before each sublayer"),
+    ("norm_position", "post", "post-norm; no transformers decoder lmlab writes normalizes the residual stream itself"),
     ("positions", "sinusoidal", "fixed sinusoidal positions added to the embeddings"),
     ("positions", "relative", "Shaw et al. relative positions (learned key and value terms)"),
     ("positions", "alibi", "ALiBi attention biases"),
     ("positions", "none", "no position information at all"),
     ("embed_scale", "sqrt_d", "embeddings multiplied by sqrt(d_model)"),
+    ("attn_gate", "elementwise", "a sigmoid gate on the attention output (Qwen3-Next's, whose other layers are "
+                                 "linear attention, is not written)"),
+    ("attn_gate", "headwise", "a per-head sigmoid gate on the attention output"),
     ("moe.second_expert", "random", "GShard's randomly dispatched second expert"),
 )
 

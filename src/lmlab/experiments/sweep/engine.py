@@ -166,7 +166,8 @@ class Sweep:
             if done is None or done.get("config_hash") != self.key(self.spec.variant(variant.init_from), seed):
                 return None
             parent = done["config_hash"]  # the parent's weights: its hash stands for them
-        cfg = one_section_dict(self._planned(variant, seed).to_dict())  # the layout results were first keyed by
+        # the one-section layout results were first keyed by; fields added since (schema.added) count once set
+        cfg = one_section_dict(self._planned(variant, seed).identity_dict())
         # where the data lives is not what it is (its identity is hashed below)
         cfg["data"] = {k: (None if k == "prepared" else v) for k, v in cfg["data"].items()
                        if k not in ("source", "dir")}
