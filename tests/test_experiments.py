@@ -1,5 +1,5 @@
-"""The shipped experiments: the positions verdict functions on made-up rows (a clear win, a clear loss
-and a tie for every criterion; the registered norm and moe claims are in test_decide.py), the --quick
+"""The shipped experiments: the registered positions claims on made-up rows (a clear win, a clear loss
+and a tie for every claim; the norm and moe claims are in test_decide.py), the --quick
 runs (the machinery, not the claims), the GPU profile's sizes, and the README's results table against
 the verdict files."""
 
@@ -49,28 +49,37 @@ def verdicts(cs: list) -> dict[str, str]:
 
 
 # ============================================================== positions
+FT_POINTS = ("12", "25", "50", "100", "150", "200", "300", "400")  # a fine-tune's measured points, its end last
+
+
 def positions_rows(move: str | None = None, delta: float = 0.0) -> list[dict]:
-    """Every scheme's and fine-tune's measurements, flat at 3.0 (+ shared seed noise) unless moved."""
+    """Every scheme's and fine-tune's measurements, flat at 3.0 (+ shared seed noise) unless moved:
+    ``zs8``/``zs16`` (YaRN zero-shot beyond range), ``beyond:ARM``, ``snapbeyond:ARM`` (beyond range at
+    8x at every fine-tune point) or ``copy:ARM`` (the copy log-prob at the fine-tune's end)."""
     rows = []
     for name in ("none", "sinusoidal", "sinusoidal-scaled", "learned", "relative", "relative-clip16", "alibi", "rope",
-                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn"):
+                 "rope-scaled", "rope-ft-none", "rope-ft-pi", "rope-ft-yarn", "rope-copy", "rope-copy-ft-none",
+                 "rope-copy-ft-pi", "rope-copy-ft-yarn"):
         for s in SEEDS:
             base = 3.0 + SHARED[s]
-            r = {"variant": name, "seed": s, "final_val_loss": base, "status": "ok", "loss_1x": base, "copy_1x": 0.5,
-                 **{f"{p}_{m}x": base for m in positions.LONG for p in ("in", "beyond")},
-                 **{f"copy_{m}x_far": 0.3 + SHARED[s] for m in positions.LONG}}
+            j = delta + JITTER[s]
+            r = {"variant": name, "seed": s, "final_val_loss": base, "status": "ok", "loss_1x": base,
+                 "copy_1x_acc": 0.6, **{f"{p}_{m}x": base for m in positions.LONG for p in ("in", "beyond")},
+                 **{f"copy_{m}x_far_logp": -3.0 + SHARED[s] for m in positions.LONG}}
             if name == "rope":
                 r.update({f"zs_yarn_beyond_{m}x": base for m in positions.LONG})
-            j = delta + JITTER[s]
-            if move == f"zs{name}" or (move and move.startswith("zs") and name == "rope"):
-                r[f"zs_yarn_beyond_{move[2:]}x"] = base + j
+                if move in ("zs8", "zs16"):
+                    r[f"zs_yarn_beyond_{move[2:]}x"] = base + j
             if move == f"beyond:{name}":
                 r["beyond_8x"] = base + j
-            if name.startswith("rope-ft"):
+            if "-ft-" in name:
                 snap = {k: v for k, v in r.items() if k.startswith(("in_", "beyond_", "copy_"))}
+                r["snapshots"] = {step: dict(snap) for step in FT_POINTS}
+                if move == f"snapbeyond:{name}":
+                    for point in r["snapshots"].values():
+                        point["beyond_8x"] += j
                 if move == f"copy:{name}":
-                    snap["copy_8x_far"] += j
-                r["snapshots"] = {"25": dict(snap), "400": snap}
+                    r["snapshots"][FT_POINTS[-1]]["copy_8x_far_logp"] += j
             rows.append(r)
     return rows
 
@@ -80,44 +89,64 @@ POSITIONS_CLAIMS = {  # id -> (what moves, claimed)
     "zero-shot-yarn-16x": ("zs16", "lower"),
     "ft-extension-yarn": ("snapbeyond:rope-ft-yarn", "lower"),
     "ft-extension-pi": ("snapbeyond:rope-ft-pi", "lower"),
-    "retrieval-yarn": ("copy:rope-ft-yarn", "higher"),
+    "retrieval-yarn": ("copy:rope-copy-ft-yarn", "higher"),
     "shaw-flat-from-clip": ("beyond:relative", "higher"),
 }
+
+
+def positions_decisions(rows: list[dict]) -> dict:
+    """The registered positions claims decided on ``rows`` (the re-analysed ones read the same rows)."""
+    import math
+
+    from lmlab.experiments.decide import decide_claims
+
+    spec = load_experiment_spec("positions")
+    decided = decide_claims(spec.claims, rows, rows, positions.ENDPOINTS, init_loss=math.log(2048),
+                            untestable=positions.copy_gates(spec, rows))
+    return {d.spec.id: d for d in decided}
 
 
 @pytest.mark.parametrize("kind", ["win", "loss", "tie"])
 @pytest.mark.parametrize("claim_id", sorted(POSITIONS_CLAIMS))
 def test_positions_verdicts_on_made_up_rows(claim_id, kind):
     move, claimed = POSITIONS_CLAIMS[claim_id]
-    delta = offset(kind, claimed, 0.1 if move.startswith("copy") else 0.3)
-    rows = positions_rows(None if move.startswith("snap") else move, delta)
-    if move.startswith("snapbeyond:"):  # the fine-tune gains beyond range only: an extension effect
-        for r in rows:
-            if r["variant"] == move.split(":")[1]:
-                r["snapshots"]["400"]["beyond_8x"] += delta + JITTER[r["seed"]]
-    assert verdicts(positions.positions_claims(rows, L=64))[claim_id] == expected_verdict(kind, claimed)
+    decided = positions_decisions(positions_rows(move, offset(kind, claimed)))
+    assert decided[claim_id].verdict == expected_verdict(kind, claimed)
+    assert all(d.verdict == "tie" for i, d in decided.items() if i != claim_id)  # nothing else moved
 
 
 def test_a_fine_tune_gain_everywhere_is_not_an_extension_effect():
     rows = positions_rows()
     for r in rows:
-        if r["variant"] == "rope-ft-yarn":  # 0.3 better in range and beyond: a general gain
-            for k in ("in_8x", "beyond_8x"):
-                r["snapshots"]["400"][k] -= 0.3 + JITTER[r["seed"]]
-    assert verdicts(positions.positions_claims(rows, L=64))["ft-extension-yarn"] == "tie"
+        if r["variant"] == "rope-ft-yarn":  # 0.3 better in range and beyond, at every point: a general gain
+            for point in r["snapshots"].values():
+                for k in ("in_8x", "beyond_8x"):
+                    point[k] -= 0.3 + JITTER[r["seed"]]
+    assert positions_decisions(rows)["ft-extension-yarn"].verdict == "tie"
 
 
-def test_retrieval_is_untestable_when_rope_does_not_copy_even_within_its_training_length():
-    rows = positions_rows("copy:rope-ft-yarn", 0.3)  # a clear win for the YaRN fine-tune...
-    assert verdicts(positions.positions_claims(rows, L=64))["retrieval-yarn"] == "reproduced"
+def test_the_extension_effect_is_averaged_over_every_fine_tune_point_not_read_at_the_end():
+    rows = positions_rows()
     for r in rows:
-        if r["variant"] == "rope":
-            r["copy_1x"] = 0.002  # ...by models that never copy in range: noise around chance
-    claim = {c.id: c for c in positions.positions_claims(rows, L=64)}["retrieval-yarn"]
-    assert claim.verdict == "inconclusive" and "never learned to copy" in claim.line() and "0.002" in claim.line()
-    assert {c.id: c.verdict for c in positions.positions_claims(rows, L=64)}[
-        "shaw-flat-from-clip"
-    ] == "tie"  # only retrieval
+        if r["variant"] == "rope-ft-yarn":  # 0.4 better beyond range at the first point only, as YaRN was at 25 steps
+            r["snapshots"][FT_POINTS[0]]["beyond_8x"] -= 0.4 + JITTER[r["seed"]]
+    d = positions_decisions(rows)["ft-extension-yarn"]
+    assert d.verdict == "reproduced" and d.diffs == pytest.approx([-(0.4 + j) / len(FT_POINTS) for j in JITTER])
+    for r in rows:
+        if r["variant"] == "rope-ft-yarn":
+            del r["snapshots"][FT_POINTS[3]]["in_8x"]  # a point not measured: the average is not taken
+    assert positions_decisions(rows)["ft-extension-yarn"].verdict == "inconclusive"
+
+
+def test_retrieval_is_untestable_until_the_copy_model_passes_its_gate():
+    rows = positions_rows("copy:rope-copy-ft-yarn", 0.3)  # a clear win for the YaRN fine-tune...
+    assert positions_decisions(rows)["retrieval-yarn"].verdict == "reproduced"
+    for r in rows:
+        if r["variant"] == "rope-copy":
+            r["copy_1x_acc"] = 0.45 + JITTER[r["seed"]]  # ...by a model that copies, but below the gate 0.5
+    d = positions_decisions(rows)["retrieval-yarn"]
+    assert d.verdict == "inconclusive" and "0.450, below the gate 0.5" in d.line()
+    assert positions_decisions(rows)["shaw-flat-from-clip"].verdict == "tie"  # only retrieval
 
 
 def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost():
@@ -127,18 +156,18 @@ def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost(
 
     cfg = SimpleNamespace(model=ModelConfig(vocab_size=2048, d_model=128, n_heads=4, max_seq_len=64), seq_len=64)
     rows = positions_rows()
-    claims = positions.positions_claims(rows, L=64)
-    assert "swamps" not in positions.paper_note(claims, cfg, rows)  # equal losses: nothing to explain
+    decided = list(positions_decisions(rows).values())
+    assert "swamps" not in positions.paper_note(decided, cfg, rows)  # equal losses: nothing to explain
     for r in rows:
         if r["variant"] == "sinusoidal":
             r["final_val_loss"] += 0.8
     for r in rows:
         if r["variant"] == "rope-scaled":
             r["final_val_loss"] -= 0.1
-    note = positions.paper_note(claims, cfg, rows)
+    note = positions.paper_note(decided, cfg, rows)
     assert "0.80 nats worse" in note and "the two schemes differ by +0.100 nats" in note
     rows = [r for r in rows if r["variant"] != "sinusoidal-scaled"]  # the control arm missing: no claim made
-    assert "swamps" not in positions.paper_note(claims, cfg, rows)
+    assert "swamps" not in positions.paper_note(decided, cfg, rows)
 
 
 # ============================================================== the quick runs
@@ -197,7 +226,7 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
     )
     data = json.loads((out / "verdict.json").read_text())
     assert (
-        data["schema"] == (2 if name == "positions" else 3)  # norm and moe: the registered claims (decide.py)
+        data["schema"] == 3  # the registered claims (decide.py)
         and data["experiment"] == name
         and data["data"]["corpus"]["content_hash"].startswith("sha256:")
     )

@@ -353,10 +353,10 @@ class ModelConfig(Config):
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
     # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
     # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
-    qk_norm: QKNorm = "none"
+    qk_norm: QKNorm = added("none", since="issue 23: QK-norm")
     # sigmoid gate on the attention output before its projection, from the block's attention input:
     # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
-    attn_gate: AttnGate = "none"
+    attn_gate: AttnGate = added("none", since="issue 23: gated attention")
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)

@@ -18,7 +18,9 @@ Models trained on plain text do not learn to copy at this size, so rope-copy and
 (rope-copy-ft-*) train with planted repeats (``train.repeats``); retrieval beyond range is judged
 only once in-range accuracy reaches COPY_GATE.
 
-The claims and their criteria are in :func:`positions_claims`.
+The claims, their arms, endpoints and margins are registered in positions.yaml; this module supplies
+the endpoints they name (``ENDPOINTS``) and the copy gate (:func:`copy_gates`); ``decide.decide_claims``
+applies the registered rules.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..model import Transformer
 from ..run.checkpoint.atomic import atomic_write_text
-from .claims import Claim, criteria_text, write_verdicts
-from .report import band_plot, figure, markdown_table, report_header, save
-from .stats import mean_interval, paired_interval, tie_margin
+from .decide import Endpoint, decide_claims, registration_text, write_decisions
+from .registration import registration_record
+from .report import band_plot, figure, markdown_table, read_csv, report_header, save
+from .stats import mean_interval
 from .sweep import Hooks as SweepHooks
 from .sweep.measure import spread_eval, spread_starts
 from .sweep.tables import eval_slice_text
@@ -61,7 +64,6 @@ COPY_N, COPY_N_CURVE = 1800, 450
 COPY_N_QUICK = 32  # the quick profile's: a smoke test, seconds
 COPY_BATCH = 8  # probe windows per forward pass
 COPY_GATE = 0.5  # in-range copy accuracy (copy_1x_acc) a model must reach before its retrieval beyond range is judged
-COPY_LEARNED = 0.1  # in-range copy accuracy below which the models have no retrieval to extend (chance ~ 1/vocab)
 SNAPSHOTS = "snapshots.json"
 NA_LEARNED = "n/a — learned table ends at {L}"
 
@@ -226,21 +228,13 @@ class Hooks(SweepHooks):
         return out
 
 
-# ============================================================== verdicts (pure: rows in, claims out)
+# ============================================================== reading the rows
 def num(x: Any) -> float:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else float("nan")
 
 
 def seeds_of(rows: list[dict], variant: str) -> dict[int, dict]:
     return {r["seed"]: r for r in rows if r["variant"] == variant}
-
-
-def paired(rows: list[dict], a: str, b: str, fa, fb=None):
-    """Paired interval of fa(row of a) - fb(row of b) over the seeds both have, with the two lists."""
-    ra, rb = seeds_of(rows, a), seeds_of(rows, b)
-    seeds = sorted(set(ra) & set(rb))
-    va, vb = [fa(ra[s]) for s in seeds], [(fb or fa)(rb[s]) for s in seeds]
-    return (paired_interval(va, vb) if seeds else None), va, vb
 
 
 def ft_value(r: dict, step: str | None, key: str) -> float:
@@ -263,87 +257,58 @@ def _m(v: list[float]) -> str:
     return f"{statistics.fmean(v):.3f}" if v else "—"
 
 
-def never_copies(in_range: list[float]) -> str:
-    """Why the retrieval claim cannot be tested, or "": a model that does not copy a repeated segment
-    even within its training length has no retrieval for an extension to carry further."""
-    v = [x for x in in_range if math.isfinite(x)]
-    if v and statistics.fmean(v) < COPY_LEARNED:
-        return (
-            f"untestable: rope's in-range copy accuracy is {statistics.fmean(v):.3f}, the models never learned to copy"
-        )
-    return ""
+# ============================================================== endpoints of the registered claims
+def per_seed(value: Callable[[dict], float]) -> Endpoint:
+    """An endpoint (``decide.Endpoint``) from one number per run: seed -> value, where the run measured it."""
+    def endpoint(rows: list[dict], init_loss: float) -> dict[int, float]:
+        values = {r["seed"]: value(r) for r in rows}
+        return {s: v for s, v in values.items() if math.isfinite(v)}
+
+    return endpoint
 
 
-def positions_claims(rows: list[dict], *, L: int) -> list[Claim]:
-    """Every claim of the positions experiment."""
-    schemes = [n for n in dict.fromkeys(r["variant"] for r in rows) if not n.startswith("rope-ft")]
-    margin = tie_margin([[num(r.get("beyond_8x")) for r in seeds_of(rows, n).values()] for n in schemes])
-    claims = []
-    for m in LONG:
-        iv, a, b = paired(
-            rows, "rope", "rope", lambda r: num(r.get(f"zs_yarn_beyond_{m}x")), lambda r: num(r.get(f"beyond_{m}x"))
-        )
-        claims.append(
-            Claim(
-                "positions",
-                f"zero-shot-yarn-{m}x",
-                f"YaRN extends rope zero-shot to {m}x the training length",
-                f"Beyond-range loss (positions >= {L}) at {m * L} tokens: rope with YaRN (factor {m}) minus unscaled "
-                "rope, the same trained model, paired by seed, below 0.",
-                iv,
-                margin,
-                "lower",
-                detail=f"YaRN {_m(a)}, unscaled {_m(b)}.",
-            )
-        )
-    for method in ("yarn", "pi"):
-        ra, rb = seeds_of(rows, f"rope-ft-{method}"), seeds_of(rows, "rope-ft-none")
-        effects = [extension_effect(ra[s], rb[s], None) for s in sorted(set(ra) & set(rb))]
-        gain_beyond = [ft_value(ra[s], None, 'beyond_8x') - ft_value(rb[s], None, 'beyond_8x') for s in ra if s in rb]
-        gain_in = [ft_value(ra[s], None, 'in_8x') - ft_value(rb[s], None, 'in_8x') for s in ra if s in rb]
-        claims.append(Claim("positions", f"ft-extension-{method}",
-                            f"fine-tuning with {DISPLAY[method]} helps beyond the training length more than within it",
-                            "At 8x after the full fine-tune: (scaled minus unscaled fine-tune) on beyond-range "
-                            "positions minus the same on in-range positions, per seed, below 0 "
-                            "(an extension effect, not a general gain).",
-                            mean_interval(effects) if effects else None, margin, "lower",
-                            detail=f"Gain beyond {_m(gain_beyond)}, in range {_m(gain_in)} nats."))
-    copy_margin = tie_margin([[num(r.get("copy_8x_far")) for r in seeds_of(rows, n).values()] for n in schemes])
-    iv, a, b = paired(rows, "rope-ft-yarn", "rope-ft-none", lambda r: ft_value(r, None, "copy_8x_far"))
-    in_range = [num(r.get("copy_1x")) for r in seeds_of(rows, "rope").values()]
-    claims.append(
-        Claim(
-            "positions",
-            "retrieval-yarn",
-            "a YaRN fine-tune retrieves across more than the training length",
-            f"Copy-probe accuracy with the first copy {8 * L - COPY_K} tokens back (8x window): YaRN fine-tune minus "
-            f"unscaled fine-tune, paired by seed, above 0. Testable only if rope copies within its training length "
-            f"(mean copy 1x at least {COPY_LEARNED}).",
-            iv,
-            copy_margin,
-            "higher",
-            "accuracy",
-            f"YaRN {_m(a)}, unscaled {_m(b)}; rope's copy 1x {_m(in_range)}.",
-            untestable=never_copies(in_range),
-        )
-    )
-    grow = lambda r: num(r.get("beyond_8x")) - num(r.get("loss_1x"))  # noqa: E731
-    iv, a, b = paired(rows, "relative", "relative-clip16", grow)
-    claims.append(
-        Claim(
-            "positions",
-            "shaw-flat-from-clip",
-            "Shaw's relative positions looked flat beyond the training length "
-            "only because their clip (16) was shorter than it",
-            f"(Beyond-range loss at 8x minus loss at 1x) with clip "
-            f"{L} minus the same with clip 16, paired by seed, above 0.",
-            iv,
-            margin,
-            "higher",
-            detail=f"Growth with clip {L}: {_m(a)}; with clip 16: {_m(b)}.",
-        )
-    )
-    return claims
+def zero_shot_gain(m: int) -> Endpoint:
+    """rope with YaRN at factor m minus unscaled rope, beyond range at m x: the same trained weights."""
+    return per_seed(lambda r: num(r.get(f"zs_yarn_beyond_{m}x")) - num(r.get(f"beyond_{m}x")))
+
+
+def extension_gap(r: dict) -> float:
+    """Beyond-range minus in-range loss at 8x, averaged over every measured point of a fine-tune (its
+    snapshots and its end; NaN unless all were measured). A scaled fine-tune's gap minus the unscaled
+    one's is the extension effect over the whole fine-tune, not at one endpoint: in the first run,
+    YaRN's effect was -0.05 nats after 25 steps and gone by 400 (issue 21)."""
+    snaps = list((r.get("snapshots") or {}).values())
+    gaps = [num(s.get("beyond_8x")) - num(s.get("in_8x")) for s in snaps]
+    return statistics.fmean(gaps) if gaps and all(math.isfinite(g) for g in gaps) else float("nan")
+
+
+ENDPOINTS: dict[str, Endpoint] = {
+    "zs_yarn_gain_8x": zero_shot_gain(8),
+    "zs_yarn_gain_16x": zero_shot_gain(16),
+    "growth_8x": per_seed(lambda r: num(r.get("beyond_8x")) - num(r.get("loss_1x"))),  # loss growth past range
+    "extension_gap": per_seed(extension_gap),
+    "copy_8x_far_logp": per_seed(lambda r: ft_value(r, None, "copy_8x_far_logp")),  # at the fine-tune's end
+}
+
+
+def copy_gates(spec, rows: list[dict]) -> dict[str, str]:
+    """claim id -> why its gate failed. A claim with a gate (retrieval) is tested only once the model its
+    fine-tunes start from copies in range: that parent's mean copy_1x_acc at least COPY_GATE; a model that
+    does not copy a repeated segment even within its training length has no retrieval to extend."""
+    out = {}
+    for c in spec.claims:
+        arm = c.compare[0]
+        parent = spec.variant(arm).init_from if c.gate and isinstance(arm, str) and arm in spec.configs else None
+        if parent is None:
+            continue
+        acc = [num(r.get("copy_1x_acc")) for r in seeds_of(rows, parent).values()]
+        acc = [a for a in acc if math.isfinite(a)]
+        if not acc:
+            out[c.id] = f"untestable: {parent} has no in-range copy accuracy (copy_1x_acc)"
+        elif statistics.fmean(acc) < COPY_GATE:
+            out[c.id] = (f"untestable: {parent}'s in-range copy accuracy is {statistics.fmean(acc):.3f}, "
+                         f"below the gate {COPY_GATE:g}: the model does not copy within its training length")
+    return out
 
 
 # ============================================================== tables
@@ -472,7 +437,7 @@ def plot_finetune(rows: list[dict], out: Path) -> str:
 
 
 # ============================================================== markdown and analysis
-def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
+def markdown(spec, rows, decisions, *, command, wall_s, data, L, previous) -> str:
     schemes = [v.name for v in spec.variants if v.init_from is None]
     cfg, ft = spec.configs["rope"], spec.configs["rope-ft-none"]
     t = cfg.train
@@ -495,10 +460,8 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
         f"({ft.train.steps} steps of {ft.train.batch_size}×{ft.seq_len}, constant lr {ft.optim.lr:g} after "
         f"{ft.optim.warmup_steps} warmup steps) with no scaling, PI (linear) and YaRN at factor {ft.seq_len // L}; the "
         f"snapshots after fewer steps are the fine-tune-steps sweep. {eval_slice_text(spec)}.\n\n"
-        "## Criteria (fixed before the runs)\n\nPaired differences over seeds (seed s: the same initial weights, "
-        "data order and, for fine-tunes, the same rope model they start from), 95% t intervals; "
-        "tie margin 2 × the median seed std "
-        f"(loss ±{claims[0].margin:.3f} nats, copy accuracy ±{claims[-2].margin:.3f}).\n\n" + criteria_text(claims)
+        "## Criteria (registered before the runs)\n\n" + registration_text(spec.registration)
+        + "\n".join(f"- **{d.spec.id}** — {d.spec.claim}. {d.spec.criterion()}" for d in decisions) + "\n"
         + "\n## Results\n\n### Without any adjustment (mean ± std over seeds)\n\n"
         + markdown_table(scheme_table(rows, schemes))
         + "\n![loss by length](loss_by_length.png)\n\n![per-position loss at 16x](per_position.png)\n\n"
@@ -506,7 +469,10 @@ def markdown(spec, rows, claims, *, command, wall_s, data, L) -> str:
         + "\n### Rope fine-tuned at 8×: the steps sweep\n\n" + markdown_table(finetune_table(rows))
         + "\n![fine-tune steps](finetune_steps.png)\n\n"
           "![rope extension per position](rope_extension_per_position.png)\n\n"
-        "## Verdicts\n\n" + "\n".join(c.line() for c in claims) + "\n\n" + paper_note(claims, cfg, rows)
+        "## Verdicts\n\n" + "\n".join(d.line() for d in decisions) + "\n\n"
+        + (f"The re-analysed claims read the {len(previous)} runs in [previous/](previous/README.md), made before "
+           "the registration, under the rules registered here.\n\n" if previous else "")
+        + paper_note(decisions, cfg, rows)
     )
     return text
 
@@ -525,9 +491,9 @@ def _mean_loss(rows: list[dict], variant: str) -> float:
     return statistics.fmean(num(r["final_val_loss"]) for r in runs.values()) if runs else float("nan")
 
 
-def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
+def paper_note(decisions, cfg, rows: list[dict]) -> str:
     """Where a result disagrees with the papers, the setup difference that plausibly explains it."""
-    v = {c.id: c.verdict for c in claims}
+    v = {d.spec.id: d.verdict for d in decisions}
     notes = []
     if v.get("shaw-flat-from-clip") == "reproduced":
         notes.append(
@@ -568,7 +534,7 @@ def paper_note(claims: list[Claim], cfg, rows: list[dict]) -> str:
             "A fine-tune whose gain is as large in range as beyond it is a general gain from more training at a new "
             "length, not an extension effect: the in-range positions are the control that separates the two."
         )
-    retrieval = next((c for c in claims if c.id == "retrieval-yarn"), None)
+    retrieval = next((d for d in decisions if d.spec.id == "retrieval-yarn"), None)
     if retrieval is not None and retrieval.untestable:
         t = cfg.train
         notes.append(
@@ -598,7 +564,10 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     L = spec.configs["rope"].seq_len
     schemes = [v.name for v in spec.variants if v.init_from is None]
     fts = [v.name for v in spec.variants if v.init_from is not None]
-    claims = positions_claims(rows, L=L)
+    previous = read_csv(out / "previous" / "results.csv")
+    init_loss = (limits or {}).get("init", math.log(spec.configs["rope"].model.vocab_size))
+    decisions = decide_claims(spec.claims, rows, previous, ENDPOINTS, init_loss=init_loss,
+                              alpha=(spec.registration or {}).get("alpha", 0.05), untestable=copy_gates(spec, rows))
     zs = [{**r, "variant": "rope-zs-yarn", "pp_16x": r.get("zs_yarn_pp_16x")} for r in rows if r["variant"] == "rope"]
     plots = [
         plot_lengths(rows, out, schemes + fts, L, spec.seeds),
@@ -615,6 +584,8 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
         plot_finetune(rows, out),
     ]
     per_position_csv(rows, out, schemes + fts, L)
-    atomic_write_text(out / "report.md", markdown(spec, rows, claims, command=command, wall_s=wall_s, data=data, L=L))
-    write_verdicts(out, "positions", claims, {"plots": plots, "data": data, "seeds": spec.seeds})
+    atomic_write_text(out / "report.md", markdown(spec, rows, decisions, command=command, wall_s=wall_s, data=data, L=L,
+                                                  previous=previous))
+    write_decisions(out, "positions", decisions, {"plots": plots, "data": data, "seeds": spec.seeds,
+                                                  "registration": registration_record(spec)})
     return out / "report.md"
