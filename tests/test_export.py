@@ -155,7 +155,8 @@ def test_the_scaling_and_layout_cases_would_fail_if_ignored(tmp_path):
 
 
 def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
-    """The presets: llama, gpt2, mixtral and deepseek-v3 export; the others name what has no equivalent."""
+    """The presets: llama, gpt2, mixtral, deepseek-v3, qwen3 and olmo2 export; the others name what has no
+    equivalent."""
     refused = {
         "vaswani2017": "norm_position='post'", "switch": "moe.capacity_factor=1.25",
         "gshard": "moe.second_expert='random'", "deepseekmoe": "glm4_moe: moe.scoring='softmax'",
@@ -167,7 +168,8 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
                 to_hf(model, tmp_path / preset)
         else:
             assert to_hf(model, tmp_path / preset).model_type == {
-                "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "glm4_moe"}[preset]
+                "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "glm4_moe", "qwen3": "qwen3",
+                "olmo2": "olmo2"}[preset]
 
 
 def test_a_preset_no_family_computes_is_refused_with_the_field_to_set(tmp_path):

@@ -532,6 +532,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu", activation="silu",
         n_heads=8, n_kv_heads=2, bias=False, tie_embeddings=False,
     ),
+    # Qwen3 (Yang et al. 2025, arXiv:2505.09388): Llama's block with an RMSNorm on each query and key
+    # head before rotary, no q/k/v biases, rotary base 1e6, tied embeddings as in the small Qwen3 models.
+    "qwen3": dict(
+        norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu", activation="silu",
+        n_heads=8, n_kv_heads=2, qk_norm="head", bias=False, tie_embeddings=True, norm_eps=1e-6,
+        rope=dict(base=1e6),
+    ),
+    # OLMo 2 (OLMo et al. 2024, arXiv:2501.00656, sec. 3.1): reordered norms, x + norm(f(x)), and an
+    # RMSNorm over the whole q and k projections, for training stability; multi-head attention,
+    # rotary base 5e5, RMSNorm eps 1e-6.
+    "olmo2": dict(
+        norm="rmsnorm", norm_position="reordered", positions="rope", ffn="glu", activation="silu",
+        n_heads=8, qk_norm="full", bias=False, tie_embeddings=False, norm_eps=1e-6, rope=dict(base=5e5),
+    ),
 }
 
 # Model presets with a mixture-of-experts feed-forward: name -> ModelConfig fields (``moe`` as a dict).

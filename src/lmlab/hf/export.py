@@ -5,10 +5,10 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe), or named with ``architecture=``. Nothing approximate is ever written: a model
-that no transformers architecture computes exactly is refused with a ValueError that names the
-field and its value. Dropout and balancing coefficients act only in training and are not part of
-what is checked.
+qwen2_moe, glm4_moe, qwen3, qwen3_moe, olmo2, olmoe), or named with ``architecture=``. Nothing
+approximate is ever written: a model that no transformers architecture computes exactly is refused
+with a ValueError that names the field and its value. Dropout and balancing coefficients act only in
+training and are not part of what is checked.
 
 The directory appears whole or not at all: everything is computed and checked first, the files
 are written into a hidden temporary directory next to ``out``, fsynced, and renamed into place.
@@ -31,7 +31,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, fsync_dir
-from . import dense, moe  # noqa: F401  (importing them registers their families)
+from . import dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, Tensors
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it

@@ -122,12 +122,13 @@ def moe_to_hf(
     return out
 
 
-def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]]) -> str | None:
+def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]], **layout: str) -> str | None:
     """What a Llama-layout MoE architecture ``name`` cannot compute: biases (no transformers MoE
-    has expert biases), the layout, then the family's own router and layer ``needs``."""
+    has expert biases), the layout (``layout``: its norm placement and query/key norm, as
+    :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
     return (
         refusal(cfg, {"bias": (False, f"{name} has no biases outside attention")})
-        or llama_layout_refusal(cfg, name)
+        or llama_layout_refusal(cfg, name, **layout)
         or refusal(cfg, needs)
     )
 
@@ -251,7 +252,7 @@ def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
     # layer l is sparse iff l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0
     step, dense_only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
     sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)]
-    layout = _every_and_first_dense(sparse)
+    layout = every_and_first_dense(sparse)
     if layout is None:
         raise _refuse(
             hf, "mlp_only_layers",
@@ -266,7 +267,8 @@ def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
     )
 
 
-def _every_and_first_dense(sparse: list[bool]) -> tuple[int, int] | None:
+def every_and_first_dense(sparse: list[bool]) -> tuple[int, int] | None:
+    """(moe.every, moe.first_dense) that make exactly the layers marked in ``sparse`` MoE, or None if no pair does."""
     L = len(sparse)
     for first in range(L):
         for every in range(1, L + 1):

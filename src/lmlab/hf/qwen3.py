@@ -1,0 +1,193 @@
+"""Qwen3 and Qwen3-MoE, both ways: the Llama layout with an RMSNorm on each query and key head before
+rotary (``qk_norm="head"``), and the query/key norm tensors every family with a ``qk_norm`` shares
+(:func:`qk_norm_weights`, :func:`qk_norm_to_hf`).
+
+Qwen3's sliding-window layers (``use_sliding_window``) are refused: lmlab's attention has no window yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..config import ModelConfig, MoEConfig
+from .dense import (
+    LLAMA_DEFAULTS,
+    LLAMA_IGNORE,
+    interleaved_to_half,
+    llama_glu,
+    llama_glu_to_hf,
+    llama_layout_config,
+    llama_layout_refusal,
+    llama_layout_to_hf,
+    llama_weights,
+    llama_weights_to_hf,
+)
+from .moe import all_experts_refusal, every_and_first_dense, moe_refusal, moe_to_hf, moe_weights, qwen2_moe_layers
+from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
+
+
+# ============================================================== query/key norm tensors
+def qk_norm_weights(cfg: ModelConfig, t: HFTensors, attn: str = "self_attn.") -> dict[str, torch.Tensor | None]:
+    """Each layer's ``{attn}q_norm.weight`` and ``k_norm.weight`` -> ``blocks.{i}.attn.qk_norm.*``."""
+    sd = {}
+    for i in range(cfg.n_layers):
+        for part in ("q_norm", "k_norm"):
+            sd[f"blocks.{i}.attn.qk_norm.{part}.weight"] = t.take(f"model.layers.{i}.{attn}{part}.weight")
+    return sd
+
+
+def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> dict[str, torch.Tensor]:
+    """The inverse of :func:`qk_norm_weights`. With interleaved rotary pairs the gains are permuted as the q/k
+    rows are (``interleaved_to_half``): one head's worth for ``head``, every head for ``full``."""
+    heads = {"q_norm": cfg.n_heads, "k_norm": cfg.n_kv_heads} if cfg.qk_norm == "full" else {"q_norm": 1, "k_norm": 1}
+    out = {}
+    for i in range(cfg.n_layers):
+        for part, n in heads.items():
+            w = sd[f"blocks.{i}.attn.qk_norm.{part}.weight"]
+            half = interleaved_to_half(w, n) if cfg.rope.layout == "interleaved" else w
+            out[f"model.layers.{i}.{attn}{part}.weight"] = half
+    return out
+
+
+def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
+    return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
+
+
+def _check_attention(hf: Mapping[str, Any]) -> None:
+    """Qwen3's attention options that lmlab cannot compute: sliding windows, and attention_bias (biases on q,
+    k, v and the output projection, none on the feed-forward)."""
+    if hf["use_sliding_window"] or "sliding_attention" in (hf.get("layer_types") or ()):
+        raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention yet, so only Qwen3 "
+                      "checkpoints with full attention in every layer load")
+    if hf["attention_bias"]:
+        raise _refuse(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
+                      "projections and none on the feed-forward")
+
+
+def _qwen3_attention_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json keys of Qwen3's attention: head_dim always (Qwen3's default is 128, not d_model / n_heads)."""
+    return {"head_dim": cfg.head_dim, "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+
+
+# ============================================================== Qwen3
+# transformers' Qwen3Config defaults (5.x), for keys an older config.json leaves out.
+QWEN3_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, head_dim=128,
+    max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False, layer_types=None,
+)
+
+
+def qwen3_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Qwen3: Llama without biases, plus an RMSNorm over each query and key head before rotary."""
+    hf = with_defaults(hf, QWEN3_DEFAULTS)
+    _check_attention(hf)
+    return llama_layout_config(hf, qk_norm="head")
+
+
+def qwen3_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.qk_norm != "head":  # keeps detect_model_type from taking Llama checkpoints for Qwen3
+        raise ValueError("a Qwen3 checkpoint needs a config with qk_norm='head'")
+    return {**llama_weights(cfg, t), **qk_norm_weights(cfg, t)}
+
+
+def qwen3_refusal(cfg: ModelConfig) -> str | None:
+    return refusal(cfg, {
+        "bias": (False, "Qwen3 has no biases outside attention"), "qkv_bias": (False, "Qwen3 has no q, k, v biases"),
+    }) or llama_layout_refusal(cfg, "Qwen3", qk_norm="head")
+
+
+def qwen3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**llama_layout_to_hf(cfg), **_qwen3_attention_to_hf(cfg)}
+
+
+def qwen3_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    return {**llama_weights_to_hf(cfg, sd), **qk_norm_to_hf(cfg, sd)}
+
+
+register("qwen3", Family(qwen3_config, qwen3_weights, LLAMA_IGNORE, Export(
+    "Qwen3ForCausalLM", moe=False, refuse=qwen3_refusal, config=qwen3_to_hf, weights=qwen3_weights_to_hf,
+)))
+
+
+# ============================================================== Qwen3-MoE
+# transformers' Qwen3MoeConfig defaults (5.x).
+QWEN3_MOE_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    use_sliding_window=False, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+    norm_topk_prob=False, mlp_only_layers=None,
+)
+QWEN3_MOE_EXPERTS = 128  # the default of num_experts, which transformers 5 writes as num_local_experts
+
+
+def qwen3_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's attention with softmax-routed experts (no shared expert) in the layers that
+    ``decoder_sparse_step`` and ``mlp_only_layers`` make sparse; the rest keep a dense SwiGLU."""
+    hf = with_defaults(hf, QWEN3_MOE_DEFAULTS)
+    _check_attention(hf)
+    key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
+    n_experts = hf.get(key, QWEN3_MOE_EXPERTS)
+    if not n_experts:
+        raise _refuse(hf, key, "without experts this is a dense model; load it as model_type 'qwen3'")
+    L, step, dense_only = hf["num_hidden_layers"], hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
+    sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(L)]
+    layout = every_and_first_dense(sparse)
+    if layout is None:
+        raise _refuse(hf, "mlp_only_layers", f"with decoder_sparse_step={step} the MoE layers are "
+                      f"{[i for i, s in enumerate(sparse) if s]}; lmlab expresses only 'every n-th layer after "
+                      "the first k'")
+    moe = MoEConfig(
+        n_experts=n_experts, top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+        normalize_top_k=bool(hf["norm_topk_prob"]), every=layout[0], first_dense=layout[1],
+    )
+    return llama_layout_config(hf, qk_norm="head", moe=moe)
+
+
+def qwen3_moe_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu(cfg, t, hf, ours)
+    return moe_weights(cfg, t, hf, ours, names=("gate_proj", "up_proj", "down_proj"))
+
+
+def qwen3_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.moe is None or cfg.qk_norm != "head":
+        raise ValueError("a Qwen3-MoE checkpoint needs a config with moe set and qk_norm='head'")
+    return {**llama_weights(cfg, t, ffn=qwen3_moe_ffn), **qk_norm_weights(cfg, t)}
+
+
+def qwen3_moe_refusal(cfg: ModelConfig) -> str | None:
+    return moe_refusal(cfg, "Qwen3-MoE", {
+        "qkv_bias": (False, "Qwen3-MoE has no q, k, v biases"),
+        "moe.scoring": ("softmax", "Qwen3-MoE's router is a softmax"),
+        "moe.routed_scale": (1.0, "Qwen3-MoE does not scale the routed output"),
+        "moe.n_shared": (0, "Qwen3-MoE has no shared experts"),
+    }, qk_norm="head") or all_experts_refusal(cfg, "Qwen3-MoE")
+
+
+def qwen3_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    step, dense = qwen2_moe_layers(cfg)
+    return {
+        **llama_layout_to_hf(cfg), **_qwen3_attention_to_hf(cfg), "num_experts": moe.routed_experts,
+        "num_experts_per_tok": moe.active_experts, "moe_intermediate_size": moe.expert_width(cfg.d_ff),
+        "norm_topk_prob": moe.normalize_top_k, "decoder_sparse_step": step, "mlp_only_layers": dense,
+        "output_router_logits": False,
+    }
+
+
+def qwen3_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu_to_hf(cfg, sd, ours, hf)
+    return moe_to_hf(cfg, sd, ours, hf, names=("gate_proj", "up_proj", "down_proj"), arch="Qwen3-MoE")
+
+
+def qwen3_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    return {**llama_weights_to_hf(cfg, sd, ffn=qwen3_moe_ffn_to_hf), **qk_norm_to_hf(cfg, sd)}
+
+
+register("qwen3_moe", Family(qwen3_moe_config, qwen3_moe_weights, LLAMA_IGNORE, Export(
+    "Qwen3MoeForCausalLM", moe=True, refuse=qwen3_moe_refusal, config=qwen3_moe_to_hf,
+    weights=qwen3_moe_weights_to_hf,
+)))
