@@ -59,7 +59,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import dense, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register
