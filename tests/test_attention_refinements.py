@@ -107,9 +107,44 @@ def test_new_parameters_start_at_identity_gains_and_drawn_gates():
         assert torch.equal(p, torch.ones_like(p))
     w = block.attn.gate.proj.weight
     assert 0.015 < w.std().item() < 0.025  # N(0, init_std = 0.02), 1024 draws
+    xavier = Transformer(tiny_config(attn_gate="elementwise", init="xavier")).blocks[0].attn.gate.proj.weight
+    assert 0.15 < xavier.std().item() < 0.2  # an attention matrix: Xavier-normal, sqrt(2 / (32 + 32)) = 0.177
 
 
 @pytest.mark.parametrize("placement", ["pre", "sandwich", "reordered"])
 def test_deepnorm_needs_post_norm(placement):
     with pytest.raises(ValueError, match="residual_scaling='deepnorm' needs norm_position='post'"):
         ModelConfig(norm_position=placement, residual_scaling="deepnorm")
+
+
+def test_qk_norm_head_with_the_elementwise_gate_computes_qwen3_next_attention():
+    """Qwen3-Next's full-attention layer (q_proj writes [q_h; gate_h] per head, zero-centred q/k norm gains
+    1 + w, output * sigmoid(gate)) is qk_norm='head' + attn_gate='elementwise': its weights map row by row."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention
+
+    H, KV, hd, D, T = 4, 2, 8, 32, 7
+    config = transformers.Qwen3NextConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=KV, head_dim=hd,
+                                          rms_norm_eps=1e-6, attention_bias=False)
+    config._attn_implementation = "eager"
+    theirs = Qwen3NextAttention(config, layer_idx=3).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    model = Transformer(tiny_config(n_kv_heads=KV, qk_norm="head", attn_gate="elementwise", norm_eps=1e-6))
+    ours = model.blocks[0].attn
+    q, gate = theirs.q_proj.weight.view(H, 2, hd, D).unbind(1)  # per head: [q_h; gate_h]
+    with torch.no_grad():
+        ours.qkv.weight.copy_(torch.cat([q.reshape(H * hd, D), theirs.k_proj.weight, theirs.v_proj.weight]))
+        ours.gate.proj.weight.copy_(gate.reshape(H * hd, D))
+        ours.qk_norm.q_norm.weight.copy_(1 + theirs.q_norm.weight)
+        ours.qk_norm.k_norm.weight.copy_(1 + theirs.k_norm.weight)
+        ours.out.weight.copy_(theirs.o_proj.weight)
+    x = torch.randn(1, T, D, generator=g)
+    angles = torch.arange(T)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)  # (T, hd/2)
+    cos, sin = torch.cat([angles, angles], -1).cos()[None], torch.cat([angles, angles], -1).sin()[None]
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    ctx = model.positions.attach(model.positions.context(0, T, x.device))
+    with torch.no_grad():
+        assert_close(ours(x, ctx), theirs(x, (cos, sin), causal)[0], rtol=1e-5, atol=1e-6)

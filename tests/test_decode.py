@@ -39,6 +39,9 @@ VARIANTS = {  # every position scheme, pre and post norm, GQA, MoE
     "none": dict(positions="none"),
     "rope dynamic": {"rope.scaling": "dynamic", "rope.factor": 2.0, "max_seq_len": 8},
     "moe": dict(preset="llama", **{"moe.n_experts": 4, "moe.top_k": 2}),
+    "qwen3 (qk_norm head)": dict(preset="qwen3", n_kv_heads=2),
+    "olmo2 (reordered, qk_norm full)": dict(preset="olmo2", n_kv_heads=2),
+    "sandwich + headwise gate": dict(norm_position="sandwich", attn_gate="headwise", n_kv_heads=2),
 }
 
 
@@ -146,10 +149,15 @@ def hf_model(family: str):
         return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, **llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=32, decoder_sparse_step=1))
+    if family == "qwen3":  # eos 63: min_new_tokens makes transformers suppress eos, which this model's greedy 2 is
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**common, "eos_token_id": 63}, **llama,
+                                                                      head_dim=8))
+    if family == "olmo2":
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, **llama))
     raise KeyError(family)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe", "qwen3", "olmo2"])
 def test_padded_batch_greedy_equals_transformers_generate(tmp_path, family):
     torch.manual_seed(0)
     hf = randomize_(hf_model(family))

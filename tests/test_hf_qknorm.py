@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 import lmlab
 from lmlab import Transformer
-from lmlab.hf import config_from_hf, read_safetensors, to_hf
+from lmlab.hf import config_from_hf, detect_model_type, read_safetensors, state_dict_from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -87,6 +87,19 @@ def test_hf_checkpoint_loads_with_the_same_logits_and_comes_back_identical(tmp_p
     before, after = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "original", done.path))
     assert config_from_hf(after) == config_from_hf(before)
     assert torch.equal(_logits(load_hf(done.path), idx), ref)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "olmo2", "olmoe"])
+def test_state_dict_from_hf_tells_these_families_from_tensor_names(case):
+    """Without a model_type, the q/k norm tensors (and OLMo 2's norm names) pick the one family that maps them."""
+    original, config = _hf_model(case)
+    cfg = config_from_hf(config.to_dict())
+    sd = original.state_dict()
+    assert detect_model_type(cfg, sd) == config.model_type
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(state_dict_from_hf(cfg, sd))
+    idx = _tokens(16)
+    assert_close(_logits(ours, idx), _logits(original, idx))
 
 
 # name -> (lmlab fields, the architecture to_hf chooses by itself)

@@ -394,8 +394,9 @@ class SequenceClassifier(nn.Module):
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """All initialization, as a pure function of ``cfg.init_seed``: one generator, drawn in module order.
 
-    - weights ~ N(0, init_std): linear layers, embeddings, relative-position tables, routers;
-      biases 0; norm gains 1, shifts 0;
+    - weights ~ N(0, init_std): linear layers, embeddings, relative-position tables, routers, the attention
+      output gate's W_g (every gate starts near sigmoid(0) = 1/2); biases 0; norm gains 1 (the q/k norms'
+      and the sandwich's output norms too), shifts 0;
     - ``gpt2``: projections that write into the residual stream (attention output, feed-forward and
       expert down projections) ~ N(0, init_std / sqrt(2L)) (Radford et al. 2019, sec. 2.3);
     - ``deepnorm``: attention and feed-forward matrices (each expert's too) are Xavier-normal, with
@@ -403,8 +404,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
       keys (Wang et al. 2022, Table 1 and Algorithm 1); routers and gates keep N(0, init_std).
     - ``init="xavier"``: every matrix (attention, feed-forward, each expert, the output head) is
       Xavier-normal, std sqrt(2 / (fan_in + fan_out)) (Glorot & Bengio 2010), and embeddings
-      ~ N(0, d_model^-1/2), as in the fairseq Transformer that Xiong et al. (2020) measured; routers,
-      gates and relative tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
+      ~ N(0, d_model^-1/2), as in the fairseq Transformer that Xiong et al. (2020) measured (the attention
+      output gate's W_g is an attention matrix: Xavier too); routers, MoE shared-expert gates and relative
+      tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
       which decides whether post-norm's sublayers move the residual stream at all at init.
     Each module whose weights need more than the defaults says how in an ``init_params(init)`` hook
     (attention, feed-forward, relative tables, experts); :func:`lmlab.init.init_module` applies the
