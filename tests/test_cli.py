@@ -222,6 +222,7 @@ def subparser(name: str):
     return cli.build_parser([name])._subparsers._group_actions[0].choices[name]
 
 
+@pytest.mark.slow
 def test_progress_off_a_terminal_is_one_plain_line_per_record(tmp_path):
     """Under `| tee` or in a batch job's log: no progress-bar redraws (\r), and every step's line starts a line,
     so that `grep ^step` finds them all (a logged step, a validation, the final one)."""
@@ -501,6 +502,7 @@ def test_learned_positions_past_their_table(capsys, tmp_path):
 
 
 # ============================================================== signals
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint_and_resume_continues(capsys, tmp_path, sig):
     source = corpus(tmp_path / "c.txt")

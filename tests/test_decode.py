@@ -30,7 +30,7 @@ def run(model, prompts, n, **kw) -> torch.Tensor:
     return torch.stack(list(generate(model, prompts, n, **kw)), dim=1)  # (B, n)
 
 
-VARIANTS = {  # every position scheme, pre and post norm, GQA, MoE
+VARIANTS = {  # every position scheme, pre and post norm, GQA, MoE, MLA
     "llama (rope, GQA)": dict(preset="llama", n_kv_heads=2),
     "gpt2 (learned, tied)": dict(preset="gpt2"),
     "vaswani2017 (post, sinusoidal)": dict(preset="vaswani2017"),
@@ -39,6 +39,7 @@ VARIANTS = {  # every position scheme, pre and post norm, GQA, MoE
     "none": dict(positions="none"),
     "rope dynamic": {"rope.scaling": "dynamic", "rope.factor": 2.0, "max_seq_len": 8},
     "moe": dict(preset="llama", **{"moe.n_experts": 4, "moe.top_k": 2}),
+    "mla (latent cache)": {"mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8, "mla.qk_rope_head_dim": 4},
     "qwen3 (qk_norm head)": dict(preset="qwen3", n_kv_heads=2),
     "olmo2 (reordered, qk_norm full)": dict(preset="olmo2", n_kv_heads=2),
     "sandwich + headwise gate": dict(norm_position="sandwich", attn_gate="headwise", n_kv_heads=2),

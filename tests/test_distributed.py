@@ -269,6 +269,7 @@ def test_a_distributed_checkpoint_index_never_unpickles_code(dense, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_bit_flip_in_a_distributed_checkpoint_is_refused_on_resume_and_consolidate(dense, tmp_path, capsys):
     run = copy_to_step(dense / "two", tmp_path / "run", 4)
     shard = max((ckpt.step_dir(run / "checkpoints", 4) / dcp.DCP_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)

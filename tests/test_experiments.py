@@ -194,6 +194,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))
 def test_quick_experiment_makes_its_files(name, tmp_path):
     out = tmp_path / name

@@ -103,7 +103,7 @@ LMLAB_CASES = {
     "qwen2_moe_whole_shared": (None, dict(
         n_layers=3, tie_embeddings=True, moe=MOE | dict(n_shared=2, shared_gate="sigmoid", normalize_top_k=True,
                                                         every=2, first_dense=1)), "qwen2_moe"),
-    "glm4_moe_deepseek_v3": ("deepseek-v3", dict(n_layers=3, n_kv_heads=2, moe=dict(
+    "glm4_moe_deepseek_v3": ("deepseek-v3", dict(n_layers=3, n_kv_heads=2, mla=None, moe=dict(
         n_experts=8, top_k=2, n_shared=1, d_expert=16, first_dense=1, scoring="sigmoid", normalize_top_k=True,
         routed_scale=2.5, n_groups=4, topk_groups=2, group_score="top2", bias_update_rate=1e-3)), "glm4_moe"),
     "glm4_moe_no_shared": (None, dict(
@@ -155,8 +155,8 @@ def test_the_scaling_and_layout_cases_would_fail_if_ignored(tmp_path):
 
 
 def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
-    """The presets: llama, gpt2, mixtral, deepseek-v3, qwen3 and olmo2 export; the others name what has no
-    equivalent."""
+    """The presets: llama, gpt2, mixtral, deepseek-v3 (with MLA), qwen3 and olmo2 export; the others name what
+    has no equivalent."""
     refused = {
         "vaswani2017": "norm_position='post'", "switch": "moe.capacity_factor=1.25",
         "gshard": "moe.second_expert='random'", "deepseekmoe": "glm4_moe: moe.scoring='softmax'",
@@ -168,7 +168,7 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
                 to_hf(model, tmp_path / preset)
         else:
             assert to_hf(model, tmp_path / preset).model_type == {
-                "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "glm4_moe", "qwen3": "qwen3",
+                "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "deepseek_v3", "qwen3": "qwen3",
                 "olmo2": "olmo2"}[preset]
 
 
@@ -342,7 +342,8 @@ REFUSALS = {
                             "cannot export as 'mistral': bias=True (Mistral has no biases)"),
     "dense_as_moe": (None, {}, "mixtral", "cannot export as 'mixtral': it is a mixture-of-experts architecture"),
     "moe_as_dense": (None, dict(moe=MOE), "llama", "cannot export as 'llama': it is a dense architecture"),
-    "deepseek_v3_mla": (None, {}, "deepseek_v3", "architecture='deepseek_v3' is not one lmlab writes"),
+    "deepseek_v3_without_mla": (None, {}, "deepseek_v3",
+                                "cannot export as 'deepseek_v3': mla=None (DeepSeek-V3 uses multi-head latent"),
 }
 
 

@@ -22,12 +22,12 @@ def test_public_names_are_exported():
 
 def test_hf_families_register_on_import():
     assert set(lmlab.hf.FAMILIES) == {
-        "llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3", "qwen3_moe",
-        "olmo2", "olmoe",
+        "llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "qwen3",
+        "qwen3_moe", "olmo2", "olmoe",
     }
     writes = [name for name, family in lmlab.hf.FAMILIES.items() if family.export is not None]
-    assert writes == ["llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_moe",
-                      "olmo2", "olmoe"]  # preference order
+    assert writes == ["llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
+                      "deepseek_v3", "qwen3", "qwen3_moe", "olmo2", "olmoe"]  # preference order
 
 
 def test_package_ships_its_typing_marker():

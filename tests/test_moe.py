@@ -664,7 +664,9 @@ def test_deepseek_v3_moe_layer_through_the_converter():
     check_parity(layer, hf, tokens(S=16))
 
 
-def test_deepseek_v3_checkpoint_names_multi_head_latent_attention(tmp_path):
+def test_deepseek_v3_checkpoint_loads_with_multi_head_latent_attention(tmp_path):
+    """Whole DeepSeek-V3 checkpoints load (logit parity: tests/test_hf_deepseek.py); one whose
+    num_key_value_heads (transformers' default 128) differs from its 4 heads is refused by that key."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(
@@ -674,8 +676,11 @@ def test_deepseek_v3_checkpoint_names_multi_head_latent_attention(tmp_path):
         first_k_dense_replace=1,
     )
     DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="multi-head latent attention .*kv_lora_rank=16"):
+    with pytest.raises(ValueError, match="num_key_value_heads=128: MLA gives every head its own keys"):
         lmlab.from_hf(tmp_path)
+    DeepseekV3ForCausalLM(cfg.__class__(**{**cfg.to_dict(), "num_key_value_heads": 4})).save_pretrained(tmp_path)
+    loaded = lmlab.from_hf(tmp_path).config
+    assert loaded.mla.kv_lora_rank == 16 and loaded.moe.group_score == "top2" and loaded.rope.layout == "interleaved"
 
 
 @pytest.mark.parametrize(

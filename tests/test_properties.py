@@ -1,6 +1,7 @@
 """Invariants over the whole variant grid:
 norm placement × norm × positions × feed-forward × attention (MHA/GQA); query/key norm × output gate ×
-positions; plus a few extra designs.
+positions; plus a few extra designs
+(multi-head latent attention among them).
 
 For every combination: causality, cached incremental decoding equals the full forward, every
 parameter gets a gradient, and weights and outputs are a pure function of (config, init_seed).
@@ -53,6 +54,18 @@ EXTRAS = {  # designs the grid's axes do not reach
     "partial-rotary": {"rope.partial": 0.5},
     "nope-every-2": {"rope.nope_every": 2},
     "local-rope-base": {"attention.window": 4, "attention.pattern": ["local", "global"], "rope.local_base": 100.0},
+    # multi-head latent attention: the default (expanded, absorbed from the cache), the reference everywhere,
+    # absorbed everywhere; compressed queries; post-norm; interleaved rotary
+    "mla": dict(positions="rope", mla=dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
+    "mla-explicit": dict(positions="rope", mla=dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                    v_head_dim=6), _impl="explicit"),
+    "mla-absorbed-q-lora": dict(positions="rope", mla=dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                           qk_rope_head_dim=4, v_head_dim=6), _impl="absorbed"),
+    "mla-sandwich": dict(positions="rope", norm_position="sandwich", mla=dict(kv_lora_rank=16, qk_nope_head_dim=8,
+                                                                              qk_rope_head_dim=4, v_head_dim=6)),
+    "mla-post-interleaved": {"positions": "rope", "norm_position": "post", "rope.layout": "interleaved",
+                             "mla": dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                         v_head_dim=6)},
 }
 # the attention refinements across position schemes with their own attention path (rotary fused or
 # split, relative's explicit path with a value term, ALiBi's bias), grouped-query

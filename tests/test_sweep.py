@@ -451,6 +451,7 @@ def test_claims_are_exclusive_and_released(tmp_path):
         assert again
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_rows_one_process_gives(tmp_path, corpus):
     path = spec_file(tmp_path, corpus, seeds=2, variants=[
         {"name": "one"}, {"name": "two", "overrides": {"model.n_layers": 2}},

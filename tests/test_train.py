@@ -312,6 +312,7 @@ def torchrun_train(config: Path, run_dir: Path) -> list[str]:
             "-m", "lmlab.cli", "train", "--config", str(config), "--run-dir", str(run_dir), "--quiet"]
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
     cfg = run_config(tmp_path, {"train.steps": 4, "train.grad_accum": 2, "eval.every": 4, "checkpoint.every": 4})
     train(cfg, tmp_path / "one")
@@ -345,6 +346,7 @@ def test_tensorboard_events_mirror_the_metrics(tmp_path):
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank-1 process through /proc")
 def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step(tmp_path):
     cfg = run_config(tmp_path, {"train.steps": 100000, "train.grad_accum": 2, "eval.every": 100000,

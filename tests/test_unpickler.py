@@ -420,6 +420,7 @@ def small_index(tmp_path_factory) -> bytes:
     return (out / ".metadata").read_bytes()
 
 
+@pytest.mark.slow
 def test_thousands_of_mutated_indexes_never_run_code_and_fail_as_corrupt_files(victim, sharded_run, small_index):
     """3000 seeded mutations, mostly of a small index, one in ten of the victim's, one in twenty of lmlab's."""
     directory, marker = victim

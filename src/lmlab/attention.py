@@ -26,7 +26,10 @@ from .positions import AttentionTerm, Context, causal_context, padded_context
 
 
 class KVCache:
-    """Preallocated keys and values for incremental decoding: (L, B, KV, max_len, hd) each.
+    """Preallocated keys and values for incremental decoding: (L, B, KV, max_len, hd) each. Under
+    multi-head latent attention (``mla.py``) what a layer stores per token is its compressed latent
+    (L, B, 1, max_len, kv_lora_rank) in ``k`` and its shared rotary key (L, B, 1, max_len,
+    qk_rope_head_dim) in ``v``: ``ModelConfig.cache_widths`` says which.
 
     Keys are stored after rotation, so rotary angles are never recomputed; relative and ALiBi
     terms are recomputed from positions for all cached keys. ``length`` is the number of slots
@@ -41,9 +44,9 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
-        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        heads, key_width, value_width = cfg.cache_widths
+        self.k = torch.zeros(cfg.n_layers, batch_size, heads, max_len, key_width, device=device, dtype=dtype)
+        self.v = torch.zeros(cfg.n_layers, batch_size, heads, max_len, value_width, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
         self.valid: torch.Tensor | None = None  # (B, max_len) bool: the slot holds a real token

@@ -287,6 +287,48 @@ class MoEConfig(Config):
         return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
 
 
+_MLA = "issue 23: multi-head latent attention"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MLAConfig(Config):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1; DeepSeek-V3 the same);
+    ``ModelConfig.mla``.
+
+    Keys and values of every head are up-projected from one compressed latent c_t = W_DKV x_t of
+    ``kv_lora_rank`` values per token (eq. 9-11), so the decode cache holds that latent, not keys and
+    values. Rotary positions cannot act on keys made from a cached latent (the rotation would sit
+    between W_UK and the query), so each head's query and key get ``qk_rope_head_dim`` extra
+    "decoupled" dimensions that rotate, the key's shared by all heads and computed from x_t directly
+    (eq. 14-19). Queries are compressed the same way through ``q_lora_rank`` (eq. 12-13; None =
+    a full-rank query projection, as DeepSeek-V2-Lite). Each latent is RMS-normalized before its
+    up-projection, as the released models do.
+    """
+
+    # every field is new with ModelConfig.mla (issue 23), so each is declared with ``added``
+    q_lora_rank: int | None = added(None, since=_MLA)  # d_c' of the query latent; None: one (d_model, H * qk) W_Q
+    kv_lora_rank: int = added(128, since=_MLA)  # d_c: the cached latent per token; 4 d_h as V2/V3's 512 (sec. 2.1.4)
+    qk_nope_head_dim: int = added(32, since=_MLA)  # d_h: the part of each head's query and key that is not rotated
+    qk_rope_head_dim: int = added(16, since=_MLA)  # d_h^R: the decoupled rotary part (V2/V3: d_h / 2)
+    v_head_dim: int = added(32, since=_MLA)  # each head's value width
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of each head's query and key: the unrotated part and the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_size(f"mla.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_size("mla.q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even: rotary turns pairs of dimensions; "
+                f"choose {self.qk_rope_head_dim + 1}"
+            )
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class AttentionConfig(Config):
     """Which keys each layer's queries see, and where the rest of their attention may go; ``ModelConfig.attention``.
@@ -363,6 +405,8 @@ class ModelConfig(Config):
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
     attention: AttentionConfig = added(since="issue 23", factory=AttentionConfig)  # windows per layer, sinks
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
+    # None = standard attention; else multi-head latent attention (DeepSeek-V2)
+    mla: MLAConfig | None = added(None, since=_MLA)
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)
@@ -433,6 +477,8 @@ class ModelConfig(Config):
                 "init='xavier' and residual_scaling='gpt2' are two rules for the same weights; choose "
                 "init='normal' for GPT-2's scaled init, or residual_scaling in ['none', 'deepnorm']"
             )
+        if self.mla is not None:
+            self._validate_mla()
         if self.positions != "rope" and self.rope.scaling != "none":
             raise ValueError(
                 f"rope.scaling={self.rope.scaling!r} only applies to positions='rope', not positions={self.positions!r}"
@@ -455,14 +501,37 @@ class ModelConfig(Config):
                 f"rope.local_base={rope.local_base} is the base of local layers, and attention.pattern has none; "
                 "put 'local' in attention.pattern or leave rope.local_base unset"
             )
+        if self.mla is not None and (attention != AttentionConfig() or rope.partial != 1.0 or rope.nope_every):
+            raise ValueError(
+                "mla with attention windows, sinks, rope.partial or rope.nope_every is not implemented; "
+                "leave those at their defaults with mla set"
+            )
         if attention.sinks != "none" and self.positions == "relative":
             raise ValueError(
                 f"attention.sinks={attention.sinks!r} is not implemented with positions='relative'; "
                 "choose another position scheme or sinks='none'"
             )
 
+    def _validate_mla(self) -> None:
+        if self.positions != "rope":
+            raise ValueError(
+                f"mla needs positions='rope' (its decoupled query/key dimensions are rotary), not "
+                f"positions={self.positions!r}; set positions='rope' or mla=None"
+            )
+        for name in ("qk_norm", "attn_gate"):
+            if getattr(self, name) != "none":
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is an option of standard attention, not of mla (whose latents "
+                    f"have their own RMSNorms); set {name}='none' or mla=None"
+                )
+        if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} does not apply with mla: every head's keys and values come from one "
+                "cached latent; leave n_kv_heads unset (= n_heads)"
+            )
+
     def _validate_resolved(self) -> None:
-        if self.positions == "rope" and self.head_dim % 2:
+        if self.mla is None and self.positions == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"positions='rope' needs an even head_dim, got head_dim={self.head_dim} "
                 f"(d_model={self.d_model}, n_heads={self.n_heads}); change n_heads or head_dim"
@@ -501,8 +570,25 @@ class ModelConfig(Config):
 
     @property
     def rotary_dim(self) -> int:
-        """The dimensions of each head that rotary positions rotate: int(rope.partial * head_dim), as transformers."""
-        return int(self.head_dim * self.rope.partial)
+        """The dimensions of each query and key head that rotary turns: int(rope.partial * width), as
+        transformers, of head_dim or, under ``mla``, its decoupled ``qk_rope_head_dim``."""
+        return int((self.head_dim if self.mla is None else self.mla.qk_rope_head_dim) * self.rope.partial)
+
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """(query/key width, value width) of each head: (head_dim, head_dim), or MLA's own."""
+        if self.mla is None:
+            return self.head_dim, self.head_dim
+        return self.mla.qk_head_dim, self.mla.v_head_dim
+
+    @property
+    def cache_widths(self) -> tuple[int, int, int]:
+        """What the decode cache holds per token and layer, as (heads, key width, value width): n_kv_heads
+        keys and values of head_dim; under ``mla`` one compressed latent of kv_lora_rank and the shared
+        rotary key of qk_rope_head_dim (DeepSeek-V2 sec. 2.1.2-2.1.3)."""
+        if self.mla is None:
+            return self.n_kv_heads, self.head_dim, self.head_dim
+        return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """The window of layer ``layer``'s attention: ``attention.window`` for a local layer, None for a global one."""
@@ -582,9 +668,12 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 (sec. 2.1.2) scaled down: sigmoid affinities normalized over the chosen experts and
     # scaled by 2.5, 8 groups of which 4 are searched (group score = best two), loss-free balancing
     # with gamma = 1e-3 plus a tiny balance loss (V3 uses alpha = 1e-4 per sequence; here per batch),
-    # one shared expert, the first layer dense.
+    # one shared expert, the first layer dense. Multi-head latent attention (sec. 2.1.1) at V3's
+    # proportions to a head of d_h = 32: latent d_c = 4 d_h = 128, decoupled rotary d_h / 2 = 16,
+    # queries through a rank-128 latent (V3's 1536 = 12 d_h would exceed d_model here).
     "deepseek-v3": dict(
         _BODY, ffn="glu", activation="silu",
+        mla=dict(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
         moe=dict(
             n_experts=32, top_k=4, n_shared=1, d_expert=128, first_dense=1,
             scoring="sigmoid", normalize_top_k=True, routed_scale=2.5,

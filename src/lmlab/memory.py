@@ -73,7 +73,12 @@ def gib(n: float) -> str:
 def parameter_floor(cfg: ModelConfig) -> int:
     """Fewer parameters than ``cfg``'s model has, by arithmetic alone: the token embedding and every
     layer's query and output projections."""
-    return cfg.vocab_size * cfg.d_model + cfg.n_layers * 2 * cfg.d_model * cfg.n_heads * cfg.head_dim
+    if cfg.mla is not None:  # the output projection and the latent's up-projection to keys and values
+        m = cfg.mla
+        attention = cfg.n_heads * (m.v_head_dim * cfg.d_model + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim))
+    else:
+        attention = 2 * cfg.d_model * cfg.n_heads * cfg.head_dim
+    return cfg.vocab_size * cfg.d_model + cfg.n_layers * attention
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -104,12 +109,14 @@ def rotary_table_bytes(cfg: ModelConfig, positions: int) -> int:
     the other schemes' tables are parameters, counted as such."""
     if cfg.positions != "rope" or cfg.rope.scaling == "dynamic":
         return 0
-    return max(positions, cfg.max_seq_len) * 3 * cfg.head_dim * 4
+    return max(positions, cfg.max_seq_len) * 3 * cfg.rotary_dim * 4
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch_size: int, length: int, bytes_per_value: int = 4) -> int:
-    """Keys and values of every layer for ``batch_size`` rows of ``length`` tokens (``attention.KVCache``)."""
-    return 2 * cfg.n_layers * batch_size * cfg.n_kv_heads * length * cfg.head_dim * bytes_per_value
+    """Keys and values of every layer for ``batch_size`` rows of ``length`` tokens (``attention.KVCache``);
+    under MLA the compressed latent and the shared rotary key instead (``ModelConfig.cache_widths``)."""
+    heads, key_width, value_width = cfg.cache_widths
+    return cfg.n_layers * batch_size * heads * length * (key_width + value_width) * bytes_per_value
 
 
 def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, parameters: int | None = None,

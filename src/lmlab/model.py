@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .feedforward import FFNS
 from .init import Init, init_module
 from .loss import LOSSES
+from .mla import LatentAttention
 from .moe import MoE
 from .norm import build_norm
 from .positions import (
@@ -43,7 +44,7 @@ from .schema import check_choice
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__()
-        self.attn = Attention(cfg, layer, term)
+        self.attn = build_attention(cfg, layer, term)
         self.ffn = build_ffn(cfg, layer)
         self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -140,6 +141,12 @@ class LayerContexts:
     def reserve(self, n: int, device: torch.device) -> None:
         if self.local_positions is not None:
             self.local_positions.reserve(n, device)
+
+
+def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Module:
+    """The attention sublayer of block ``layer``: standard multi-head (grouped-query) attention, or
+    multi-head latent attention where ``cfg.mla`` is set."""
+    return Attention(cfg, layer, term) if cfg.mla is None else LatentAttention(cfg, layer, term)
 
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -352,11 +359,13 @@ class Transformer(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 N + 12 L H d_head T (PaLM, Chowdhery et al. 2022, app. B),
-        where N counts active matmul weights: the output head included, ``embedding_parameters()`` not."""
+        where N counts active matmul weights: the output head included, ``embedding_parameters()`` not.
+        With query/key and value widths that differ (MLA), 12 d_head is 6 (d_qk + d_v)."""
         cfg, T = self.config, seq_len or self.config.max_seq_len
         n = self.num_params()["active"] - sum(p.numel() for p in self.embedding_parameters())
         n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
-        return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
+        d_qk, d_v = cfg.attention_widths
+        return 6.0 * n + 6.0 * cfg.n_layers * cfg.n_heads * (d_qk + d_v) * T
 
 
 class SequenceClassifier(nn.Module):

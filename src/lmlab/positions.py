@@ -423,7 +423,7 @@ class Rotary(PositionScheme):
         return RotaryState(*rows[:, None].unbind(-2))
 
     def attention_term(self):
-        if self.cfg.rotary_dim < self.cfg.head_dim:
+        if self.cfg.rope.partial < 1.0:
             return PartialRotaryTerm(self.cfg.rope.layout, self.cfg.rotary_dim)
         return RotaryTerm(self.cfg.rope.layout)
 

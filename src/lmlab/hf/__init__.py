@@ -32,13 +32,14 @@ Families: a registry keyed by config.json's ``model_type``
   ``save_pretrained`` writes). :func:`to_hf` takes the first registered family that can hold the
   model, so the choice follows what the config needs, never a model's name.
 
-The package's modules import one way, registry <- dense <- moe <- qwen3 <- olmo <- export <- this file:
+The package's modules import one way, registry <- dense <- moe <- deepseek, qwen3 <- olmo <- export <- this
+file:
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
   config helpers of both directions;
 - ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
-- ``moe.py``: mixtral, qwen2_moe, glm4_moe and deepseek_v3 (read for its MoE layers only), on
-  the Llama layout;
+- ``moe.py``: mixtral, qwen2_moe and glm4_moe, on the Llama layout, and DeepSeek-V3's MoE layers;
+- ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
 - ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms), and the q/k norm tensors every such family maps;
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
@@ -59,7 +60,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import dense, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register

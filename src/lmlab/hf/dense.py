@@ -131,8 +131,11 @@ LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before
 def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "pre",
                          qk_norm: str = "none", supports: Iterable[str] = ()) -> str | None:
     """What a Llama-layout architecture ``name`` cannot compute: its norm placement (pre-norm unless
-    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, and the
-    per-layer choices of ``supports`` (see :func:`~lmlab.hf.registry.layers_refusal`)."""
+    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, standard
+    (not latent) attention, and the per-layer choices of ``supports`` (see
+    :func:`~lmlab.hf.registry.layers_refusal`)."""
+    if cfg.mla is not None:
+        return f"mla set ({name} has no multi-head latent attention; deepseek_v2 and deepseek_v3 have)"
     placements = {"pre": "normalizes each sublayer's input", "reordered": "normalizes each sublayer's output"}
     qk_norms = {"none": "has no query/key norm", "head": "normalizes queries and keys per head",
                 "full": "normalizes the whole query and key projections"}
@@ -335,6 +338,8 @@ def gpt2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | Non
 
 
 def gpt2_refusal(cfg: ModelConfig) -> str | None:
+    if cfg.mla is not None:
+        return "mla set (GPT-2 has no multi-head latent attention)"
     if cfg.n_kv_heads != cfg.n_heads or cfg.head_dim * cfg.n_heads != cfg.d_model:
         return (
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "

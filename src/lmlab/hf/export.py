@@ -5,7 +5,8 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe, qwen3, qwen3_moe, olmo2, olmoe), or named with ``architecture=``. Nothing
+qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, qwen3, qwen3_moe, olmo2, olmoe), or named with
+``architecture=``. Nothing
 approximate is ever written: a model that no transformers architecture computes exactly is refused
 with a ValueError that names the field and its value. Dropout and balancing coefficients act only in
 training and are not part of what is checked.
@@ -31,7 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, fsync_dir
-from . import dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, Tensors
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
@@ -102,7 +103,7 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
     reasons: list[str] = []
     fixes: list[str] = []
     for name, target in targets.items():
-        if target.moe != (cfg.moe is not None):
+        if target.moe is not None and target.moe != (cfg.moe is not None):
             continue
         why = target.refuse(cfg)
         if why is None:
@@ -139,6 +140,8 @@ def one_field_fixes(cfg: ModelConfig, target: Export, why: str) -> list[tuple[st
 
 
 def _kind_mismatch(cfg: ModelConfig, target: Export) -> str | None:
+    if target.moe is None:
+        return None
     if target.moe and cfg.moe is None:
         return "it is a mixture-of-experts architecture and this model is dense (moe=None)"
     if not target.moe and cfg.moe is not None:

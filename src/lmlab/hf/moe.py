@@ -1,11 +1,11 @@
 """Hugging Face mixture-of-experts checkpoints: Mixtral, Qwen2-MoE, GLM-4-MoE, and DeepSeek-V3's MoE layers.
 
-Registers four ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
-``dense.py`` with their own per-layer feed-forward part. Mixtral, Qwen2-MoE and GLM-4-MoE go both
-ways; DeepSeek-V3 checkpoints use multi-head latent attention, which lmlab lacks, so they are
-refused, and lmlab's DeepSeek-V3-style layers (sigmoid affinities, correction bias, group-limited
-top-k, routed scaling, shared experts, first layers dense) leave as GLM-4-MoE, which computes the
-same router and experts with standard grouped-query attention. Expert weights are read in either
+Registers three ``model_type`` families in :data:`lmlab.hf.FAMILIES`, on the Llama layout of
+``dense.py`` with their own per-layer feed-forward part, all both ways. DeepSeek-V3's MoE layers
+are mapped here (:func:`deepseek_v3_moe`) and its checkpoints, with multi-head latent attention, in
+``deepseek.py``; lmlab's DeepSeek-V3-style layers with standard grouped-query attention (sigmoid
+affinities, correction bias, group-limited top-k, routed scaling, shared experts, first layers
+dense) leave as GLM-4-MoE, which computes the same router and experts. Expert weights are read in either
 published layout, and written in the first, which every transformers version reads:
 
 - per expert, as on the Hub and as ``save_pretrained`` writes them
@@ -346,7 +346,7 @@ register("qwen2_moe", Family(qwen2_moe_config, qwen2_moe_weights, LLAMA_IGNORE, 
 
 
 # ============================================================== DeepSeek-V3
-# transformers' DeepseekV3Config defaults (5.x) that concern the MoE layers.
+# transformers' DeepseekV3Config defaults (5.x) that concern the MoE layers (the rest: deepseek.py).
 DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
     n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
     routed_scaling_factor=2.5, n_group=8, topk_group=4, norm_topk_prob=True, first_k_dense_replace=3,
@@ -380,26 +380,6 @@ def deepseek_v3_moe_weights(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) 
         cfg, t, hf, ours, names=("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
         score_bias="gate.e_score_correction_bias",
     )
-
-
-def deepseek_v3_config(hf: Mapping[str, Any]) -> ModelConfig:
-    raise _mla_error(with_defaults(hf, DEEPSEEK_V3_DEFAULTS))
-
-
-def deepseek_v3_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
-    raise _mla_error({"model_type": "deepseek_v3", **DEEPSEEK_V3_DEFAULTS})
-
-
-def _mla_error(hf: Mapping[str, Any]) -> ValueError:
-    ranks = ", ".join(f"{k}={hf.get(k)}" for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"))
-    return ValueError(
-        f"config.json (model_type {hf.get('model_type')!r}) uses multi-head latent attention ({ranks}), which "
-        "lmlab's attention does not support (it has no low-rank compressed keys and values), so the checkpoint "
-        "cannot be loaded; its MoE layers alone map with lmlab.hf.moe.deepseek_v3_moe and deepseek_v3_moe_weights"
-    )
-
-
-register("deepseek_v3", Family(deepseek_v3_config, deepseek_v3_weights))
 
 
 # ============================================================== GLM-4-MoE

@@ -67,7 +67,7 @@ class Export:
     raising ValueError for a weight the architecture has no place for."""
 
     architecture: str  # the transformers class, config.json's "architectures"
-    moe: bool  # holds mixture-of-experts models (else dense ones)
+    moe: bool | None  # holds mixture-of-experts models (else dense ones); None: both
     refuse: Callable[[ModelConfig], str | None]
     config: Callable[[ModelConfig], dict[str, Any]]
     weights: Callable[[ModelConfig, Tensors], dict[str, torch.Tensor]]
