@@ -16,6 +16,7 @@ the whole model with ``torch.compile``. Timing, clocks and MFU: see harness.py.
     python benchmarks/bench_train_step.py --threads 2              # docs/speed.md's CPU row
     python benchmarks/bench_train_step.py --device cuda [--compile]
     python benchmarks/bench_train_step.py --quick                  # seconds; numbers meaningless
+    python benchmarks/bench_train_step.py --threads 1 --profile 3  # and where each step's time goes, op by op
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--matmul", type=int, default=None, help="n of the n^3 reference matmul (2048 CPU, 8192 CUDA)")
     p.add_argument("--compile", action="store_true", help="lmlab per block (train.compile), HF whole model")
     p.add_argument("--loss", choices=["chunked", "plain"], default="chunked", help="lmlab's loss implementation")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N steps of each library and print their ops side by side")
     args = p.parse_args()
     args.size = "quick" if args.quick else args.size or ("gpu" if args.device == "cuda" else "cpu")
     args.steps = args.steps or (2 if args.quick else 15)
@@ -133,6 +136,35 @@ def main() -> None:
     print(
         f"reference matmul ({args.matmul}^3, {str(setup.dtype).replace('torch.', '')}): {timer.peak / 1e12:.3f} TFLOP/s"
     )
+    if args.profile:
+        profile_ops(timer.contenders, args.profile)
+
+
+def profile_ops(contenders: dict, steps: int, rows: int = 14) -> None:
+    """Where each library's step goes: self CPU ms per step of the ops that take the most, side by
+    side (the GEMMs both run, and what is left around them), and each one's op count per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_op: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, step in contenders.items():
+        step()  # warm
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        per_op[name] = {e.key: (e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in prof.key_averages()}
+    a, b = per_op
+    keys = sorted(set(per_op[a]) | set(per_op[b]),
+                  key=lambda k: -max(per_op[a].get(k, (0, 0))[0], per_op[b].get(k, (0, 0))[0]))
+    print(f"profile, self CPU ms per step (ops per step), {steps} steps each:")
+    print(f"  {'op':56s} {a:>18s} {b:>18s}")
+    for k in keys[:rows]:
+        cells = [f"{per_op[n].get(k, (0, 0))[0]:8.1f} ({per_op[n].get(k, (0, 0))[1]:5.0f})" for n in (a, b)]
+        print(f"  {k[:56]:56s} {cells[0]:>18s} {cells[1]:>18s}")
+    for n in (a, b):
+        total = sum(ms for ms, _ in per_op[n].values())
+        gemm = sum(ms for k, (ms, _) in per_op[n].items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
+        ops = sum(c for k, (_, c) in per_op[n].items() if k.startswith("aten::"))
+        print(f"  {n}: {total:.1f} ms per step profiled, GEMMs (mm, addmm, bmm) {gemm:.1f} ms, {ops:.0f} aten ops")
 
 
 if __name__ == "__main__":

@@ -270,6 +270,8 @@ def test_train_prints_next_steps_that_run(capsys, tmp_path, monkeypatch):
         torch.set_num_threads(before)
     done = next(line for line in out.splitlines() if line.startswith("done: "))
     assert re.search(r"\(perplexity [\d.]+, [\d.]+ bits/byte\)", done), done  # a language model's measures
+    spent = next(line for line in out.splitlines() if line.startswith("time: "))  # where the time went
+    assert re.fullmatch(r"time: \w[\w ]* [\d.]+ s(, \w[\w ]* [\d.]+ s)+", spent) and "step " in spent, spent
     steps = out.split("\nnext:\n", 1)[1].splitlines()
     commands = [shlex.split(line, comments=True) for line in steps]
     assert [c[:3] for c in commands] == [["lmlab", "generate", "runs/my run"], ["lmlab", "eval", "runs/my run"],

@@ -69,6 +69,12 @@ def test_several_prompts_generate_together_and_each_equals_transformers(hf_dir, 
     assert [r["prompt"] for r in rows] == PROMPTS
     for r in rows:
         assert r["text"] == hf_greedy(hf_dir, r["prompt"], 10) and r["finish"] == "length"
+        assert r["decoder"] == "eager"  # auto's choice on the CPU, named
+    code, out, err = run(capsys, "generate", hf_dir, "--prompt", PROMPTS[0], "--max-new-tokens", "10",
+                         "--temperature", "0", "--json", "--decoder", "static")
+    assert code == 0, err
+    row = json.loads(out)
+    assert row["decoder"] == "static" and row["text"] == rows[0]["text"]
     code, text, _ = run(capsys, "generate", hf_dir, "--prompt", PROMPTS[0], "--prompts-file", file,
                         "--max-new-tokens", "10", "--temperature", "0")
     assert code == 0 and text == "\n-----\n".join(r["prompt"] + r["text"] for r in rows) + "\n"

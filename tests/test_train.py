@@ -21,7 +21,8 @@ from lmlab.run.checkpoint import local as ckpt
 from lmlab.run.config import OptimConfig, RunConfig, TrainConfig, load_config
 from lmlab.run.data.config import DataConfig
 from lmlab.run.optim import clip_gradients, learning_rate, param_groups
-from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward
+from lmlab.run.phases import Phases, summary
+from lmlab.run.trainer import Trainer, TrainingDiverged, TrainResult, forward_backward, seed_dropout
 
 TINY = TINY_MODEL
 
@@ -97,6 +98,29 @@ def test_clip_gradients_scales_to_max_norm_and_reports_non_finite():
     torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([3.0, 4.0]))
     b.grad = torch.tensor([float("inf")])
     assert not math.isfinite(clip_gradients([a, b], 1.0))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 0.0, 1e9])
+def test_clip_gradients_fast_path_equals_clip_grad_norm_bit_for_bit(max_norm):
+    g = torch.Generator().manual_seed(5)
+    shapes = [(7, 3), (3,), (2, 4, 5), (1,)]
+    ours = [torch.zeros(s, requires_grad=True) for s in shapes]
+    ref = [torch.zeros(s, requires_grad=True) for s in shapes]
+    for p, q in zip(ours, ref):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+    norm = clip_gradients(ours, max_norm)
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm if max_norm > 0 else float("inf"))
+    assert norm == float(want)
+    for p, q in zip(ours, ref):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_seed_dropout_on_the_cpu_draws_what_torch_manual_seed_draws():
+    torch.manual_seed(123)
+    want = torch.rand(5)
+    seed_dropout(123, torch.device("cpu"))
+    assert torch.equal(torch.rand(5), want)
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -180,6 +204,28 @@ def test_training_logs_checkpoints_and_config(tmp_path):
     assert prov[0]["lmlab"] == lmlab.__version__ and prov[0]["step"] == 0 and "git" in prov[0]
     state = ckpt.load_state(run / "checkpoints" / "step_0000012")
     assert state["step"] == 12 and state["tokens"] == 12 * 4 * 2 * 32
+
+
+def test_phases_count_exclusive_time_and_a_run_reports_where_its_time_went(tmp_path, monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr("lmlab.run.phases.time.perf_counter", lambda: float(next(clock)))
+    phases = Phases()
+    with phases("save"):  # t=0
+        with phases("finite checks"):  # t=1
+            pass  # t=2: back in save
+        with phases("finite checks"):  # t=3
+            pass  # t=4
+    # t=5: save had 0-1, 2-3 and 4-5; the checks 1-2 and 3-4
+    assert phases.seconds == {"save": 3.0, "finite checks": 2.0} and phases.stack == []
+    monkeypatch.undo()
+
+    cfg = run_config(tmp_path, {"log.sample_tokens": 4})
+    result, _, trainer = train(cfg, tmp_path / "run")
+    assert set(result.phases) == {"setup", "step", "log", "eval", "save", "finite checks", "sample"}
+    assert all(s > 0 for s in result.phases.values())
+    outside_setup = sum(s for name, s in result.phases.items() if name != "setup")
+    assert outside_setup <= result.elapsed_s + 1e-3  # exclusive: no second counted twice
+    assert summary({"eval": 1.5, "step": 10.0}) == "time: step 10.0 s, eval 1.5 s"
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):

@@ -353,7 +353,8 @@ def build_generate(g: argparse.ArgumentParser) -> None:
                    help="end a text before this string; repeatable (the tokenizer's end-of-text ids always stop)")
     g.add_argument("--decoder", default="auto", choices=["auto", "eager", "static", "compiled", "graph"],
                    help="how tokens are decoded (see lmlab.generate): compiled pays off for long runs")
-    g.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, text, finish")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON line per prompt: prompt, text, finish, decoder (auto's choice)")
 
 
 def build_export(x: argparse.ArgumentParser) -> None:
@@ -529,6 +530,9 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     if result.sample is not None:
         print("sample:\n" + result.sample)
     if not args.quiet:
+        from .run.phases import summary
+
+        print(summary(result.phases))  # where the time went: setup, step, eval, save, ... (docs/speed.md)
         print(next_steps(run_dir, cfg.task))
     return 0
 
@@ -659,7 +663,7 @@ def generate_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .generate import complete, sample_text
+    from .generate import auto_decoder, complete, sample_text
     from .run.load import load_run
     from .run.parallel.group import resolve_device
 
@@ -685,9 +689,9 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
             print(
                 f"note: {unknown} of {which}'s {len(ids)} tokens are unknown to the tokenizer (<unk>)", file=sys.stderr
             )
-    sampling = dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=args.decoder
-    )
+    # auto's choice for this model and device, named in --json output
+    decoder = auto_decoder(run.model, run.model.head.weight.device) if args.decoder == "auto" else args.decoder
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=decoder)
     out = sys.stdout
     try:
         if len(prompts) == 1 and not args.json:  # stream it
@@ -700,7 +704,8 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
             out.write("\n")
         else:
             done = complete(run.model, run.tokenizer, prompts, args.max_new_tokens, stop=args.stop, **sampling)
-            blocks = [json.dumps({"prompt": p, "text": c.text, "finish": c.finish}) if args.json else p + c.text
+            blocks = [json.dumps({"prompt": p, "text": c.text, "finish": c.finish, "decoder": decoder}) if args.json
+                      else p + c.text
                       for p, c in zip(prompts, done)]
             out.write(("\n" if args.json else "\n-----\n").join(blocks) + "\n")
         out.flush()

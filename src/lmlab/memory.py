@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig
 
@@ -85,8 +86,21 @@ def parameter_count(cfg: ModelConfig) -> int:
     """Every parameter of ``Transformer(cfg)``, counted on a model built on the meta device."""
     from .model import Transformer
 
-    with torch.device("meta"):
+    with torch.device("meta"), SkipRandomInit():
         return Transformer(cfg).num_params()["total"]
+
+
+class SkipRandomInit(TorchFunctionMode):
+    """Leave ``normal_`` (``Tensor.normal_``, ``nn.init.normal_``) undone on meta tensors: there are no
+    values to fill, and there it runs through torch._refs, whose first call imports torch._dynamo
+    (2-10 s on a 2-core CPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor")
+        if getattr(func, "__name__", None) == "normal_" and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, bytes_per_value: int = 4) -> int:

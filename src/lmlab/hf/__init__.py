@@ -32,7 +32,7 @@ Families: a registry keyed by config.json's ``model_type``
   ``save_pretrained`` writes). :func:`to_hf` takes the first registered family that can hold the
   model, so the choice follows what the config needs, never a model's name.
 
-The package's modules import one way, registry <- dense <- moe <- deepseek, qwen3 <- olmo <- export <- this
+The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- export <- this
 file:
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
@@ -40,7 +40,7 @@ file:
 - ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
 - ``moe.py``: mixtral, qwen2_moe and glm4_moe, on the Llama layout, and DeepSeek-V3's MoE layers;
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
-- ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms), and the q/k norm tensors every such family maps;
+- ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
 - this file: the reading entry points and the checkpoint files. A new family is a config function,

@@ -1,7 +1,8 @@
 """Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, in both directions, plus the
 Llama layout that the mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
 :func:`llama_weights` with a pluggable per-layer feed-forward part, and their inverses
-:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), and
+:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), the q/k norm
+tensors of the families that have them (:func:`qk_norm_weights`, :func:`qk_norm_to_hf`), and
 conversions between the two rotary layouts of q/k projection rows."""
 
 from __future__ import annotations
@@ -125,6 +126,29 @@ def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu) -
 
 
 LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before transformers 4.31 saved
+
+
+# ---- query/key norm tensors (qk_norm), for every family that has them
+def qk_norm_weights(cfg: ModelConfig, t: HFTensors, attn: str = "self_attn.") -> dict[str, torch.Tensor | None]:
+    """Each layer's ``{attn}q_norm.weight`` and ``k_norm.weight`` -> ``blocks.{i}.attn.qk_norm.*``."""
+    sd = {}
+    for i in range(cfg.n_layers):
+        for part in ("q_norm", "k_norm"):
+            sd[f"blocks.{i}.attn.qk_norm.{part}.weight"] = t.take(f"model.layers.{i}.{attn}{part}.weight")
+    return sd
+
+
+def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> dict[str, torch.Tensor]:
+    """The inverse of :func:`qk_norm_weights`. With interleaved rotary pairs the gains are permuted as the q/k
+    rows are (``interleaved_to_half``): one head's worth for ``head``, every head for ``full``."""
+    heads = {"q_norm": cfg.n_heads, "k_norm": cfg.n_kv_heads} if cfg.qk_norm == "full" else {"q_norm": 1, "k_norm": 1}
+    out = {}
+    for i in range(cfg.n_layers):
+        for part, n in heads.items():
+            w = sd[f"blocks.{i}.attn.qk_norm.{part}.weight"]
+            half = interleaved_to_half(w, n) if cfg.rope.layout == "interleaved" else w
+            out[f"model.layers.{i}.{attn}{part}.weight"] = half
+    return out
 
 
 # ---- the other direction: lmlab -> the Llama layout

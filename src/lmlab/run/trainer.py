@@ -69,6 +69,7 @@ from .optim import build_optimizer, learning_rate, schedule_warning
 from .parallel.compile import compile_blocks, eager
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
+from .phases import Phases, timed
 from .progress import Progress, banner, mute_stdout_if_closed
 from .provenance import provenance
 from .tasks import TASKS, Loss, language_model_loss
@@ -92,6 +93,7 @@ class TrainResult:
     stopped_by: int | None = None  # the signal that stopped training early, or None
     sample: str | None = None  # text generated at the end
     val_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's, e.g. classify: accuracy
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # wall seconds per phase (Trainer.phases)
 
 
 # ============================================================== one step
@@ -127,6 +129,26 @@ def mixed_seed(*parts: int) -> int:
 
 
 DATA_STREAM, DROPOUT_STREAM = 0, 1  # the seed streams of a step's random draws
+
+
+def seed_dropout(seed: int, device: torch.device) -> None:
+    """Seed the generator a step's dropout draws from: ``torch.manual_seed`` off the CPU; on the CPU
+    the CPU generator alone, the same seeding without what ``torch.manual_seed`` adds (a queued seed
+    for every CUDA device, with a stack trace: about 0.3 ms a step on a 2-core CPU)."""
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def check_diverged(step: int, bad_steps: int, max_bad_steps: int, last: Path | None) -> None:
+    """Raise :class:`TrainingDiverged` after ``max_bad_steps`` consecutive non-finite steps, naming
+    ``last``, the last good checkpoint."""
+    if bad_steps >= max_bad_steps:
+        raise TrainingDiverged(
+            f"stopped at step {step}: {bad_steps} consecutive steps with a non-finite loss or gradient "
+            f"(train.max_bad_steps={max_bad_steps}); last good checkpoint: {last or 'none (no checkpoint was written)'}"
+        )
 
 
 # ============================================================== setup checks, samples
@@ -239,7 +261,7 @@ class Trainer:
             raise ValueError("resume and overwrite exclude each other; choose one")
         self.run = RunDir(run_dir)
         self.run_dir = self.run.path
-        self.callbacks, self.quiet = list(callbacks), quiet
+        self.callbacks, self.quiet, self.phases = list(callbacks), quiet, Phases()  # phases: wall seconds per phase
         self.device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = Dist.from_env(self.device, cfg.parallel.collective_timeout, cfg.parallel.setup_timeout)
         self.progress = Progress(show=self.dist.main and not quiet)
@@ -248,7 +270,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.lock: DirLock | None = None  # rank 0's hold on the run directory
         try:
-            with self.dist.collectives():
+            with self.dist.collectives(), self.phases("setup"):
                 self._setup(cfg, resume, overwrite, command)
         except BaseException as e:
             self._abandon(peers_lost=lost_peers(e))
@@ -373,7 +395,7 @@ class Trainer:
                     now, improved = self._evaluate_if_due(record)
                     val_loss = now if now is not None else val_loss
                 self._log(record)  # before the checkpoint: a crash in between loses no record
-                self._check_diverged()
+                check_diverged(self.step, self.bad_steps, t.max_bad_steps, self.checkpointer.latest)
                 self._save_if_due(improved, now)
             if self.stop.stopping:
                 mute_stdout_if_closed()  # `| tee` died with the same Ctrl-C: nothing printed may stop the save
@@ -381,7 +403,7 @@ class Trainer:
                     self.progress.print(notice)
                 if self._takes_part:
                     self._save()
-        self.checkpointer.finish()
+        self.checkpointer.finish()  # an async checkpoint still being written (DCP): waited for here
         sample = None
         if not self.stop.stopping:
             if val_loss is None:  # resumed a finished run: report where it stands
@@ -393,8 +415,10 @@ class Trainer:
             tokens=self.tokens, elapsed_s=time.perf_counter() - start, checkpoint=self.checkpointer.latest,
             stopped_by=self.stop.signal if self.stop.stopping else None, sample=sample,
             val_metrics=dict(last.metrics) if (last := getattr(self, "last_eval", None)) is not None else {},
+            phases=dict(self.phases.seconds),
         )
 
+    @timed("step")
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
         t = self.cfg.train
         for group in self.optimizer.param_groups:
@@ -402,11 +426,12 @@ class Trainer:
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for j in micro_ids:
-                torch.manual_seed(mixed_seed(t.seed, DROPOUT_STREAM, step, j))
+                seed_dropout(mixed_seed(t.seed, DROPOUT_STREAM, step, j), self.device)
                 g = torch.Generator().manual_seed(mixed_seed(t.seed, DATA_STREAM, step, j))
                 yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g, t.repeats)
 
-        self.train_model.train()
+        if not self.train_model.training:  # evaluation and samples restore the mode they found; a callback may not
+            self.train_model.train()
         with self.transformer.summing_moe_stats():  # the step's load statistics: every micro-batch
             ce, aux = forward_backward(self.train_model, batches(), n, device=self.device, autocast=self.autocast,
                                        loss_fn=self.task.loss, no_sync=self.parallel.no_sync(self.train_model))
@@ -429,15 +454,6 @@ class Trainer:
             self.progress.print(f"step {step + 1}: non-finite {what}; step skipped")
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, {k: float(v) for k, v in aux.items()}
-
-    def _check_diverged(self) -> None:
-        t = self.cfg.train
-        if self.bad_steps >= t.max_bad_steps:
-            last = self.checkpointer.latest or "none (no checkpoint was written)"
-            raise TrainingDiverged(
-                f"stopped at step {self.step}: {self.bad_steps} consecutive steps with a non-finite loss or "
-                f"gradient (train.max_bad_steps={t.max_bad_steps}); last good checkpoint: {last}"
-            )
 
     def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
         """At evaluation steps add val_loss (and the task's metrics) to ``record``; returns (this
@@ -468,6 +484,7 @@ class Trainer:
         """Does this process evaluate, sample and save? Rank 0, or all when sharded (a forward needs all)."""
         return self.dist.main or self.parallel.sharded
 
+    @timed("eval")
     def _evaluate(self) -> tuple[float | None, bool]:
         """(validation loss, whether it is the best so far) where :attr:`_takes_part`; (None, False) elsewhere.
         Sharded, every process evaluates the same batches and takes rank 0's value, so all decide alike."""
@@ -485,6 +502,7 @@ class Trainer:
             self.best_val, self.best_step = loss, self.step
         return loss, improved
 
+    @timed("save")
     def _save(self, best: bool = False, val_loss: float | None = None) -> Path | None:
         """Checkpoint the current step through the checkpointer (rank 0; every rank when sharded) if
         it is a good one (see :meth:`_unsaveable`): a bad checkpoint never joins the good ones.
@@ -498,6 +516,7 @@ class Trainer:
         return self.checkpointer.save(TrainState(step=self.step, skipped_steps=self.skipped_steps, tokens=self.tokens,
                                                  best_val=self.best_val, best_step=self.best_step), best=best)
 
+    @timed("finite checks")
     def _unsaveable(self, val_loss: float | None) -> str | None:
         """Why this step must not be checkpointed, or None: its own loss or gradient was not finite,
         a weight is not finite, or the weights give a non-finite loss (``val_loss`` when this step
@@ -515,6 +534,7 @@ class Trainer:
             return f"the weights give a validation loss of {val_loss}"
         return None
 
+    @timed("sample")
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, *, record: bool = False) -> str:
         """Text after ``prompt`` (default: log.sample_prompt), seeded by train.seed; ``record``: logged (rank 0)."""
         log = self.cfg.log
@@ -525,6 +545,7 @@ class Trainer:
         return text
 
     # ---- logging
+    @timed("log")
     def _record(self, loss: float, grad_norm: float, aux: dict[str, float], tokens_per_step: int) -> dict[str, Any]:
         """This step's metrics: only {"step"} between log.every steps, else the full record."""
         last = self.cfg.train.steps
@@ -545,6 +566,7 @@ class Trainer:
         self.progress.advance(record)
         return record
 
+    @timed("log")
     def _log(self, record: dict[str, Any]) -> None:
         for cb in self.callbacks:
             cb(self, record)

@@ -11,6 +11,7 @@ are the same with and without it. The model code has no compile branches.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch
@@ -31,7 +32,9 @@ def eager() -> Iterator[None]:
     """Run compiled modules eagerly for the duration: generation's growing KV cache would make every
     step a new graph (and its bookkeeping is not one graph)."""
     stance = getattr(torch.compiler, "set_stance", None)
-    if stance is None:  # torch < 2.6: no stance to set; compiled modules stay compiled
+    # torch < 2.6: no stance to set; compiled modules stay compiled. No torch._dynamo imported: nothing
+    # is compiled, and importing it to set the stance costs seconds (2-10 s on a 2-core CPU)
+    if stance is None or "torch._dynamo" not in sys.modules:
         yield
         return
     with stance("force_eager"):
