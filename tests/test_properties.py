@@ -44,6 +44,16 @@ EXTRAS = {  # designs the grid's axes do not reach
     "sqrt_d-embed": dict(positions="sinusoidal", embed_scale="sqrt_d", tie_embeddings=True),
     "rope-interleaved": dict(positions="rope", **{"rope.layout": "interleaved"}),
     "explicit-attention": dict(positions="rope", n_kv_heads=2, _impl="explicit"),
+    # per-layer windows (< T), learned sinks, partial rotary, NoPE layers, local rotary base; with every layer
+    # local, two layers of window 6 still reach T - 1 = 11 tokens back, as the causality test asks
+    "window-local-global": {"attention.window": 4, "attention.pattern": ["local", "global"]},
+    "window-all-local-sinks-gqa": {"attention.window": 6, "attention.pattern": ["local"], "attention.sinks": "learned",
+                                   "n_kv_heads": 2},
+    "sinks-explicit": {"attention.sinks": "learned", "_impl": "explicit"},
+    "sinks-alibi-post": {"attention.sinks": "learned", "positions": "alibi", "norm_position": "post"},
+    "partial-rotary": {"rope.partial": 0.5},
+    "nope-every-2": {"rope.nope_every": 2},
+    "local-rope-base": {"attention.window": 4, "attention.pattern": ["local", "global"], "rope.local_base": 100.0},
     # multi-head latent attention: the default (expanded, absorbed from the cache), the reference everywhere,
     # absorbed everywhere; compressed queries; post-norm; interleaved rotary
     "mla": dict(positions="rope", mla=dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),

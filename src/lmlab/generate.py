@@ -405,7 +405,7 @@ def decode_fixed(r: Request, run_for: Callable[[torch.nn.Module, StepState], Cal
         first, done = r.choose(logits, 0, torch.zeros(B, dtype=torch.bool, device=r.idx.device))
         state = StepState(r, StaticKVCache(cache), first, done)
         del cache  # the static cache holds its own copy
-        model.positions.reserve(cache_len, r.idx.device)
+        model.reserve_positions(cache_len, r.idx.device)
         run = run_for(model, state)
     begin = 0
     while begin < r.n:

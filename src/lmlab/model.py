@@ -29,15 +29,24 @@ from .mla import LatentAttention
 from .moe import MoE
 from .mtp import build_mtp
 from .norm import build_norm
-from .positions import AttentionTerm, Context, build_positions, causal_context, padded_context
+from .positions import (
+    AttentionTerm,
+    Context,
+    PositionScheme,
+    build_local_positions,
+    build_positions,
+    causal_context,
+    padded_context,
+    windowed,
+)
 from .schema import check_choice
 
 
 # ============================================================== blocks
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, positions):
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__()
-        self.attn = build_attention(cfg, layer, positions.attention_term())
+        self.attn = build_attention(cfg, layer, term)
         self.ffn = build_ffn(cfg, layer)
         self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -63,8 +72,8 @@ class PostNormBlock(Block):
 
     final_norm = False  # every block already ends with a norm
 
-    def __init__(self, cfg: ModelConfig, layer: int, positions):
-        super().__init__(cfg, layer, positions)
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__(cfg, layer, term)
         self.alpha = deepnorm_alpha(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else 1.0
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
@@ -79,8 +88,8 @@ class SandwichNormBlock(Block):
 
     final_norm = True
 
-    def __init__(self, cfg: ModelConfig, layer: int, positions):
-        super().__init__(cfg, layer, positions)
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__(cfg, layer, term)
         self.post_norm1, self.post_norm2 = build_norm(cfg), build_norm(cfg)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
@@ -102,6 +111,38 @@ class ReorderedNormBlock(Block):
 
 
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
+
+
+class LayerContexts:
+    """The context each layer attends with, made from the model's once per forward. Global layers
+    take it as it is; local layers (``attention.pattern``) see only their window of it
+    (:func:`~lmlab.positions.windowed`) and, with ``rope.local_base``, rotate with their own tables.
+    NoPE layers (``rope.nope_every``) share their kind's context; their attention term ignores it."""
+
+    def __init__(self, cfg: ModelConfig, positions: PositionScheme):
+        self.kinds = [cfg.attention.kind(i) for i in range(cfg.n_layers)]
+        self.window = cfg.attention.window
+        self.local_positions = build_local_positions(cfg)  # None: the model's scheme, already in the context
+        self.terms = [self.term(cfg, i, positions) for i in range(cfg.n_layers)]
+
+    def term(self, cfg: ModelConfig, layer: int, positions: PositionScheme) -> AttentionTerm:
+        """How positions enter layer ``layer``'s attention."""
+        if not cfg.has_positions(layer):
+            return AttentionTerm()
+        local = self.kinds[layer] == "local" and self.local_positions is not None
+        return (self.local_positions if local else positions).attention_term()
+
+    def __call__(self, ctx: Context) -> list[Context]:
+        """One context per layer from the model's ``ctx`` (which carries the model's scheme state)."""
+        views = {"global": ctx}
+        if self.window is not None:
+            local = windowed(ctx, self.window)
+            views["local"] = local if self.local_positions is None else self.local_positions.attach(local)
+        return [views[kind] for kind in self.kinds]
+
+    def reserve(self, n: int, device: torch.device) -> None:
+        if self.local_positions is not None:
+            self.local_positions.reserve(n, device)
 
 
 def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Module:
@@ -171,15 +212,19 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale == "sqrt_d" else 1.0
         self.positions = build_positions(cfg)
+        self.layer_contexts = LayerContexts(cfg, self.positions)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(BLOCKS[cfg.norm_position](cfg, i, self.positions) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            BLOCKS[cfg.norm_position](cfg, i, term) for i, term in enumerate(self.layer_contexts.terms)
+        )
         # post-norm already ends every block with a norm; the others need one before the head
         self.final_norm = build_norm(cfg) if BLOCKS[cfg.norm_position].final_norm else nn.Identity()
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         # after the head, so that a model with MTP draws the same main weights as one without
-        self.mtp = build_mtp(cfg, lambda layer: BLOCKS[cfg.norm_position](cfg, layer, self.positions))
+        # MTP blocks are global layers with the model's position scheme (DeepSeek-V3 has no windows)
+        self.mtp = build_mtp(cfg, lambda layer: BLOCKS[cfg.norm_position](cfg, layer, self.positions.attention_term()))
         self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
         self.set_loss_impl("chunked")
         if not self.embed.weight.is_meta:  # built on the meta device (shapes only, for accounting): no values to draw
@@ -218,8 +263,8 @@ class Transformer(nn.Module):
         """:meth:`hidden`, and the context it ran with (the MTP modules run at the same positions)."""
         ctx = self.context(idx, cache, attention_mask)
         x = self.drop(self.positions.embed(self.embed_tokens(idx), ctx))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, ctx, cache)
+        for block, layer_ctx in zip(self.blocks, self.layer_contexts(ctx)):
+            x = block(x, layer_ctx, cache)
         if cache is not None:
             cache.advance(idx.shape[1])
         return self.final_norm(x), ctx
@@ -280,6 +325,11 @@ class Transformer(nn.Module):
         layers = range(cfg.n_layers, cfg.n_layers + self.mtp.depth) if mtp else range(cfg.n_layers)
         return KVCache(cfg, batch_size, max_len or cfg.max_seq_len, device=p.device, dtype=dtype or p.dtype,
                        layers=layers)
+
+    def reserve_positions(self, n: int, device: torch.device) -> None:
+        """Build now the position tables of positions below ``n`` (see ``PositionScheme.reserve``)."""
+        self.positions.reserve(n, device)
+        self.layer_contexts.reserve(n, device)
 
     def moe_stats(self) -> list[dict[str, float]]:
         """Load statistics of each MoE layer from the last forward, or from every forward of the last

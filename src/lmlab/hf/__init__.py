@@ -7,7 +7,7 @@
 
 Only safetensors are read. A pickled ``pytorch_model.bin`` can run arbitrary code when it is
 loaded, so it is refused with a hint to convert it. Every feature of a checkpoint that lmlab
-cannot express exactly (sliding windows, partial rotary, mixed biases, ...) is refused with one
+cannot express exactly (partial rotary in Llama, mixed biases, unknown layer types, ...) is refused with one
 ValueError naming it, rather than loaded approximately.
 
 Families: a registry keyed by config.json's ``model_type``
@@ -60,7 +60,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import deepseek, dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register
