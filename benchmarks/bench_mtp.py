@@ -19,6 +19,8 @@ batch advances by its least-accepting row).
     python benchmarks/bench_mtp.py --threads 1                  # trains the d128 model (minutes), then times
     python benchmarks/bench_mtp.py --run runs/mtp --threads 1   # an existing MTP run
     python benchmarks/bench_mtp.py --quick                      # seconds: checks the machinery
+
+Results and their reading: docs/speed.md, "Multi-token prediction as a draft".
 """
 
 from __future__ import annotations
@@ -116,7 +118,16 @@ def bench_batch(model, idx, args, device) -> None:
     print(f"  speculative  {B * n / ws:>8.0f} tok/s   cpu {B * n / cs:>8.0f} tok/s")
     print(f"  speed-up {we / ws:.2f}x (wall), {ce / cs:.2f}x (cpu); acceptance rate {stats.acceptance_rate:.1%} "
           f"({stats.accepted}/{stats.drafted} drafts); {stats.tokens_per_round:.2f} tokens per verifying forward; "
-          f"tokens equal to eager: {(plain == spec).float().mean().item():.1%}\n", flush=True)
+          f"tokens equal to eager: {(plain == spec).float().mean().item():.1%}", flush=True)
+    if B > 1:  # each prompt alone: what a row accepts when no other row holds it back
+        alone = SpeculationStats()
+        for row in idx:
+            for _ in speculate(model, row[None], None, n, stats=alone):
+                pass
+        print(f"  the same {B} prompts one at a time: acceptance rate {alone.acceptance_rate:.1%} "
+              f"({alone.accepted}/{alone.drafted}), {alone.tokens_per_round:.2f} tokens per verifying forward",
+              flush=True)
+    print(flush=True)
 
 
 def main() -> None:
