@@ -41,12 +41,18 @@ class KVCache:
     padding, as for generation), makes the cache record which slots are real (``valid``) and each
     slot's position (``pos``), both (B, max_len); until then both are None and every filled slot
     is real and at the position of its index, the unpadded fast path.
+
+    ``layers``: the layer indices it holds, default ``range(cfg.n_layers)``; the multi-token
+    prediction modules (layers n_layers .. n_layers + D - 1) keep a cache of their own.
     """
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32,
+                 layers: range | None = None):
+        layers = layers if layers is not None else range(cfg.n_layers)
+        self.first_layer = layers.start
         heads, key_width, value_width = cfg.cache_widths
-        self.k = torch.zeros(cfg.n_layers, batch_size, heads, max_len, key_width, device=device, dtype=dtype)
-        self.v = torch.zeros(cfg.n_layers, batch_size, heads, max_len, value_width, device=device, dtype=dtype)
+        self.k = torch.zeros(len(layers), batch_size, heads, max_len, key_width, device=device, dtype=dtype)
+        self.v = torch.zeros(len(layers), batch_size, heads, max_len, value_width, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
         self.valid: torch.Tensor | None = None  # (B, max_len) bool: the slot holds a real token
@@ -75,15 +81,24 @@ class KVCache:
         return padded_context(q_pos, self.pos[:, :end], self.valid[:, :end])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, KV, S, hd)
+        start, end, i = self.length, self.length + k.shape[2], layer - self.first_layer
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = v
+        return self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, KV, S, hd)
 
     def advance(self, T: int) -> None:
         self.length += T
         if self.seen is not None:
             self.seen = self.seen + self.pending
+
+    def rewind(self, length: int) -> None:
+        """Forget the slots from ``length`` on (speculative decoding drops the rejected tokens);
+        the next forward writes over them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}; choose 0..{self.length}")
+        if self.seen is not None:  # the real tokens among the dropped slots no longer count
+            self.seen = self.seen - self.valid[:, length : self.length].sum(-1, keepdim=True)
+        self.length = length
 
     def check_room(self, T: int, batch_size: int | None = None) -> None:
         if batch_size is not None and batch_size != self.k.shape[1]:

@@ -371,6 +371,23 @@ class AttentionConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class MTPConfig(Config):
+    """Multi-token prediction (DeepSeek-V3, arXiv:2412.19437, sec. 2.2); ``ModelConfig.mtp``. ``depth`` sequential
+    modules after the main model, module k predicting the token k + 1 places ahead through the shared embedding
+    and output head (``mtp.py``). Their cross-entropies, averaged over the depths and times ``loss_weight``, are
+    added to the training loss as the auxiliary loss ``mtp``. At inference the modules can draft ``depth`` tokens
+    for self-speculative decoding (``generate(..., decoder="speculative")``)."""
+
+    # ``added``: fields of a section that is off (None) by default, so no run hashed before them changes
+    depth: int = added(1, since="issue 23: multi-token prediction")  # D: DeepSeek-V3 trains with 1
+    loss_weight: float = added(0.3, since="issue 23: multi-token prediction")  # lambda: V3's first 10T tokens, then 0.1
+
+    def validate(self) -> None:
+        check_size("mtp.depth", self.depth)
+        check_positive("mtp.loss_weight", self.loss_weight, allow_zero=True)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig(Config):
     """A decoder-only Transformer language model. Defaults are a small llama-like model."""
 
@@ -418,6 +435,7 @@ class ModelConfig(Config):
     init_std: float = 0.02
     init: InitRule = "normal"  # normal: N(0, init_std); xavier: Xavier-normal matrices (see model.init_weights)
     init_seed: int = 0  # weights are a pure function of (config, init_seed)
+    mtp: MTPConfig | None = added(None, since="issue 23: multi-token prediction")  # None = next-token only
 
     def __post_init__(self) -> None:
         super().__post_init__()
