@@ -159,7 +159,7 @@ def help_sections(text: str) -> dict[str, str]:
 
 
 def test_train_help_names_presets_and_every_default_by_section(capsys):
-    from lmlab.config import PRESETS, MoEConfig
+    from lmlab.config import PRESETS, MLAConfig, MoEConfig, MTPConfig
     from lmlab.run.config import RepeatsConfig, RunConfig, flatten
 
     code, out, _ = run(capsys, "train", "--help")
@@ -171,7 +171,8 @@ def test_train_help_names_presets_and_every_default_by_section(capsys):
     # MoE is off by default (model.moe=None); its fields are shown with the defaults they take when one is set
     assert cfg.model.moe is None and "model.moe.* is off" not in out and "moe.* is off" in sections["model"]
     assert cfg.train.repeats is None and "repeats.* is off" in sections["train"]  # planted repeats: off too
-    defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict()},
+    defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict(),
+                                           "mla": MLAConfig().to_dict(), "mtp": MTPConfig().to_dict()},
                 "train": {**cfg.train.to_dict(), "repeats": RepeatsConfig().to_dict()}}
     for name, values in defaults.items():
         shown = " " + " ".join(sections[name].split()) + " "

@@ -160,6 +160,7 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
     refused = {
         "vaswani2017": "norm_position='post'", "switch": "moe.capacity_factor=1.25",
         "gshard": "moe.second_expert='random'", "deepseekmoe": "glm4_moe: moe.scoring='softmax'",
+        "gemma3": "embed_scale='sqrt_d'", "gpt-oss": "mixtral: bias=True",  # gemma3 and gpt_oss are not written yet
     }
     for preset in lmlab.PRESETS:
         model = Transformer(ModelConfig.from_preset(preset, **{**BASE, "n_layers": 2}))
@@ -333,6 +334,11 @@ REFUSALS = {
     "sigmoid_every_other": (None, dict(moe=MOE | dict(scoring="sigmoid", every=2)), None, "glm4_moe: moe.every=2"),
     "sigmoid_gated_shared": (None, dict(moe=MOE | dict(scoring="sigmoid", n_shared=1, shared_gate="sigmoid")), None,
                              "glm4_moe: moe.shared_gate='sigmoid'"),
+    "window_as_llama": (None, {"attention.window": 8, "attention.pattern": ["local"]}, "llama",
+                        "cannot export as 'llama': attention.pattern=['local'] (Llama has no sliding-window layers)"),
+    "mixed_windows_as_mistral": (None, {"attention.window": 8, "attention.pattern": ["local", "global"]}, "mistral",
+                                 "attention.pattern=['local', 'global'] (Mistral's sliding window applies to every"),
+    "partial_rotary": (None, {"rope.partial": 0.5}, None, "rope.partial=0.5 (Llama rotates every dimension"),
     "mistral_with_biases": (None, dict(bias=True), "mistral",
                             "cannot export as 'mistral': bias=True (Mistral has no biases)"),
     "dense_as_moe": (None, {}, "mixtral", "cannot export as 'mixtral': it is a mixture-of-experts architecture"),

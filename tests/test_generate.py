@@ -196,7 +196,7 @@ def test_fast_candidates_equal_the_reference_filters(temperature, top_k, top_p):
     (dict(eos_id=[1, V]), rf"eos_id=\[1, {V}\] is not valid"),
     (dict(eos_id="x"), r"eos_id='x' is not valid"),
     (dict(decoder="fast"),
-     r"decoder='fast' is not valid; choose one of \['auto', 'eager', 'static', 'compiled', 'graph'\]"),
+     r"decoder='fast' is not valid; choose one of \['auto', 'eager', 'static', 'compiled', 'graph', 'speculative'\]"),
     (dict(decoder="graph"), r"decoder='graph' captures CUDA graphs and needs a CUDA device; the model is on cpu"),
     (dict(sync_every=0), r"sync_every=0 is not valid; it must be an integer >= 1"),
 ])

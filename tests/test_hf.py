@@ -200,8 +200,10 @@ def test_qwen2_matches_transformers_with_q_k_v_only_biases(tmp_path):
     assert ours.blocks[0].attn.out.bias is None and ours.blocks[0].attn.qkv.bias.abs().sum() > 0
     idx = tokens(20)
     assert_parity(logits(ours, idx), logits(hf, idx))
-    with pytest.raises(ValueError, match="sliding-window"):
-        config_from_hf({**Qwen2Config(**LLAMA).to_dict(), "use_sliding_window": True, "sliding_window": 8})
+    # sliding layers from max_window_layers on (tests/test_hf_windows.py checks their logits)
+    windowed = config_from_hf({**Qwen2Config(**LLAMA).to_dict(), "use_sliding_window": True, "sliding_window": 8,
+                               "max_window_layers": 1, "layer_types": None})
+    assert (windowed.attention.window, windowed.attention.pattern) == (8, ("global", "local"))
 
 
 GPT2_VARIANTS = {
@@ -379,8 +381,8 @@ CHECKPOINT_ERRORS = {
     "shape_mismatch": (lambda p: edit_config(p, _bad_config(intermediate_size=128)),
                        "blocks.0.ffn.gate_up.weight: (192, 64) in the checkpoint, (256, 64) from config.json"),
     "tied_head_differs": (_head_differs_from_tied_embedding, "lm_head.weight differs from the embedding"),
-    "sliding_window": (lambda p: edit_config(p, _bad_config(model_type="mistral", sliding_window=4096)),
-                       "sliding_window=4096"),
+    "sliding_window_zero": (lambda p: edit_config(p, _bad_config(model_type="mistral", sliding_window=0)),
+                            "attention.window=0 is not valid"),
 }
 
 
@@ -406,7 +408,11 @@ LLAMA_JSON = {"model_type": "llama", **LLAMA}
 GPT2_JSON = {"model_type": "gpt2", **GPT2}
 CONFIG_ERRORS = {
     "mixed_biases": (LLAMA_JSON, {"attention_bias": True}, "attention_bias=True and mlp_bias=False"),
-    "sliding_window_default": ({**LLAMA_JSON, "model_type": "mistral"}, {}, "sliding_window=4096"),
+    "unknown_layer_type": ({**LLAMA_JSON, "model_type": "qwen2"}, {"layer_types": ["full_attention", "chunked"]},
+                           "layer_types entry 'chunked'"),
+    "sliding_without_window": ({**LLAMA_JSON, "model_type": "qwen2"}, {
+        "layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": False},
+        "sliding_attention layers and sliding_window null"),
     "partial_rotary": (LLAMA_JSON, {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     "partial_rotary_in_rope": (LLAMA_JSON, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
                                "partial_rotary_factor=0.5"),

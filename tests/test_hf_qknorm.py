@@ -1,5 +1,5 @@
-"""Qwen3, Qwen3-MoE, OLMo 2 and OLMoE both ways: tiny random transformers checkpoints loaded with
-``from_hf`` give the same logits and come back identical through ``to_hf``; lmlab models with
+"""Qwen3, Qwen3-MoE, OLMo 2, OLMoE (and GLM-4-MoE's use_qk_norm) both ways: tiny random transformers
+checkpoints loaded with ``from_hf`` give the same logits and come back identical through ``to_hf``; lmlab models with
 ``qk_norm`` (and OLMo 2's reordered norms) export as these families with the same logits; and what
 does not map is refused by name."""
 
@@ -41,6 +41,10 @@ HF_CASES = {
                        dict(qk_norm="full", norm_position="reordered", n_kv_heads=4)),
     "olmoe": ("OlmoeConfig", dict(MOE_LAYOUT, num_experts=4, num_experts_per_tok=2),
               dict(qk_norm="full", norm_position="pre", moe=dict(n_experts=4, normalize_top_k=False))),
+    "glm4_moe_qk_norm": ("Glm4MoeConfig", dict(
+        MOE_LAYOUT, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+        partial_rotary_factor=1.0, num_nextn_predict_layers=0), dict(qk_norm="head", moe=dict(scoring="sigmoid"))),
 }
 
 
@@ -112,6 +116,8 @@ LMLAB_CASES = {
     "olmo2_interleaved": ({"qk_norm": "full", "norm_position": "reordered", "n_kv_heads": 1,
                            "rope.layout": "interleaved", "rope.base": 5e5}, "olmo2"),
     "olmoe": (dict(qk_norm="full", n_kv_heads=2, moe=MOE), "olmoe"),
+    "glm4_moe_qk_norm": (dict(qk_norm="head", n_kv_heads=2, moe=MOE | dict(scoring="sigmoid", n_groups=2,
+                                                                           n_shared=1, first_dense=1)), "glm4_moe"),
 }
 
 

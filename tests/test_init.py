@@ -27,7 +27,7 @@ def test_hf_families_register_on_import():
     }
     writes = [name for name, family in lmlab.hf.FAMILIES.items() if family.export is not None]
     assert writes == ["llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
-                      "deepseek_v3", "qwen3", "qwen3_moe", "olmo2", "olmoe"]  # preference order
+                      "deepseek_v3", "olmo2", "olmoe", "qwen3", "qwen3_moe"]  # preference order
 
 
 def test_package_ships_its_typing_marker():

@@ -44,6 +44,16 @@ EXTRAS = {  # designs the grid's axes do not reach
     "sqrt_d-embed": dict(positions="sinusoidal", embed_scale="sqrt_d", tie_embeddings=True),
     "rope-interleaved": dict(positions="rope", **{"rope.layout": "interleaved"}),
     "explicit-attention": dict(positions="rope", n_kv_heads=2, _impl="explicit"),
+    # per-layer windows (< T), learned sinks, partial rotary, NoPE layers, local rotary base; with every layer
+    # local, two layers of window 6 still reach T - 1 = 11 tokens back, as the causality test asks
+    "window-local-global": {"attention.window": 4, "attention.pattern": ["local", "global"]},
+    "window-all-local-sinks-gqa": {"attention.window": 6, "attention.pattern": ["local"], "attention.sinks": "learned",
+                                   "n_kv_heads": 2},
+    "sinks-explicit": {"attention.sinks": "learned", "_impl": "explicit"},
+    "sinks-alibi-post": {"attention.sinks": "learned", "positions": "alibi", "norm_position": "post"},
+    "partial-rotary": {"rope.partial": 0.5},
+    "nope-every-2": {"rope.nope_every": 2},
+    "local-rope-base": {"attention.window": 4, "attention.pattern": ["local", "global"], "rope.local_base": 100.0},
     # multi-head latent attention: the default (expanded, absorbed from the cache), the reference everywhere,
     # absorbed everywhere; compressed queries; post-norm; interleaved rotary
     "mla": dict(positions="rope", mla=dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
@@ -56,6 +66,10 @@ EXTRAS = {  # designs the grid's axes do not reach
     "mla-post-interleaved": {"positions": "rope", "norm_position": "post", "rope.layout": "interleaved",
                              "mla": dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                          v_head_dim=6)},
+    # multi-token prediction (DeepSeek-V3): the gradient test's loss includes the MTP loss
+    "mtp": {"mtp.depth": 2},
+    "mtp-post-learned-relative": dict(norm_position="post", norm="layernorm", positions="relative", **{"mtp.depth": 1}),
+    "mtp-alibi-tied": dict(positions="alibi", tie_embeddings=True, **{"mtp.depth": 3}),
 }
 # the attention refinements across position schemes with their own attention path (rotary fused or
 # split, relative's explicit path with a value term, ALiBi's bias), grouped-query
@@ -80,6 +94,7 @@ EXTRAS.update({
     "qk_head-gate-sandwich-explicit": dict(qk_norm="head", attn_gate="elementwise", norm_position="sandwich",
                                            _impl="explicit"),
 })
+MTP_CASES = [name for name in EXTRAS if name.startswith("mtp")]
 CASES = {**_grid(), **_qk_gate_grid(), **EXTRAS}
 
 
@@ -163,3 +178,45 @@ def test_same_seed_same_model_other_seed_differs(case):
         la, lb, lc = a(idx).logits, b(idx).logits, c(idx).logits
     assert torch.equal(la, lb)
     assert not torch.allclose(la, lc)
+
+
+def _mtp_hidden(model: Transformer, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every depth's hidden states for the sequence x (B, T + 1): inputs x[:, :-1], targets x[:, 1:]."""
+    h, ctx = model.hidden_and_context(x[:, :-1])
+    return model.mtp.hidden_states(h, x[:, 1:], ctx, model.embed_tokens)
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_mtp_predictions_are_causal(case):
+    """Depth k at position i predicts t_{i+k+1} from t_0 .. t_{i+k}: changing t_j moves no prediction of depth k
+    before position j - k (it would see its own target or later), and moves the one at j - k."""
+    model = _model(case)
+    x = tokens(2, T + 1, seed=5)
+    with torch.no_grad():
+        base = _mtp_hidden(model, x)
+        for j in (3, 7, T):
+            changed = x.clone()
+            changed[:, j] = (changed[:, j] + 1) % 64
+            for k, (a, b) in enumerate(zip(base, _mtp_hidden(model, changed)), start=1):
+                assert_close(b[:, : max(j - k, 0)], a[:, : max(j - k, 0)], rtol=0, atol=1e-6)
+                if j - k < T:
+                    assert (b[:, j - k] - a[:, j - k]).abs().amax() > 1e-5, (k, j)
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_mtp_cached_equals_full(case):
+    """The MTP blocks' own cache (speculative decoding's drafts), fed in chunks, gives the full forward's states."""
+    model = _model(case)
+    x = tokens(2, T + 1, seed=6)
+    with torch.no_grad():
+        full, h = _mtp_hidden(model, x), model.hidden(x[:, :-1])
+        cache, parts = model.new_cache(2, T, mtp=True), [[] for _ in model.mtp.layers]
+        padded = torch.cat([x, x.new_zeros(2, model.mtp.depth)], dim=1)  # the full forward embeds id 0 past the end
+        for a, b in [(0, 5), (5, 6), (6, T)]:
+            ctx, hk = model.context(x[:, a:b], cache), h[:, a:b]
+            for k, module in enumerate(model.mtp.layers):
+                hk = module(hk, model.embed_tokens(padded[:, a + k + 1 : b + k + 1]), ctx, cache)
+                parts[k].append(module.norm(hk))
+            cache.advance(b - a)
+    for k, want in enumerate(full):
+        assert_close(torch.cat(parts[k], dim=1), want, rtol=1e-4, atol=1e-5)

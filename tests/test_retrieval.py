@@ -70,6 +70,36 @@ def test_planted_windows_repeat_an_earlier_segment_of_their_own_text(train_data)
     assert min(distances) >= K and max(distances) > T // 2  # short and long distances both occur
 
 
+def test_training_plants_the_copy_probes_in_range_distance_as_often_as_any_other():
+    """The probe's in-range repeat lies T - K back (first copy at 0, positions.copy_metrics); training
+    must plant that distance as often as the others, not in a tail the model rarely sees."""
+    T, K, B = 64, 16, 20000
+    w = torch.full((B, T + 1), -1)  # the training window: inputs and targets, T + 1 tokens
+    out = plant_repeats(w, RepeatsConfig(fraction=1.0, length=K, source="random"), torch.Generator().manual_seed(0),
+                        torch.arange(1, 2048))
+    at = (out != -1).int().argmax(1)  # (B,): p, the first planted column
+    q = (out != -1).int().flip(1).argmax(1).neg() + T - K + 1  # (B,): the last planted column minus K - 1
+    counts = torch.bincount(q - at, minlength=T + 2)[K:T - K + 2]  # distances K .. T + 1 - K
+    share = counts.float() / B
+    probe = T - min(positions.COPY_K, T // 4)  # copy_metrics' 1x: a window of T tokens, k = 16, first copy at 0
+    assert (share > 0.6 / len(counts)).all()  # every distance from K to T + 1 - K, evenly (1/34 each)
+    assert share[probe - K] > 0.025  # the probe's 48 in 2.9% of planted windows (sorted offsets gave 0.35%)
+
+
+def test_planting_at_the_ends_puts_both_copies_where_the_copy_probe_does(train_data):
+    B, T, K = 200, 32, 8
+    r = RepeatsConfig(fraction=1.0, length=K, source="random", place="ends")
+    plain_x, plain_y = train_data.batch(B, T, torch.Generator().manual_seed(0))
+    x, y = train_data.batch(B, T, torch.Generator().manual_seed(0), r)
+    assert torch.equal(x[:, :K], x[:, T - K:])  # inputs: a segment at [0, K) and again ending at the last input
+    assert torch.equal(x[:, K:T - K], plain_x[:, K:T - K]) and torch.equal(y[:, -1], plain_y[:, -1])  # text around
+    assert torch.equal(y[:, T - K:T - 1], x[:, 1:K])  # targets: the repeat's tokens 2..K, as copy_probe scores them
+    g, h = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    train_data.batch(B, T, g, r)
+    train_data.batch(B, T, h, dataclasses.replace(r, place="uniform"))
+    assert torch.equal(g.get_state(), h.get_state())  # the same draws either way
+
+
 def test_planting_is_decided_by_the_generator_state_alone(train_data):
     r = RepeatsConfig(fraction=0.5, length=4)
     g = torch.Generator().manual_seed(1)
@@ -130,6 +160,28 @@ def test_random_planting_never_plants_special_ids_and_keeps_the_rest_of_the_text
         fraction=1.0, length=K))).any()  # random draws more from the generator than text does
 
 
+def test_an_alphabet_plants_only_the_lowest_plantable_ids_in_training_and_in_the_probe(train_data):
+    B, T, K, n = 500, 32, 8, 5
+    r = RepeatsConfig(fraction=1.0, length=K, source="random", alphabet=n)
+    plain = window_of(train_data, *train_data.batch(B, T, torch.Generator().manual_seed(0)))
+    planted = window_of(train_data, *train_data.batch(B, T, torch.Generator().manual_seed(0), r))
+    changed = planted != plain
+    alphabet = plantable_ids(train_data.meta)[:n]
+    assert torch.isin(planted[changed], alphabet).all() and changed.sum() > B * K  # only those ids, in every window
+    assert set(planted[changed].tolist()) == set(alphabet.tolist())  # and all of them
+    seen = []
+
+    class Recorder(Oracle):
+        def forward(self, x):
+            seen.append(x.clone())
+            return super().forward(x)
+
+    data = probe_data()
+    positions.copy_probe(Recorder(50, None), data, 64, 8, 8, n=20, source="random", alphabet=3)
+    segments = torch.cat(seen)[:, 8:16]  # (20, 8): the first copies
+    assert set(segments.flatten().tolist()) <= set(data.plantable_ids[:3].tolist())
+
+
 # ============================================================== the config
 @pytest.mark.parametrize("changes, message", [
     ({"train.repeats.fraction": 0.0}, r"train\.repeats\.fraction=0\.0 is out of range; it must be in \(0, 1\]"),
@@ -138,6 +190,10 @@ def test_random_planting_never_plants_special_ids_and_keeps_the_rest_of_the_text
     ({"train.repeats.length": 9, "model.max_seq_len": 16},
      r"train\.repeats\.length=9 does not fit twice in a window of seq_len \+ 1 = 17 tokens; choose length <= 8"),
     ({"train.repeats.fraction": 0.1, "task": "classify"}, r"train\.repeats plants repeats in a token stream"),
+    ({"train.repeats.alphabet": 64}, r"train\.repeats\.alphabet=64 only applies to source=random"),
+    ({"train.repeats.alphabet": 1, "train.repeats.source": "random"}, r"train\.repeats\.alphabet=1 is too small"),
+    ({"train.repeats.place": "end"},
+     r"train\.repeats\.place='end' is not a valid choice; choose one of \['uniform', 'ends'\]"),
     ({"train.repeats.source": "copy"},
      r"train\.repeats\.source='copy' is not a valid choice; choose one of \['text', 'random'\]"),
 ])
@@ -151,6 +207,10 @@ def test_repeats_are_off_by_default_and_round_trip():
     cfg = RunConfig().override({"train.repeats.fraction": 0.2})
     assert cfg.train.repeats == RepeatsConfig(fraction=0.2, length=16, source="text")  # today's planting by default
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    cfg = cfg.override({"train.repeats.source": "random", "train.repeats.alphabet": 64})
+    assert cfg.train.repeats.alphabet == 64 and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.train.repeats.place == "uniform"
+    assert cfg.override({"train.repeats.place": "ends"}).train.repeats.place == "ends"
 
 
 # ============================================================== training with it
@@ -279,14 +339,21 @@ def test_the_retrieval_fine_tunes_are_measured_at_eight_points():
     spec = load_experiment_spec("positions")
     for name in ("rope-copy-ft-none", "rope-copy-ft-pi", "rope-copy-ft-yarn"):
         cfg = spec.configs[name]
-        assert cfg.train.repeats == RepeatsConfig(fraction=0.1, length=16) and cfg.seq_len == 512
+        assert cfg.train.repeats == spec.configs["rope-copy"].train.repeats and cfg.seq_len == 512  # as the base
         assert len(positions.snapshot_steps(cfg.train.steps)) + 1 >= 8  # snapshots and the end
         assert cfg.train.steps // cfg.eval.every >= 8
-    assert spec.configs["rope-copy"].train.repeats is not None and spec.configs["rope"].train.repeats is None
+    # the setting that reached the copy gate in the pilot (positions.yaml): random ids of a 64-id alphabet,
+    # planted where the probe looks
+    assert spec.configs["rope-copy"].train.repeats == RepeatsConfig(fraction=1.0, length=16, source="random",
+                                                                    alphabet=64, place="ends")
+    assert spec.configs["rope"].train.repeats is None
     assert spec.configs["rope-copy"].model == spec.configs["rope"].model  # the same size as rope
     quick = load_experiment_spec("positions", quick=True)
     assert quick.configs["rope-copy-ft-yarn"].train.steps <= 4
     hooks = positions.Hooks(spec)  # the gate's (1x) and the claim's (8x) probes at a run's end: SE ~0.02
-    assert hooks.copy_source == spec.configs["rope-copy"].train.repeats.source  # probes plant what it trained on
-    assert hooks.copy_end[1] == hooks.copy_end[8] == positions.COPY_N >= (0.85 / 0.02) ** 2 * 0.99
+    repeats = spec.configs["rope-copy"].train.repeats  # probes plant what it trained on
+    assert (hooks.copy_source, hooks.copy_alphabet) == (repeats.source, repeats.alphabet) == ("random", 64)
+    assert hooks.copy_end[1] == hooks.copy_end[8] == positions.COPY_N
+    assert positions.COPY_SD / positions.COPY_N ** 0.5 <= 0.02 / 2  # SE 0.02 even at twice the measured spread
+    assert positions.COPY_SD / positions.COPY_N_CURVE ** 0.5 <= 0.02 + 1e-9
     assert max(positions.Hooks(quick).copy_end.values()) <= 32  # the quick profile stays a smoke test

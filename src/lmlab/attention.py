@@ -6,6 +6,11 @@ Two implementations compute the same thing:
   - ``explicit``: softmax(q k^T / sqrt(d) + bias) v + value term, written out. It is the
     reference, and the only path for Shaw-style relative positions (they add a value term).
 Tests check both give the same result wherever both apply.
+
+Learned attention sinks (``attention.sinks``, gpt-oss) add exp(sink_h) to each softmax's
+denominator. The reference appends the sink as one more score column and drops it after the
+softmax; the fused kernel has no input for it, so its path appends a key of zeros whose score the
+float mask sets to sink_h, with a value of zeros: the same denominator, nothing added to the output.
 """
 
 from __future__ import annotations
@@ -36,12 +41,18 @@ class KVCache:
     padding, as for generation), makes the cache record which slots are real (``valid``) and each
     slot's position (``pos``), both (B, max_len); until then both are None and every filled slot
     is real and at the position of its index, the unpadded fast path.
+
+    ``layers``: the layer indices it holds, default ``range(cfg.n_layers)``; the multi-token
+    prediction modules (layers n_layers .. n_layers + D - 1) keep a cache of their own.
     """
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32,
+                 layers: range | None = None):
+        layers = layers if layers is not None else range(cfg.n_layers)
+        self.first_layer = layers.start
         heads, key_width, value_width = cfg.cache_widths
-        self.k = torch.zeros(cfg.n_layers, batch_size, heads, max_len, key_width, device=device, dtype=dtype)
-        self.v = torch.zeros(cfg.n_layers, batch_size, heads, max_len, value_width, device=device, dtype=dtype)
+        self.k = torch.zeros(len(layers), batch_size, heads, max_len, key_width, device=device, dtype=dtype)
+        self.v = torch.zeros(len(layers), batch_size, heads, max_len, value_width, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
         self.valid: torch.Tensor | None = None  # (B, max_len) bool: the slot holds a real token
@@ -70,15 +81,24 @@ class KVCache:
         return padded_context(q_pos, self.pos[:, :end], self.valid[:, :end])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, KV, S, hd)
+        start, end, i = self.length, self.length + k.shape[2], layer - self.first_layer
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = v
+        return self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, KV, S, hd)
 
     def advance(self, T: int) -> None:
         self.length += T
         if self.seen is not None:
             self.seen = self.seen + self.pending
+
+    def rewind(self, length: int) -> None:
+        """Forget the slots from ``length`` on (speculative decoding drops the rejected tokens);
+        the next forward writes over them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}; choose 0..{self.length}")
+        if self.seen is not None:  # the real tokens among the dropped slots no longer count
+            self.seen = self.seen - self.valid[:, length : self.length].sum(-1, keepdim=True)
+        self.length = length
 
     def check_room(self, T: int, batch_size: int | None = None) -> None:
         if batch_size is not None and batch_size != self.k.shape[1]:
@@ -287,6 +307,9 @@ class Attention(nn.Module):
         self.qk_norm = QK_NORMS[cfg.qk_norm](cfg)
         self.gate = GATES[cfg.attn_gate](cfg)
         self.term = term  # the position scheme's part in attention
+        # a learned logit per head that joins every softmax's denominator (gpt-oss); None = plain softmax
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention.sinks == "learned" else None
+        self.softmax = softmax_plain if self.sinks is None else self.softmax_with_sinks
         self.set_impl("sdpa" if term.sdpa_ok else "explicit")
         # rotary (half layout) heads come from one autograd Function, the rest from a split; normalized
         # queries and keys from a split, normalized, then rotated
@@ -296,7 +319,8 @@ class Attention(nn.Module):
             self.heads = self.heads_rotary if term.half_rotation else self.heads_split
 
     def set_impl(self, impl: str) -> None:
-        paths = {"sdpa": self.attend_sdpa, "explicit": self.attend_explicit}
+        sdpa = self.attend_sdpa if self.sinks is None else self.attend_sdpa_sinks
+        paths = {"sdpa": sdpa, "explicit": self.attend_explicit}
         if impl not in paths:
             raise ValueError(f"attention impl={impl!r} is not a valid choice; choose one of {list(paths)}")
         if impl == "sdpa" and not self.term.sdpa_ok:
@@ -316,6 +340,8 @@ class Attention(nn.Module):
         init.weight(self.qkv.weight, init.std, deepnorm_gain=(1.0, 1.0, init.beta), rows=qkv_rows)
         init.weight(self.out.weight, init.out_std, deepnorm_gain=init.beta)
         init.zeros(self.qkv.bias, self.out.bias)
+        if self.sinks is not None:  # N(0, std), as transformers initializes gpt-oss's sinks
+            init.normal(self.sinks, init.std)
         init_module(self.term, init)
         init_module(self.qk_norm, init)  # gains 1
         init_module(self.gate, init)  # W_g ~ N(0, std): every gate starts near sigmoid(0) = 1/2
@@ -396,8 +422,40 @@ class Attention(nn.Module):
         visible = ctx.visible()
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
-        probs = scores.softmax(dim=-1).to(v.dtype)  # an fp32 bias promotes scores
+        probs = self.softmax(scores).to(v.dtype)  # an fp32 bias promotes scores
         probs = F.dropout(probs, self.dropout, self.training)
         y = probs @ v  # (B, H, T, hd)
         extra = self.term.value_term(probs, ctx)
         return y if extra is None else y + extra
+
+    def softmax_with_sinks(self, scores: torch.Tensor) -> torch.Tensor:
+        """softmax over [scores, sink_h] per row of (B, H, T, S) scores, the sink's column dropped: the
+        rows sum to less than 1 by the share the sink took (gpt-oss's eager attention)."""
+        B, H, T, _ = scores.shape
+        sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+        return torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+
+    def attend_sdpa_sinks(self, q, k, v, ctx: Context) -> torch.Tensor:
+        """The fused kernel with sinks: one more key, of zeros, whose score the float mask sets to
+        sink_h (q·0 + sink_h), and a value of zeros; equal to :meth:`attend_explicit` (tests check it)."""
+        B, H, T, hd = q.shape
+        KV, S = k.shape[1], k.shape[2]
+        visible = ctx.visible()
+        bias = self.term.score_bias(q, ctx)
+        bias = q.new_zeros(1, 1, T, S) if bias is None else bias.to(q.dtype)  # (B|1, H|1, T, S)
+        if visible is not None:
+            bias = bias.masked_fill(~visible, float("-inf"))
+        sink = self.sinks.to(q.dtype).view(1, H, 1, 1).expand(bias.shape[0], H, T, 1)
+        mask = torch.cat((bias.expand(-1, H, -1, -1), sink), dim=-1)  # (B|1, H, T, S + 1)
+        zero = k.new_zeros(B, KV, 1, hd)
+        k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero), dim=2)  # (B, KV, S + 1, hd)
+        if not SDPA_GQA:
+            k, v = expand_kv(k, H), expand_kv(v, H)
+        gqa = {"enable_gqa": True} if k.shape[1] != H else {}
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, scale=self.scale, **gqa,
+        )
+
+
+def softmax_plain(scores: torch.Tensor) -> torch.Tensor:
+    return scores.softmax(dim=-1)

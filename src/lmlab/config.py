@@ -40,6 +40,8 @@ GroupScore = Literal["max", "top2"]
 SecondExpert = Literal["always", "random"]
 SharedGate = Literal["none", "sigmoid"]
 InitRule = Literal["normal", "xavier"]
+LayerKind = Literal["global", "local"]
+Sinks = Literal["none", "learned"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -76,9 +78,21 @@ class RopeConfig(Config):
     truncate: bool = True  # YaRN: round the ramp's ends to whole dimensions (the paper's code; gpt-oss: false)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
+    # ---- which dimensions and layers rotate
+    # rotate the first int(partial * head_dim) dims of each head (GPT-NeoX rotary_pct, Phi)
+    partial: float = added(1.0, since="issue 23")
+    # n > 0: layers l with (l + 1) % n == 0 have no positions (NoPE; SmolLM3, Llama 4)
+    nope_every: int = added(0, since="issue 23")
+    # local layers (ModelConfig.attention) rotate with this base, unscaled (Gemma 3); None = as the others
+    local_base: float | None = added(None, since="issue 23")
 
     def validate(self) -> None:
         check_positive("rope.base", self.base)
+        if not 0.0 < self.partial <= 1.0:
+            raise ValueError(f"rope.partial={self.partial} is not valid; it must be in (0, 1] (1 = every dimension)")
+        check_size("rope.nope_every", self.nope_every, allow_zero=True)
+        if self.local_base is not None:
+            check_positive("rope.local_base", self.local_base)
         check_positive("rope.factor", self.factor)
         if self.scaling != "none" and self.factor < 1.0:
             raise ValueError(
@@ -316,6 +330,64 @@ class MLAConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class AttentionConfig(Config):
+    """Which keys each layer's queries see, and where the rest of their attention may go; ``ModelConfig.attention``.
+
+    ``pattern`` names each layer's kind, repeated over the layers: a ``global`` layer sees every
+    earlier token; a ``local`` layer sees itself and the ``window - 1`` tokens before it (a sliding
+    window, Beltagy et al. 2020, arXiv:2004.05150), masked as transformers masks it: query i sees key
+    j when i - window < j <= i. ("local",) is Mistral, ("local", "global") gpt-oss, five local and one
+    global Gemma 3 (Gemma Team 2025, sec. 2.2). A pattern as long as the model names every layer; one
+    longer is cut at n_layers (Gemma 3's 26 layers end within a repeat).
+
+    ``sinks``: ``learned`` adds a learned logit per head to every softmax's denominator, a key that
+    takes attention and gives nothing back, so a head may attend to nothing (gpt-oss; Xiao et al.
+    2023, arXiv:2309.17453, found models make one of the first token)."""
+
+    # W tokens a local layer's query sees, itself included; None = no local layers
+    window: int | None = added(None, since="issue 23")
+    pattern: tuple[LayerKind, ...] = added(("global",), since="issue 23")  # repeated over the layers
+    sinks: Sinks = added("none", since="issue 23")
+
+    def validate(self) -> None:
+        if not self.pattern:
+            raise ValueError("attention.pattern=[] is empty; give each layer's kind, e.g. ['local', 'global']")
+        has_local = "local" in self.pattern
+        if self.window is not None:
+            check_size("attention.window", self.window)
+            if not has_local:
+                raise ValueError(
+                    f"attention.window={self.window} has no local layer to act on with pattern={list(self.pattern)}; "
+                    "put 'local' in attention.pattern or leave window unset"
+                )
+        elif has_local:
+            raise ValueError(
+                f"attention.pattern={list(self.pattern)} has local layers but attention.window is unset; "
+                "set attention.window (e.g. 4096) or use pattern=['global']"
+            )
+
+    def kind(self, layer: int) -> str:
+        return self.pattern[layer % len(self.pattern)]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MTPConfig(Config):
+    """Multi-token prediction (DeepSeek-V3, arXiv:2412.19437, sec. 2.2); ``ModelConfig.mtp``. ``depth`` sequential
+    modules after the main model, module k predicting the token k + 1 places ahead through the shared embedding
+    and output head (``mtp.py``). Their cross-entropies, averaged over the depths and times ``loss_weight``, are
+    added to the training loss as the auxiliary loss ``mtp``. At inference the modules can draft ``depth`` tokens
+    for self-speculative decoding (``generate(..., decoder="speculative")``)."""
+
+    # ``added``: fields of a section that is off (None) by default, so no run hashed before them changes
+    depth: int = added(1, since="issue 23: multi-token prediction")  # D: DeepSeek-V3 trains with 1
+    loss_weight: float = added(0.3, since="issue 23: multi-token prediction")  # lambda: V3's first 10T tokens, then 0.1
+
+    def validate(self) -> None:
+        check_size("mtp.depth", self.depth)
+        check_positive("mtp.loss_weight", self.loss_weight, allow_zero=True)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig(Config):
     """A decoder-only Transformer language model. Defaults are a small llama-like model."""
 
@@ -349,6 +421,7 @@ class ModelConfig(Config):
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
+    attention: AttentionConfig = added(since="issue 23", factory=AttentionConfig)  # windows per layer, sinks
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
     # None = standard attention; else multi-head latent attention (DeepSeek-V2)
     mla: MLAConfig | None = added(None, since=_MLA)
@@ -362,6 +435,7 @@ class ModelConfig(Config):
     init_std: float = 0.02
     init: InitRule = "normal"  # normal: N(0, init_std); xavier: Xavier-normal matrices (see model.init_weights)
     init_seed: int = 0  # weights are a pure function of (config, init_seed)
+    mtp: MTPConfig | None = added(None, since="issue 23: multi-token prediction")  # None = next-token only
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -428,6 +502,29 @@ class ModelConfig(Config):
             raise ValueError(
                 f"rope.scaling={self.rope.scaling!r} only applies to positions='rope', not positions={self.positions!r}"
             )
+        self._validate_layer_patterns()
+
+    def _validate_layer_patterns(self) -> None:
+        rope, attention = self.rope, self.attention
+        for name, value, off in (("partial", rope.partial, 1.0), ("nope_every", rope.nope_every, 0),
+                                 ("local_base", rope.local_base, None)):
+            if value != off and self.positions != "rope":
+                raise ValueError(f"rope.{name}={value} only applies to positions='rope', not {self.positions!r}")
+        if rope.local_base is not None and "local" not in attention.pattern:
+            raise ValueError(
+                f"rope.local_base={rope.local_base} is the base of local layers, and attention.pattern has none; "
+                "put 'local' in attention.pattern or leave rope.local_base unset"
+            )
+        if self.mla is not None and (attention != AttentionConfig() or rope.partial != 1.0 or rope.nope_every):
+            raise ValueError(
+                "mla with attention windows, sinks, rope.partial or rope.nope_every is not implemented; "
+                "leave those at their defaults with mla set"
+            )
+        if attention.sinks != "none" and self.positions == "relative":
+            raise ValueError(
+                f"attention.sinks={attention.sinks!r} is not implemented with positions='relative'; "
+                "choose another position scheme or sinks='none'"
+            )
 
     def _validate_mla(self) -> None:
         if self.positions != "rope":
@@ -452,6 +549,11 @@ class ModelConfig(Config):
             raise ValueError(
                 f"positions='rope' needs an even head_dim, got head_dim={self.head_dim} "
                 f"(d_model={self.d_model}, n_heads={self.n_heads}); change n_heads or head_dim"
+            )
+        if self.positions == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ValueError(
+                f"rope.partial={self.rope.partial} rotates {self.rotary_dim} of head_dim={self.head_dim} dimensions, "
+                "which must be even and at least 2; choose a partial that gives an even count"
             )
         if self.moe is not None:
             self.moe.check_against(n_layers=self.n_layers, d_ff=self.d_ff)
@@ -482,9 +584,9 @@ class ModelConfig(Config):
 
     @property
     def rotary_dim(self) -> int:
-        """The dimensions of each query and key head that rotary turns: head_dim, or under ``mla`` its
-        decoupled ``qk_rope_head_dim``."""
-        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+        """The dimensions of each query and key head that rotary turns: int(rope.partial * width), as
+        transformers, of head_dim or, under ``mla``, its decoupled ``qk_rope_head_dim``."""
+        return int((self.head_dim if self.mla is None else self.mla.qk_rope_head_dim) * self.rope.partial)
 
     @property
     def attention_widths(self) -> tuple[int, int]:
@@ -501,6 +603,15 @@ class ModelConfig(Config):
         if self.mla is None:
             return self.n_kv_heads, self.head_dim, self.head_dim
         return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of layer ``layer``'s attention: ``attention.window`` for a local layer, None for a global one."""
+        return self.attention.window if self.attention.kind(layer) == "local" else None
+
+    def has_positions(self, layer: int) -> bool:
+        """False for the NoPE layers of ``rope.nope_every``."""
+        n = self.rope.nope_every
+        return not (n and (layer + 1) % n == 0)
 
 
 # Named starting points. Sizes are laptop-small; every field can be overridden.
@@ -534,6 +645,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "olmo2": dict(
         norm="rmsnorm", norm_position="reordered", positions="rope", ffn="glu", activation="silu",
         n_heads=8, qk_norm="full", bias=False, tie_embeddings=False, norm_eps=1e-6, rope=dict(base=5e5),
+    ),
+    # Gemma 3 (Gemma Team 2025, arXiv:2503.19786, sec. 2.2), text only, laptop-small: five local layers of a
+    # sliding window (1024 there, 64 here for a 256-token context) to one global layer, local layers rotating
+    # with base 10k and global ones with 1e6; QK-norm per head and sandwich norms (Gemma 2's pre and post norms),
+    # GeGLU, embeddings scaled by sqrt(d_model) and tied. Six layers, so that one of them is global. (Gemma's
+    # RMSNorm stores its gain as 1 + w: another parametrization of the same function.)
+    "gemma3": dict(
+        d_model=256, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=64,
+        norm="rmsnorm", norm_position="sandwich", positions="rope", ffn="glu", activation="gelu_tanh",
+        qk_norm="head", embed_scale="sqrt_d", bias=False, tie_embeddings=True, norm_eps=1e-6,
+        rope=dict(base=1e6, local_base=1e4),
+        attention=dict(window=64, pattern=["local"] * 5 + ["global"]),
     ),
 }
 
@@ -583,6 +706,16 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
             n_groups=8, topk_groups=4, group_score="top2",
             bias_update_rate=1e-3, expert_balance_coef=1e-4,
         ),
+    ),
+    # gpt-oss (OpenAI 2025, model card sec. 2) scaled down: layers alternate a sliding window (128 tokens
+    # there, 64 here) and full attention, every head has a learned attention sink, biases on the attention
+    # and expert projections, rotary base 150k, grouped-query attention; softmax over the top-k experts'
+    # logits (= softmax, then renormalized over the k). gpt-oss-20b routes 4 of 32; here 2 of 8. Not yet
+    # here: its router bias and clamped SwiGLU experts (see the issue-23 notes).
+    "gpt-oss": dict(
+        _BODY, n_kv_heads=2, ffn="glu", activation="silu", bias=True, rope=dict(base=150000.0),
+        attention=dict(window=64, pattern=["local", "global"], sinks="learned"),
+        moe=dict(n_experts=8, top_k=2, normalize_top_k=True),
     ),
 }
 PRESETS.update(MOE_PRESETS)

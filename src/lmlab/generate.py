@@ -30,6 +30,10 @@ auto       ``graph`` on CUDA for a dense model outside torch.distributed (a shar
            collectives cannot be captured this way), else ``eager``. On the CPU ``eager``
            measured faster than ``static`` and ``compiled`` pays for its compile time only
            after tens of thousands of tokens (docs/speed.md).
+speculative  greedy only, for a model with multi-token prediction modules (``mtp``): they
+           draft ``mtp.depth`` tokens, one main forward verifies them all, the longest
+           prefix equal to greedy's is kept (``speculative.py``). Same tokens as ``eager``
+           at temperature 0; never ``auto``'s choice.
 =========  ===========================================================================
 
 The prefill is never compiled or captured: its shape changes with every prompt. The host
@@ -56,6 +60,7 @@ import torch
 from .attention import StaticKVCache
 from .memory import check_generation_fits
 from .sampling import Noise, Picker, make_picker, make_sampler, noise_width, top_k_filter, top_p_filter
+from .speculative import speculate
 
 __all__ = [
     "Completion", "DECODERS", "complete", "context_limit", "decode_step", "eos_ids", "generate", "left_pad",
@@ -238,6 +243,8 @@ def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                          "encode the prompt with the tokenizer the model was trained with")
     B, T = idx.shape
     limit = context_limit(model)
+    if decoder == "speculative":
+        check_speculative(model, temperature, T + max_new_tokens, limit)
     if limit is not None and T + max_new_tokens > limit:
         raise ValueError(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} exceeds "
@@ -314,6 +321,26 @@ def _eval_mode(model, chunks: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 
 # ============================================================== the reference loop
+def decode_speculative(r: Request) -> Iterator[torch.Tensor]:
+    """Greedy decoding with the MTP modules drafting and the main model verifying (``speculative.py``)."""
+    return speculate(r.model, r.idx, r.mask, r.n, eos=r.eos, fill=r.fill, ctx=r.ctx, cache_dtype=r.cache_dtype)
+
+
+def check_speculative(model, temperature, length: int, limit: int | None) -> None:
+    """Refuse what speculative decoding cannot do, before any token."""
+    depth = model.mtp.depth
+    if depth == 0:
+        raise ValueError("decoder='speculative' drafts with the multi-token prediction modules, and this model has "
+                         "none (mtp=None); train one with --model.mtp.depth 1, or choose decoder='eager'")
+    if temperature != 0:
+        raise ValueError(f"decoder='speculative' is greedy only, got temperature={temperature}; set temperature=0 "
+                         "or choose decoder='eager'")
+    if limit is not None and length + depth > limit:
+        raise ValueError(f"decoder='speculative' verifies {depth} drafted token(s) past the last one, so prompt + "
+                         f"max_new_tokens + mtp.depth = {length + depth} must fit max_seq_len={limit} (learned "
+                         "positions); ask for fewer tokens or choose decoder='eager'")
+
+
 def decode_eager(r: Request) -> Iterator[torch.Tensor]:
     """The plain loop: prefill the prompt, then one forward per token over the slots filled so far."""
     model, (B, T) = r.model, r.idx.shape
@@ -378,7 +405,7 @@ def decode_fixed(r: Request, run_for: Callable[[torch.nn.Module, StepState], Cal
         first, done = r.choose(logits, 0, torch.zeros(B, dtype=torch.bool, device=r.idx.device))
         state = StepState(r, StaticKVCache(cache), first, done)
         del cache  # the static cache holds its own copy
-        model.positions.reserve(cache_len, r.idx.device)
+        model.reserve_positions(cache_len, r.idx.device)
         run = run_for(model, state)
     begin = 0
     while begin < r.n:
@@ -477,6 +504,7 @@ DECODERS: dict[str, Callable[[Request], Iterator[torch.Tensor]]] = {
     "static": decode_static,
     "compiled": decode_compiled,
     "graph": decode_graph,
+    "speculative": decode_speculative,
 }
 
 

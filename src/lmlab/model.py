@@ -1,6 +1,7 @@
 """The decoder-only Transformer: blocks, the stack, heads, initialization and accounting.
 
     tokens ─ embed ─(+ absolute positions)─ [block] × L ─ final norm (not post) ─ head ─ logits
+                                                                    └─ MTP modules × D (mtp.py; training loss, drafts)
 
 Every choice is made here at construction from the config, through the registries of
 ``norm.py``, ``positions.py``, ``feedforward.py`` and this file's ``BLOCKS``; forward passes
@@ -26,16 +27,26 @@ from .init import Init, init_module
 from .loss import LOSSES
 from .mla import LatentAttention
 from .moe import MoE
+from .mtp import build_mtp
 from .norm import build_norm
-from .positions import AttentionTerm, Context, build_positions, causal_context, padded_context
+from .positions import (
+    AttentionTerm,
+    Context,
+    PositionScheme,
+    build_local_positions,
+    build_positions,
+    causal_context,
+    padded_context,
+    windowed,
+)
 from .schema import check_choice
 
 
 # ============================================================== blocks
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, positions):
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__()
-        self.attn = build_attention(cfg, layer, positions.attention_term())
+        self.attn = build_attention(cfg, layer, term)
         self.ffn = build_ffn(cfg, layer)
         self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -61,8 +72,8 @@ class PostNormBlock(Block):
 
     final_norm = False  # every block already ends with a norm
 
-    def __init__(self, cfg: ModelConfig, layer: int, positions):
-        super().__init__(cfg, layer, positions)
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__(cfg, layer, term)
         self.alpha = deepnorm_alpha(cfg.n_layers) if cfg.residual_scaling == "deepnorm" else 1.0
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
@@ -77,8 +88,8 @@ class SandwichNormBlock(Block):
 
     final_norm = True
 
-    def __init__(self, cfg: ModelConfig, layer: int, positions):
-        super().__init__(cfg, layer, positions)
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__(cfg, layer, term)
         self.post_norm1, self.post_norm2 = build_norm(cfg), build_norm(cfg)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
@@ -100,6 +111,38 @@ class ReorderedNormBlock(Block):
 
 
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
+
+
+class LayerContexts:
+    """The context each layer attends with, made from the model's once per forward. Global layers
+    take it as it is; local layers (``attention.pattern``) see only their window of it
+    (:func:`~lmlab.positions.windowed`) and, with ``rope.local_base``, rotate with their own tables.
+    NoPE layers (``rope.nope_every``) share their kind's context; their attention term ignores it."""
+
+    def __init__(self, cfg: ModelConfig, positions: PositionScheme):
+        self.kinds = [cfg.attention.kind(i) for i in range(cfg.n_layers)]
+        self.window = cfg.attention.window
+        self.local_positions = build_local_positions(cfg)  # None: the model's scheme, already in the context
+        self.terms = [self.term(cfg, i, positions) for i in range(cfg.n_layers)]
+
+    def term(self, cfg: ModelConfig, layer: int, positions: PositionScheme) -> AttentionTerm:
+        """How positions enter layer ``layer``'s attention."""
+        if not cfg.has_positions(layer):
+            return AttentionTerm()
+        local = self.kinds[layer] == "local" and self.local_positions is not None
+        return (self.local_positions if local else positions).attention_term()
+
+    def __call__(self, ctx: Context) -> list[Context]:
+        """One context per layer from the model's ``ctx`` (which carries the model's scheme state)."""
+        views = {"global": ctx}
+        if self.window is not None:
+            local = windowed(ctx, self.window)
+            views["local"] = local if self.local_positions is None else self.local_positions.attach(local)
+        return [views[kind] for kind in self.kinds]
+
+    def reserve(self, n: int, device: torch.device) -> None:
+        if self.local_positions is not None:
+            self.local_positions.reserve(n, device)
 
 
 def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Module:
@@ -132,8 +175,8 @@ class LMOutput:
     hidden: torch.Tensor  # (B, T, C) final hidden states, after the final norm
     loss: torch.Tensor | None  # ce_loss + aux_loss; None without targets
     ce_loss: torch.Tensor | None  # mean next-token cross-entropy over non-ignored targets
-    aux_loss: torch.Tensor  # sum of every MoE layer's weighted auxiliary losses (0 for dense)
-    aux_losses: dict[str, torch.Tensor]  # each auxiliary loss summed over layers, weighted
+    aux_loss: torch.Tensor  # sum of aux_losses (0 for a dense model without MTP)
+    aux_losses: dict[str, torch.Tensor]  # each MoE auxiliary loss summed over layers, and "mtp"; weighted
     head: Callable[[torch.Tensor], torch.Tensor] = dataclasses.field(repr=False, compare=False)
 
     @functools.cached_property
@@ -169,13 +212,19 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale == "sqrt_d" else 1.0
         self.positions = build_positions(cfg)
+        self.layer_contexts = LayerContexts(cfg, self.positions)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(BLOCKS[cfg.norm_position](cfg, i, self.positions) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            BLOCKS[cfg.norm_position](cfg, i, term) for i, term in enumerate(self.layer_contexts.terms)
+        )
         # post-norm already ends every block with a norm; the others need one before the head
         self.final_norm = build_norm(cfg) if BLOCKS[cfg.norm_position].final_norm else nn.Identity()
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        # after the head, so that a model with MTP draws the same main weights as one without
+        # MTP blocks are global layers with the model's position scheme (DeepSeek-V3 has no windows)
+        self.mtp = build_mtp(cfg, lambda layer: BLOCKS[cfg.norm_position](cfg, layer, self.positions.attention_term()))
         self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
         self.set_loss_impl("chunked")
         if not self.embed.weight.is_meta:  # built on the meta device (shapes only, for accounting): no values to draw
@@ -191,6 +240,12 @@ class Transformer(nn.Module):
         ``attention_mask`` (B, T): 1 for real tokens, 0 for padding (left padding for generation).
         Pads are never attended to, and positions count real tokens only. The cache remembers it,
         so later forwards need none. The hidden states at pad positions are meaningless."""
+        return self.hidden_and_context(idx, cache, attention_mask)[0]
+
+    def context(self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> Context:
+        """The positions and mask of a forward over ``idx`` (B, T) (see :meth:`hidden`), with the
+        position scheme's tables attached."""
         B, T = idx.shape
         if cache is not None:
             cache.check_room(T, B)
@@ -201,14 +256,22 @@ class Transformer(nn.Module):
             ctx = padded_context(pos, pos, real)
         else:
             ctx = causal_context(0, T, idx.device)
-        ctx = self.positions.attach(ctx)
-        x = self.embed(idx) * self.embed_scale  # (B, T, C)
-        x = self.drop(self.positions.embed(x, ctx))
-        for block in self.blocks:
-            x = block(x, ctx, cache)
+        return self.positions.attach(ctx)
+
+    def hidden_and_context(self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None,
+                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Context]:
+        """:meth:`hidden`, and the context it ran with (the MTP modules run at the same positions)."""
+        ctx = self.context(idx, cache, attention_mask)
+        x = self.drop(self.positions.embed(self.embed_tokens(idx), ctx))  # (B, T, C)
+        for block, layer_ctx in zip(self.blocks, self.layer_contexts(ctx)):
+            x = block(x, layer_ctx, cache)
         if cache is not None:
-            cache.advance(T)
-        return self.final_norm(x)
+            cache.advance(idx.shape[1])
+        return self.final_norm(x), ctx
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, T, C) of ids (B, T), scaled by ``embed_scale``; no positions."""
+        return self.embed(idx) * self.embed_scale
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -219,11 +282,13 @@ class Transformer(nn.Module):
                 f"targets has shape {tuple(targets.shape)} but idx has {tuple(idx.shape)}; targets[b, t] is "
                 "the token that follows idx[b, t] (IGNORE_INDEX = -100 to skip it), so the shapes must match"
             )
-        h = self.hidden(idx, cache, attention_mask)  # (B, T, C)
+        h, ctx = self.hidden_and_context(idx, cache, attention_mask)  # (B, T, C)
+        named = [(n, v) for moe in self.moe_layers for n, v in moe.aux_losses.items()]
+        if targets is not None:  # multi-token prediction ("mtp", and its MoE layers' own) trains with targets only
+            named += self.mtp.losses(h, targets, ctx, self.embed_tokens, self.head.weight, self.loss_fn).items()
         aux_losses: dict[str, torch.Tensor] = {}
-        for moe in self.moe_layers:
-            for name, value in moe.aux_losses.items():
-                aux_losses[name] = aux_losses.get(name, 0.0) + value
+        for name, value in named:
+            aux_losses[name] = aux_losses.get(name, 0.0) + value
         aux_loss = sum(aux_losses.values(), torch.zeros((), device=h.device))
         ce = loss = None
         if targets is not None:
@@ -251,13 +316,20 @@ class Transformer(nn.Module):
         self.loss_fn = LOSSES[impl]
         self.loss_impl = impl
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                  *, mtp: bool = False) -> KVCache:
         """An empty KV cache on the model's device, in the weights' dtype unless ``dtype`` is given
-        (under bf16 autocast the weights stay fp32; pass ``dtype=torch.bfloat16`` to halve its memory)."""
-        p = self.head.weight
-        return KVCache(
-            self.config, batch_size, max_len or self.config.max_seq_len, device=p.device, dtype=dtype or p.dtype
-        )
+        (under bf16 autocast the weights stay fp32; pass ``dtype=torch.bfloat16`` to halve its memory).
+        ``mtp``: the cache of the multi-token prediction modules' blocks instead of the main blocks'."""
+        p, cfg = self.head.weight, self.config
+        layers = range(cfg.n_layers, cfg.n_layers + self.mtp.depth) if mtp else range(cfg.n_layers)
+        return KVCache(cfg, batch_size, max_len or cfg.max_seq_len, device=p.device, dtype=dtype or p.dtype,
+                       layers=layers)
+
+    def reserve_positions(self, n: int, device: torch.device) -> None:
+        """Build now the position tables of positions below ``n`` (see ``PositionScheme.reserve``)."""
+        self.positions.reserve(n, device)
+        self.layer_contexts.reserve(n, device)
 
     def moe_stats(self) -> list[dict[str, float]]:
         """Load statistics of each MoE layer from the last forward, or from every forward of the last
@@ -279,13 +351,17 @@ class Transformer(nn.Module):
     def update_router_biases(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3): nudge each MoE layer's selection bias by the
         sign of its load error since the last call. The trainer calls this after every optimizer
-        step, passing an in-place sum over processes under DDP."""
-        for moe in self.moe_layers:
+        step, passing an in-place sum over processes under DDP. The MTP modules' MoE layers too."""
+        for moe in self.moe_layers + self.mtp.moe_layers:
             moe.update_bias(all_reduce)
+
+    def all_blocks(self) -> list[Block]:
+        """The main blocks, then the MTP modules' blocks."""
+        return [*self.blocks, *(m.block for m in self.mtp.layers)]
 
     def set_attention_impl(self, impl: str) -> None:
         """Switch every layer between the fused ``sdpa`` path and the ``explicit`` reference."""
-        for block in self.blocks:
+        for block in self.all_blocks():
             block.attn.set_impl(impl)
 
     # ---- accounting
@@ -295,7 +371,7 @@ class Transformer(nn.Module):
         relative-position tables. Position representations are embeddings; Kaplan et al. (2020,
         sec. 2.1) leave all of them out of the non-embedding count N. The one answer to "what is an
         embedding": ``num_params``, ``flops_per_token`` and the optimizer's no-decay group use it."""
-        relative = (p for block in self.blocks for p in block.attn.term.parameters())
+        relative = (p for block in self.all_blocks() for p in block.attn.term.parameters())
         return [self.embed.weight, *self.positions.parameters(), *relative]
 
     def num_params(self) -> dict[str, int]:
@@ -305,18 +381,20 @@ class Transformer(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         embedding = sum(p.numel() for p in self.embedding_parameters())
         head = 0 if self.config.tie_embeddings else self.head.weight.numel()
-        inactive = sum(moe.inactive_params() for moe in self.moe_layers)
+        inactive = sum(moe.inactive_params() for moe in self.moe_layers + self.mtp.moe_layers)
         return {"total": total, "non_embedding": total - embedding - head, "active": total - inactive}
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 N + 12 L H d_head T (PaLM, Chowdhery et al. 2022, app. B),
         where N counts active matmul weights: the output head included, ``embedding_parameters()`` not.
-        With query/key and value widths that differ (MLA), 12 d_head is 6 (d_qk + d_v)."""
-        cfg, T = self.config, seq_len or self.config.max_seq_len
+        With query/key and value widths that differ (MLA), 12 d_head is 6 (d_qk + d_v). D multi-token
+        prediction modules add their blocks to L and use the head D more times."""
+        cfg, T, D = self.config, seq_len or self.config.max_seq_len, self.mtp.depth
         n = self.num_params()["active"] - sum(p.numel() for p in self.embedding_parameters())
         n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
+        n += D * self.head.weight.numel()  # each MTP module reads the shared head once more
         d_qk, d_v = cfg.attention_widths
-        return 6.0 * n + 6.0 * cfg.n_layers * cfg.n_heads * (d_qk + d_v) * T
+        return 6.0 * n + 6.0 * (cfg.n_layers + D) * cfg.n_heads * (d_qk + d_v) * T
 
 
 class SequenceClassifier(nn.Module):

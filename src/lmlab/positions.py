@@ -91,6 +91,20 @@ def padded_context(q_pos: torch.Tensor, k_pos: torch.Tensor, key_valid: torch.Te
     return Context(q_pos, k_pos, mask[:, None])
 
 
+def windowed(ctx: Context, window: int) -> Context:
+    """``ctx`` for a local layer: each query sees itself and the keys of the ``window - 1`` positions
+    before it, of those it saw (transformers' sliding window: key j from query i when i - window < j).
+    The same positions and scheme state; a new mask, so every path that reads the mask (the fused
+    kernel, the reference, a cache's slots) honours the window. Where S <= window no key can be that
+    far back (positions of real tokens differ by at most their slots'), and ``ctx`` is kept as it is."""
+    if ctx.S <= window:
+        return dataclasses.replace(ctx)
+    near = (ctx.q_pos[:, :, None] - ctx.k_pos[:, None, :]) < window  # (B|1, T, S)
+    visible = ctx.visible()
+    mask = near[:, None] if visible is None else visible & near[:, None]  # (B|1, 1, T, S)
+    return dataclasses.replace(ctx, mask=mask, is_causal=False)
+
+
 # ============================================================== per-layer attention terms
 class AttentionTerm(nn.Module):
     """How a position scheme enters attention. Default: it does not."""
@@ -131,6 +145,21 @@ class RotaryTerm(AttentionTerm):
     def rotate(self, qk, ctx):
         # queries and keys in one call; the tables are fp32, a bf16 model stays bf16
         return self.rotate_one(qk, ctx.state).to(qk.dtype)
+
+
+class PartialRotaryTerm(RotaryTerm):
+    """Rotary on the first ``rotary_dim`` dimensions of each head, the rest passed through unrotated
+    (GPT-NeoX's rotary_pct, Black et al. 2022, sec. 2.1.1; transformers' partial_rotary_factor). The
+    tables are rotary_dim wide, so pairs are (j, j + rotary_dim/2) in the half layout."""
+
+    def __init__(self, layout: str, rotary_dim: int):
+        super().__init__(layout)
+        self.rotary_dim = rotary_dim
+        self.half_rotation = False  # QKVHeads rotates whole heads
+
+    def rotate(self, qk, ctx):
+        rotated, passed = qk[..., : self.rotary_dim], qk[..., self.rotary_dim :]
+        return torch.cat((self.rotate_one(rotated, ctx.state).to(qk.dtype), passed), dim=-1)
 
 
 def rotate_half(x: torch.Tensor, r: RotaryState) -> torch.Tensor:
@@ -394,6 +423,8 @@ class Rotary(PositionScheme):
         return RotaryState(*rows[:, None].unbind(-2))
 
     def attention_term(self):
+        if self.cfg.rope.partial < 1.0:
+            return PartialRotaryTerm(self.cfg.rope.layout, self.cfg.rotary_dim)
         return RotaryTerm(self.cfg.rope.layout)
 
 
@@ -433,3 +464,13 @@ def build_positions(cfg: ModelConfig) -> PositionScheme:
     if cfg.positions == "rope" and cfg.rope.scaling == "dynamic":
         return DynamicRotary(cfg)
     return SCHEMES[cfg.positions](cfg)
+
+
+def build_local_positions(cfg: ModelConfig) -> PositionScheme | None:
+    """The scheme of local layers where it is their own: rotary with ``rope.local_base`` and no
+    scaling (Gemma 3 rotates local layers with base 10k, global ones with a larger, scaled base).
+    None: local layers share the model's scheme."""
+    if cfg.rope.local_base is None:
+        return None
+    rope = RopeConfig(base=cfg.rope.local_base, layout=cfg.rope.layout, partial=cfg.rope.partial)
+    return Rotary(cfg.replace(rope=rope))

@@ -197,7 +197,7 @@ def _default_of(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         value = f.default_factory()  # type: ignore[misc]
         return value.identity_dict() if isinstance(value, Config) else value
-    return f.default
+    return list(f.default) if isinstance(f.default, tuple) else f.default  # as identity_dict writes a tuple
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -53,14 +53,16 @@ DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 # rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
 SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
-# Probes per distance. Measured on rope trained with train.repeats (10%, 16 tokens; 800 steps, seed 0),
-# 400 probes: the per-probe mean log-prob has std 0.84 nats in range (1x) and 0.87 at 8x far, so
-# 1800 probes give a standard error of 0.02 (0.85 / sqrt(1800)); that model does not copy yet, and a
-# model that does should spread less (its log-probs pile up near 0). At a run's end the in-range and 8x
-# probes (the gate's and the claim's) use COPY_N; the 16x probes and the fine-tune snapshots' 8x
-# probes use COPY_N_CURVE (standard error ~0.04) at a quarter of the cost: 1800 probes at 8x are
-# 0.9M tokens of forward passes (400 took 83 s on one thread of a loaded 2-core CPU).
-COPY_N, COPY_N_CURVE = 1800, 450
+# Probes per distance, from the spread of the per-probe mean log-prob (COPY_SD): the standard error is
+# COPY_SD / sqrt(n). Measured on the pilot of rope-copy's setting (positions.yaml p4; 1x, 128 probes
+# every 100 steps): sd 0.15, 0.20, 0.13 and 0.06 nats at steps 300-600, largest at the gate (acc 0.57
+# at step 400), where a model half copies; 100 probes would give 0.02 there. COPY_N doubles the sd for
+# the fine-tunes' 8x probes, which may spread more: 400 give 0.02 at sd 0.4 (0.01 at the measured 0.2),
+# and COPY_N_CURVE (the 16x probes, the snapshots' 8x) 0.02 at the measured sd. The first text-repeat
+# model, which did not copy, spread 0.85 and needed 1800; 400 probes at 8x are 0.2M tokens of forward
+# passes (83 s on one thread of a loaded 2-core CPU).
+COPY_SD = 0.2  # measured per-probe sd of copy_1x_logp at the gate (rope-copy's pilot)
+COPY_N, COPY_N_CURVE = round((2 * COPY_SD / 0.02) ** 2), round((COPY_SD / 0.02) ** 2)  # 400, 100
 COPY_N_QUICK = 32  # the quick profile's: a smoke test, seconds
 COPY_BATCH = 8  # probe windows per forward pass
 COPY_GATE = 0.5  # in-range copy accuracy (copy_1x_acc) a model must reach before its retrieval beyond range is judged
@@ -97,21 +99,22 @@ def length_metrics(model, data, L: int, multiples, tokens: int) -> dict[str, Any
 
 @torch.no_grad()
 def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int = COPY_N,
-               source: str = "text") -> dict[str, float]:
+               source: str = "text", alphabet: int | None = None) -> dict[str, float]:
     """How well ``model`` continues a repeat: ``n`` windows of ``length`` validation tokens, spread
     over the split (deterministic), each with a k-token segment at [first_at, first_at + k) written
     again at its end (the first copy ``length - k - first_at`` tokens back), as ``train.repeats``
     plants them in training. ``source`` as ``train.repeats.source``: ``text``, the window's own text
     at first_at is repeated; ``random``, k ids drawn uniformly from ``data.plantable_ids`` (by a
-    generator seeded 0: the same probes at every call) are written at both places, so only copying
-    predicts the repeat (a uniform guess scores logp -ln V, acc ~1/V). Over the repeat's tokens 2..k
+    generator seeded 0: the same probes at every call; the first ``alphabet`` of them when given, as
+    ``train.repeats.alphabet``) are written at both places, so only copying predicts the repeat (a
+    uniform guess over the V ids drawn from scores logp -ln V, acc ~1/V). Over the repeat's tokens 2..k
     (the first cues it): ``logp``, the mean log-probability per probe averaged over probes, a measure
     that moves before accuracy does, and ``acc``, argmax accuracy; each with its standard error over
     probes (``logp_se``, ``acc_se``)."""
     starts = spread_starts(len(data.tokens), length, n)
     x = np.stack([np.asarray(data.tokens[s : s + length]) for s in starts]).astype(np.int64)  # (n, length)
     if source == "random":
-        ids = data.plantable_ids
+        ids = data.plantable_ids[:alphabet]
         x[:, first_at : first_at + k] = ids[torch.randint(len(ids), (n, k), generator=torch.Generator().manual_seed(0))]
     elif source != "text":
         raise ValueError(f"copy probe source={source!r} is not a valid choice; choose one of ['text', 'random']")
@@ -138,11 +141,12 @@ def copy_probe(model, data, length: int, first_at: int, k: int = COPY_K, n: int 
     return out
 
 
-def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "text") -> dict[str, float]:
+def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "text",
+                 alphabet: int | None = None) -> dict[str, float]:
     """For each multiple m of ``probes`` (m -> how many probes): copy_1x_* for m = 1 (first copy at
     0: in range), else copy_{m}x_far_* (first copy at 0, about the window length back) and
     copy_{m}x_near_* (L/2 back, at positions beyond L); each ``logp``, ``acc`` and their ``_se``
-    (:func:`copy_probe`, segments of ``source``: the same keys whichever it is)."""
+    (:func:`copy_probe`, segments of ``source`` and ``alphabet``: the same keys whichever they are)."""
     k = min(COPY_K, L // 4)
     where: dict[str, tuple[int, int, int]] = {}  # key -> (window, first copy at, probes)
     for m, n in probes.items():
@@ -152,7 +156,7 @@ def copy_metrics(model, data, L: int, probes: dict[int, int], source: str = "tex
         elif model.config.positions != "learned" or T <= model.config.max_seq_len:
             where.update({f"copy_{m}x_far": (T, 0, n), f"copy_{m}x_near": (T, T - k - L // 2, n)})
     return {f"{key}_{name}": v for key, (T, first, n) in where.items()
-            for name, v in copy_probe(model, data, T, first, k, n, source).items()}
+            for name, v in copy_probe(model, data, T, first, k, n, source, alphabet).items()}
 
 
 def rescaled(model, method: str, factor: float, original: int):
@@ -192,10 +196,11 @@ class Hooks(SweepHooks):
         n, curve = (COPY_N_QUICK, COPY_N_QUICK) if spec.is_quick else (COPY_N, COPY_N_CURVE)
         self.copy_end = {1: n, 8: n, 16: curve}  # at a run's end: the claim's lengths at COPY_N
         self.copy_snapshot = {1: n, 8: curve}  # at a fine-tune's snapshots
-        # what every run's probes plant: rope-copy's train.repeats.source, so the probe asks what it was
+        # what every run's probes plant: rope-copy's train.repeats.source and alphabet, so the probe asks what it was
         # trained on; the same for every scheme, so their copy figures compare
         repeats = spec.configs["rope-copy"].train.repeats if "rope-copy" in spec.configs else None
         self.copy_source = repeats.source if repeats is not None else "text"
+        self.copy_alphabet = repeats.alphabet if repeats is not None else None
 
     def ft_measure(self, model, data) -> dict[str, Any]:
         m = {
@@ -203,7 +208,7 @@ class Hooks(SweepHooks):
             for k, v in length_metrics(model, data, self.L, (1, *LONG), self.tokens).items()
             if not k.startswith("pp_")
         }
-        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, self.copy_source)}
+        return {**m, **copy_metrics(model, data, self.L, self.copy_snapshot, self.copy_source, self.copy_alphabet)}
 
     def callbacks(self, variant, seed, run_dir):
         steps = snapshot_steps(self.steps[variant.name])
@@ -212,7 +217,7 @@ class Hooks(SweepHooks):
     def after_fit(self, trainer, variant, seed, run_dir) -> dict[str, Any]:
         model, data, L = trainer.model, trainer.val_data, self.L
         out = {**length_metrics(model, data, L, MULTIPLES, self.tokens),
-               **copy_metrics(model, data, L, self.copy_end, self.copy_source)}
+               **copy_metrics(model, data, L, self.copy_end, self.copy_source, self.copy_alphabet)}
         if variant.init_from:
             snaps = Snapshots(run_dir, set(), self.ft_measure).read()
             out["snapshots"] = {**snaps, str(trainer.step): {k: v for k, v in out.items() if not k.startswith("pp_")}}
@@ -223,7 +228,7 @@ class Hooks(SweepHooks):
                     out.update({f"zs_{name}_{k}": v for k, v in r.items() if not k.startswith("pp_") or m == 16})
                 for m in LONG:
                     probe = copy_probe(rescaled(model, method, float(m), L), data, m * L, 0, min(COPY_K, L // 4),
-                                       self.copy_end[m], self.copy_source)
+                                       self.copy_end[m], self.copy_source, self.copy_alphabet)
                     out.update({f"zs_{name}_copy_{m}x_far_{k}": v for k, v in probe.items()})
         return out
 
@@ -331,9 +336,9 @@ def scheme_table(rows: list[dict], names: list[str]) -> list[dict]:
         for m in LONG:
             for part in ("in", "beyond"):
                 row[f"{m}× {part}"] = "n/a" if na else _ms([num(r.get(f"{part}_{m}x")) for r in runs])
-        row["copy 1×"] = _ms([num(r.get("copy_1x")) for r in runs], 2)
+        row["copy 1× acc"] = _ms([num(r.get("copy_1x_acc")) for r in runs], 2)
         for m in LONG:
-            row[f"copy {m}× far"] = "n/a" if na else _ms([num(r.get(f"copy_{m}x_far")) for r in runs], 2)
+            row[f"copy {m}× far logp"] = "n/a" if na else _ms([num(r.get(f"copy_{m}x_far_logp")) for r in runs], 2)
         out.append(row)
     return out
 
@@ -344,13 +349,13 @@ def zero_shot_table(rows: list[dict]) -> list[dict]:
         {
             "rope": "no scaling",
             **{f"{m}× {p}": _ms([num(r.get(f"{p}_{m}x")) for r in runs]) for m in LONG for p in ("in", "beyond")},
-            "copy 8× far": _ms([num(r.get("copy_8x_far")) for r in runs], 2),
+            "copy 8× far logp": _ms([num(r.get("copy_8x_far_logp")) for r in runs], 2),
         }
     ]
     for name in METHODS:
         out.append({"rope": f"{name}, zero-shot", **{f"{m}× {p}": _ms([num(r.get(f"zs_{name}_{p}_{m}x")) for r in runs])
                                                    for m in LONG for p in ("in", "beyond")},
-                    "copy 8× far": _ms([num(r.get(f"zs_{name}_copy_8x_far")) for r in runs], 2)})
+                    "copy 8× far logp": _ms([num(r.get(f"zs_{name}_copy_8x_far_logp")) for r in runs], 2)})
     return out
 
 
@@ -369,7 +374,7 @@ def finetune_table(rows: list[dict]) -> list[dict]:
                     "steps": int(step),
                     **{f"8× {p}": _ms([ft_value(r, step, f"{p}_8x") for r in runs.values()]) for p in ("in", "beyond")},
                     "16× beyond": _ms([ft_value(r, step, "beyond_16x") for r in runs.values()]),
-                    "copy 8× far": _ms([ft_value(r, step, "copy_8x_far") for r in runs.values()], 2),
+                    "copy 8× far logp": _ms([ft_value(r, step, "copy_8x_far_logp") for r in runs.values()], 2),
                     "extension effect vs none [95% CI]": mean_interval(effect).text() if effect else "—",
                 }
             )
@@ -420,14 +425,13 @@ def plot_per_position(rows: list[dict], out: Path, names: list[str], L: int, key
 def plot_finetune(rows: list[dict], out: Path) -> str:
     plt = figure()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method in FT_METHODS:
-        runs = seeds_of(rows, f"rope-ft-{method}").values()
-        for ax, key in zip(axes, ("beyond_8x", "copy_8x_far")):
-            # copy_8x_far: the random-token probe of the committed runs; a run made now has copy_8x_far_acc
-            curves = [sorted((int(s), num(v.get(key, v.get(f"{key}_acc"))))
-                             for s, v in (r.get("snapshots") or {}).items()) for r in runs]
+    for method in FT_METHODS:  # the extension claims' fine-tunes (loss) and the retrieval claim's (copy log-prob)
+        for ax, arm, key in zip(axes, ("rope-ft", "rope-copy-ft"), ("beyond_8x", "copy_8x_far_logp")):
+            runs = seeds_of(rows, f"{arm}-{method}").values()
+            curves = [sorted((int(s), num(v.get(key))) for s, v in (r.get("snapshots") or {}).items()) for r in runs]
             band_plot(ax, curves, label=method, marker="o")
-    for ax, what in zip(axes, ("beyond-range loss at 8x", "copy accuracy, first copy at 0, 8x")):
+    for ax, what in zip(axes, ("rope-ft-*: beyond-range loss at 8x",
+                               "rope-copy-ft-*: copy log-prob, first copy at 0, 8x")):
         ax.set_xscale("log")
         ax.set_xlabel("fine-tune steps at 8x")
         ax.set_ylabel(what)
@@ -542,9 +546,9 @@ def paper_note(decisions, cfg, rows: list[dict]) -> str:
             f"These models ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
             f"{t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M training tokens) do not copy a repeated segment "
             "even in range, so the probe has nothing for an extension to "
-            "carry further. Random-token segments are off-distribution, and Olsson et al. (2022) saw induction heads "
-            "appear in a phase change well into training, which runs this short have not reached; a test of the "
-            "claim needs a model that copies in range first, which the --profile gpu size is meant to reach."
+            "carry further. Olsson et al. (2022) saw induction heads appear in a phase change well into training; "
+            "at the default size the pilot of rope-copy's planting (positions.yaml) copied in range by step 400 of "
+            "800, and planting at uniform distances (which needs an induction circuit) had not by step 600."
         )
     return ("### Disagreements with the papers\n\n" + "\n\n".join(notes) + "\n") if notes else ""
 

@@ -7,7 +7,7 @@
 
 Only safetensors are read. A pickled ``pytorch_model.bin`` can run arbitrary code when it is
 loaded, so it is refused with a hint to convert it. Every feature of a checkpoint that lmlab
-cannot express exactly (sliding windows, partial rotary, mixed biases, ...) is refused with one
+cannot express exactly (partial rotary in Llama, mixed biases, unknown layer types, ...) is refused with one
 ValueError naming it, rather than loaded approximately.
 
 Families: a registry keyed by config.json's ``model_type``
@@ -32,7 +32,7 @@ Families: a registry keyed by config.json's ``model_type``
   ``save_pretrained`` writes). :func:`to_hf` takes the first registered family that can hold the
   model, so the choice follows what the config needs, never a model's name.
 
-The package's modules import one way, registry <- dense <- moe <- deepseek, qwen3 <- olmo <- export <- this
+The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- export <- this
 file:
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
@@ -40,7 +40,7 @@ file:
 - ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
 - ``moe.py``: mixtral, qwen2_moe and glm4_moe, on the Llama layout, and DeepSeek-V3's MoE layers;
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
-- ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms), and the q/k norm tensors every such family maps;
+- ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
 - this file: the reading entry points and the checkpoint files. A new family is a config function,
@@ -60,7 +60,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import deepseek, dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register

@@ -1,16 +1,17 @@
 """Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, in both directions, plus the
 Llama layout that the mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
 :func:`llama_weights` with a pluggable per-layer feed-forward part, and their inverses
-:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), and
+:func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), the q/k norm
+tensors of the families that have them (:func:`qk_norm_weights`, :func:`qk_norm_to_hf`), and
 conversions between the two rotary layouts of q/k projection rows."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from ..config import ModelConfig
+from ..config import AttentionConfig, ModelConfig
 from .registry import (
     ACTIVATION_NAMES,
     Export,
@@ -18,6 +19,9 @@ from .registry import (
     HFTensors,
     Tensors,
     activation_from_hf,
+    attention_from_hf,
+    layer_types_to_hf,
+    layers_refusal,
     model_config,
     refusal,
     register,
@@ -75,14 +79,12 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
 
 
 def mistral_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """Mistral is Llama without biases, plus a sliding attention window that lmlab lacks."""
+    """Mistral is Llama without biases, with a sliding window of ``sliding_window`` tokens in every
+    layer (null: full attention)."""
     window = with_defaults(hf, MISTRAL_DEFAULTS)["sliding_window"]
-    if window is not None:
-        raise ValueError(
-            f"config.json has sliding_window={window}: lmlab has no sliding-window attention, so only "
-            "Mistral checkpoints with sliding_window null can be loaded"
-        )
-    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, MISTRAL_DEFAULTS)
+    attention = AttentionConfig() if window is None else AttentionConfig(window=window, pattern=("local",))
+    cfg = llama_config({**hf, "attention_bias": False, "mlp_bias": False}, MISTRAL_DEFAULTS)
+    return cfg.replace(attention=attention)
 
 
 def llama_attention(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
@@ -126,12 +128,36 @@ def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu) -
 LLAMA_IGNORE = (r"\.rotary_emb\.inv_freq$",)  # a buffer that checkpoints before transformers 4.31 saved
 
 
+# ---- query/key norm tensors (qk_norm), for every family that has them
+def qk_norm_weights(cfg: ModelConfig, t: HFTensors, attn: str = "self_attn.") -> dict[str, torch.Tensor | None]:
+    """Each layer's ``{attn}q_norm.weight`` and ``k_norm.weight`` -> ``blocks.{i}.attn.qk_norm.*``."""
+    sd = {}
+    for i in range(cfg.n_layers):
+        for part in ("q_norm", "k_norm"):
+            sd[f"blocks.{i}.attn.qk_norm.{part}.weight"] = t.take(f"model.layers.{i}.{attn}{part}.weight")
+    return sd
+
+
+def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> dict[str, torch.Tensor]:
+    """The inverse of :func:`qk_norm_weights`. With interleaved rotary pairs the gains are permuted as the q/k
+    rows are (``interleaved_to_half``): one head's worth for ``head``, every head for ``full``."""
+    heads = {"q_norm": cfg.n_heads, "k_norm": cfg.n_kv_heads} if cfg.qk_norm == "full" else {"q_norm": 1, "k_norm": 1}
+    out = {}
+    for i in range(cfg.n_layers):
+        for part, n in heads.items():
+            w = sd[f"blocks.{i}.attn.qk_norm.{part}.weight"]
+            half = interleaved_to_half(w, n) if cfg.rope.layout == "interleaved" else w
+            out[f"model.layers.{i}.{attn}{part}.weight"] = half
+    return out
+
+
 # ---- the other direction: lmlab -> the Llama layout
 def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "pre",
-                         qk_norm: str = "none") -> str | None:
+                         qk_norm: str = "none", supports: Iterable[str] = ()) -> str | None:
     """What a Llama-layout architecture ``name`` cannot compute: its norm placement (pre-norm unless
-    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, and standard
-    (not latent) attention."""
+    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, standard
+    (not latent) attention, and the per-layer choices of ``supports`` (see
+    :func:`~lmlab.hf.registry.layers_refusal`)."""
     if cfg.mla is not None:
         return f"mla set ({name} has no multi-head latent attention; deepseek_v2 and deepseek_v3 have)"
     placements = {"pre": "normalizes each sublayer's input", "reordered": "normalizes each sublayer's output"}
@@ -143,7 +169,7 @@ def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "p
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"),
         "positions": ("rope", f"{name} uses rotary positions"),
         "ffn": ("glu", f"{name}'s feed-forward is gated, W2 (act(Wg x) * W1 x)"),
-    }) or rope_refusal(cfg)
+    }) or rope_refusal(cfg) or layers_refusal(cfg, name, supports)
 
 
 def llama_layout_to_hf(cfg: ModelConfig, **extra_rope: Any) -> dict[str, Any]:
@@ -225,13 +251,15 @@ def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def mistral_refusal(cfg: ModelConfig) -> str | None:
+    if len(set(cfg.attention.pattern)) > 1:
+        return f"attention.pattern={list(cfg.attention.pattern)} (Mistral's sliding window applies to every layer)"
     return refusal(cfg, {
         "bias": (False, "Mistral has no biases"), "qkv_bias": (False, "Mistral has no biases"),
-    }) or llama_layout_refusal(cfg, "Mistral")
+    }) or llama_layout_refusal(cfg, "Mistral", supports=("window",))
 
 
 def mistral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama_layout_to_hf(cfg), "sliding_window": None}
+    return {**llama_layout_to_hf(cfg), "sliding_window": cfg.attention.window}
 
 
 register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE, Export(
@@ -249,24 +277,28 @@ QWEN2_DEFAULTS: dict[str, Any] = dict(
 
 
 def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False)."""
+    """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False).
+    With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (or as ``layer_types`` says)."""
     hf = with_defaults(hf, QWEN2_DEFAULTS)
-    if hf["use_sliding_window"] or "sliding_attention" in (hf["layer_types"] or ()):
-        raise ValueError(
-            "config.json enables sliding-window attention (use_sliding_window / layer_types): lmlab has no "
-            "sliding-window attention, so only Qwen2 checkpoints with full attention in every layer load"
-        )
-    return llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS).replace(qkv_bias=True)
+    n, window = hf["num_hidden_layers"], hf["sliding_window"] if hf["use_sliding_window"] else None
+    types = hf["layer_types"]
+    if types is None:  # as Qwen2Config.__post_init__ derives them
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    cfg = llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS)
+    return cfg.replace(qkv_bias=True, attention=attention_from_hf(types, window, n))
 
 
 def qwen2_refusal(cfg: ModelConfig) -> str | None:
     return refusal(cfg, {
         "qkv_bias": (True, "Qwen2 has biases on q, k and v"), "bias": (False, "Qwen2 has biases on q, k and v only"),
-    }) or llama_layout_refusal(cfg, "Qwen2")
+    }) or llama_layout_refusal(cfg, "Qwen2", supports=("window",))
 
 
 def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama_layout_to_hf(cfg), "use_sliding_window": False, "sliding_window": None}
+    window = cfg.attention.window
+    return {**llama_layout_to_hf(cfg), "use_sliding_window": window is not None, "sliding_window": window,
+            "layer_types": layer_types_to_hf(cfg)}
 
 
 register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE, Export(
@@ -337,7 +369,7 @@ def gpt2_refusal(cfg: ModelConfig) -> str | None:
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "
             f"d_model / n_heads for queries, keys and values alike)"
         )
-    return refusal(cfg, {
+    return layers_refusal(cfg, "GPT-2") or refusal(cfg, {
         "norm_position": ("pre", "GPT-2 normalizes each sublayer's input"),
         "qk_norm": ("none", "GPT-2 has no query/key norm"),
         "norm": ("layernorm", "GPT-2 normalizes with LayerNorm"),

@@ -5,11 +5,10 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, qwen3, qwen3_moe, olmo2, olmoe), or named with
-``architecture=``. Nothing
-approximate is ever written: a model that no transformers architecture computes exactly is refused
-with a ValueError that names the field and its value. Dropout and balancing coefficients act only in
-training and are not part of what is checked.
+qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, olmo2, olmoe, qwen3, qwen3_moe), or named with
+``architecture=``. Nothing approximate is ever written: a model that no transformers architecture
+computes exactly is refused with a ValueError that names the field and its value. Dropout and
+balancing coefficients act only in training and are not part of what is checked.
 
 The directory appears whole or not at all: everything is computed and checked first, the files
 are written into a hidden temporary directory next to ``out``, fsynced, and renamed into place.

@@ -40,6 +40,8 @@ from .dense import (
     llama_layout_to_hf,
     llama_weights,
     llama_weights_to_hf,
+    qk_norm_to_hf,
+    qk_norm_weights,
 )
 from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
 
@@ -396,11 +398,10 @@ GLM4_MOE_DEFAULTS: dict[str, Any] = dict(
 def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     """GLM-4-MoE (GLM-4.5): DeepSeek-V3's router and experts (sigmoid affinities plus correction bias,
     group-limited top-k with a group's score its best two, routed scaling, shared experts, the first
-    k layers dense) with grouped-query attention (biases on q, k, v with attention_bias). Only full
-    rotary (partial_rotary_factor 1) and no q/k norms map exactly; GLM-4.5's own use both."""
+    k layers dense) with grouped-query attention (biases on q, k, v with attention_bias) and, with
+    use_qk_norm, Qwen3's per-head q/k norms (qk_norm="head"). Only full rotary (partial_rotary_factor 1)
+    maps exactly; GLM-4.5's own rotates half of each head."""
     hf = with_defaults(hf, GLM4_MOE_DEFAULTS)
-    if hf["use_qk_norm"]:
-        raise _refuse(hf, "use_qk_norm", "lmlab does not normalize queries and keys")
     groups = hf["n_group"] or 1
     moe = MoEConfig(
         n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
@@ -408,7 +409,8 @@ def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
         routed_scale=hf["routed_scaling_factor"], n_groups=groups, topk_groups=hf["topk_group"] or groups,
         group_score="top2", first_dense=hf["first_k_dense_replace"],
     )
-    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe)
+    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe,
+                               qk_norm="head" if hf["use_qk_norm"] else "none")
 
 
 GLM4_MOE_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -433,17 +435,19 @@ def glm4_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor |
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         if layer and int(layer.group(1)) >= cfg.n_layers:
             t.taken.add(name)
-    return llama_weights(cfg, t, ffn=glm4_moe_ffn)
+    norms = qk_norm_weights(cfg, t) if cfg.qk_norm == "head" else {}
+    return {**llama_weights(cfg, t, ffn=glm4_moe_ffn), **norms}
 
 
 def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
     moe = cfg.moe
     width = moe.expert_width(cfg.d_ff)
+    qk_norm = "none" if cfg.qk_norm == "none" else "head"  # use_qk_norm: per head, or none
     why = moe_refusal(cfg, "GLM-4-MoE", {
         "moe.scoring": ("sigmoid", "GLM-4-MoE scores experts with a sigmoid"),
         "moe.shared_gate": ("none", "GLM-4-MoE's shared experts are not gated"),
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
-    })
+    }, qk_norm=qk_norm)
     if why is None and _shared_total(cfg) % width:
         why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
                f"moe_intermediate_size={width})")
@@ -472,7 +476,8 @@ def glm4_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "n_routed_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
         "moe_intermediate_size": width, "n_shared_experts": _shared_total(cfg) // width,
         "routed_scaling_factor": moe.routed_scale, "n_group": n_group, "topk_group": topk_group,
-        "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.normalize_top_k, "use_qk_norm": False,
+        "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.normalize_top_k,
+        "use_qk_norm": cfg.qk_norm == "head",
         "num_nextn_predict_layers": 0, "output_router_logits": False,
     }
 
@@ -498,7 +503,8 @@ def glm4_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dic
 
 
 def glm4_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
-    return llama_weights_to_hf(cfg, sd, ffn=glm4_moe_ffn_to_hf)
+    norms = qk_norm_to_hf(cfg, sd) if cfg.qk_norm == "head" else {}
+    return {**llama_weights_to_hf(cfg, sd, ffn=glm4_moe_ffn_to_hf), **norms}
 
 
 register("glm4_moe", Family(glm4_moe_config, glm4_moe_weights, LLAMA_IGNORE, Export(

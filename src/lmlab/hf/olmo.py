@@ -25,9 +25,10 @@ from .dense import (
     llama_layout_to_hf,
     llama_weights,
     llama_weights_to_hf,
+    qk_norm_to_hf,
+    qk_norm_weights,
 )
 from .moe import all_experts_refusal, moe_refusal, moe_to_hf, moe_weights
-from .qwen3 import qk_norm_to_hf, qk_norm_weights
 from .registry import Export, Family, HFTensors, Tensors, refusal, register, tied_head, with_defaults
 
 

@@ -1,6 +1,5 @@
 """Qwen3 and Qwen3-MoE, both ways: the Llama layout with an RMSNorm on each query and key head before
-rotary (``qk_norm="head"``), and the query/key norm tensors every family with a ``qk_norm`` shares
-(:func:`qk_norm_weights`, :func:`qk_norm_to_hf`).
+rotary (``qk_norm="head"``).
 
 Qwen3's sliding-window layers (``use_sliding_window``) are refused: lmlab's attention has no window yet.
 """
@@ -15,7 +14,6 @@ from ..config import ModelConfig, MoEConfig
 from .dense import (
     LLAMA_DEFAULTS,
     LLAMA_IGNORE,
-    interleaved_to_half,
     llama_glu,
     llama_glu_to_hf,
     llama_layout_config,
@@ -23,32 +21,11 @@ from .dense import (
     llama_layout_to_hf,
     llama_weights,
     llama_weights_to_hf,
+    qk_norm_to_hf,
+    qk_norm_weights,
 )
 from .moe import all_experts_refusal, every_and_first_dense, moe_refusal, moe_to_hf, moe_weights, qwen2_moe_layers
 from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
-
-
-# ============================================================== query/key norm tensors
-def qk_norm_weights(cfg: ModelConfig, t: HFTensors, attn: str = "self_attn.") -> dict[str, torch.Tensor | None]:
-    """Each layer's ``{attn}q_norm.weight`` and ``k_norm.weight`` -> ``blocks.{i}.attn.qk_norm.*``."""
-    sd = {}
-    for i in range(cfg.n_layers):
-        for part in ("q_norm", "k_norm"):
-            sd[f"blocks.{i}.attn.qk_norm.{part}.weight"] = t.take(f"model.layers.{i}.{attn}{part}.weight")
-    return sd
-
-
-def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> dict[str, torch.Tensor]:
-    """The inverse of :func:`qk_norm_weights`. With interleaved rotary pairs the gains are permuted as the q/k
-    rows are (``interleaved_to_half``): one head's worth for ``head``, every head for ``full``."""
-    heads = {"q_norm": cfg.n_heads, "k_norm": cfg.n_kv_heads} if cfg.qk_norm == "full" else {"q_norm": 1, "k_norm": 1}
-    out = {}
-    for i in range(cfg.n_layers):
-        for part, n in heads.items():
-            w = sd[f"blocks.{i}.attn.qk_norm.{part}.weight"]
-            half = interleaved_to_half(w, n) if cfg.rope.layout == "interleaved" else w
-            out[f"model.layers.{i}.{attn}{part}.weight"] = half
-    return out
 
 
 def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..config import ModelConfig, RopeConfig
+from ..config import AttentionConfig, ModelConfig, RopeConfig
 from ..schema import suggest
 
 Tensors = Mapping[str, torch.Tensor]
@@ -240,6 +240,63 @@ def rope_refusal(cfg: ModelConfig) -> str | None:
             f"rope.original_max_seq_len={rope.original_max_seq_len} with rope.scaling='dynamic': transformers' "
             f"dynamic scaling starts at max_position_embeddings (max_seq_len={cfg.max_seq_len})"
         )
+    return None
+
+
+# config.json's ``layer_types`` entries -> lmlab's layer kinds (attention.pattern)
+HF_LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local"}
+LAYER_TYPES = {kind: name for name, kind in HF_LAYER_KINDS.items()}
+
+
+def shortest_period(items: Sequence[Any]) -> tuple[Any, ...]:
+    """The shortest prefix that, repeated, gives ``items``: a pattern as lmlab's configs write it."""
+    for p in range(1, len(items) + 1):
+        if all(items[i] == items[i % p] for i in range(len(items))):
+            return tuple(items[:p])
+    return tuple(items)
+
+
+def attention_from_hf(layer_types: Sequence[Any] | None, window: Any, n_layers: int) -> AttentionConfig:
+    """AttentionConfig from config.json's ``layer_types`` (None: every layer full) and ``sliding_window``."""
+    types = list(layer_types or ["full_attention"] * n_layers)
+    unknown = [t for t in types if t not in HF_LAYER_KINDS]
+    if unknown:
+        raise ValueError(
+            f"config.json has layer_types entry {unknown[0]!r}, which lmlab does not support; "
+            f"supported: {sorted(HF_LAYER_KINDS)}"
+        )
+    if len(types) != n_layers:
+        raise ValueError(f"config.json has {len(types)} layer_types for num_hidden_layers={n_layers}; give one each")
+    kinds = [HF_LAYER_KINDS[t] for t in types]
+    if "local" not in kinds:
+        return AttentionConfig()
+    if window is None:
+        raise ValueError("config.json has sliding_attention layers and sliding_window null; set sliding_window")
+    return AttentionConfig(window=window, pattern=shortest_period(kinds))
+
+
+def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
+    """config.json's ``layer_types``: every layer's kind, written out (the inverse of :func:`attention_from_hf`)."""
+    return [LAYER_TYPES[cfg.attention.kind(i)] for i in range(cfg.n_layers)]
+
+
+def layers_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) -> str | None:
+    """The first per-layer attention or position choice of ``cfg`` that architecture ``name`` lacks;
+    ``supports`` names those it has: "window" (sliding layers, any pattern), "sinks", "partial"
+    (partial rotary), "nope" (NoPE layers), "local_base" (local layers' own rotary base)."""
+    attention, rope, ok = cfg.attention, cfg.rope, set(supports)
+    checks = [
+        ("window", "local" in attention.pattern, f"attention.pattern={list(attention.pattern)}",
+         "has no sliding-window layers"),
+        ("sinks", attention.sinks != "none", f"attention.sinks={attention.sinks!r}", "has no attention sinks"),
+        ("partial", rope.partial != 1.0, f"rope.partial={rope.partial}", "rotates every dimension of each head"),
+        ("nope", rope.nope_every != 0, f"rope.nope_every={rope.nope_every}", "has no NoPE layers"),
+        ("local_base", rope.local_base is not None, f"rope.local_base={rope.local_base}",
+         "rotates every layer with one base"),
+    ]
+    for feature, used, field, why in checks:
+        if used and feature not in ok:
+            return f"{field} ({name} {why})"
     return None
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
 
 from ..config import PRESETS, ModelConfig
-from ..schema import Config, check_positive, check_range, divisors, read_yaml
+from ..schema import Config, added, check_positive, check_range, divisors, read_yaml
 from .data.config import DataConfig
 
 Strategy = Literal["ddp", "fsdp"]
@@ -61,6 +61,7 @@ class Section(Config):
 
 
 RepeatSource = Literal["text", "random"]  # what train.repeats plants (RepeatsConfig.source)
+RepeatPlace = Literal["uniform", "ends"]  # where train.repeats plants it (RepeatsConfig.place)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -82,6 +83,18 @@ class RepeatsConfig(Section):
     # text: copy the window's own text (predictable in part from language statistics, a weak signal:
     # the positions model never learned it); random: uniform token ids, only copying predicts them
     source: RepeatSource = "text"
+    # random only: draw from the first ``alphabet`` plantable ids (None: all of them). With all 2047 ids
+    # of the positions experiment's vocabulary the copying circuit did not form in 3000 steps (its
+    # output must learn an identity over every id); a small alphabet, like the digits of a passkey
+    # (Mohtashami & Jaggi 2023, the retrieval test of Peng et al.'s YaRN), is learned in hundreds
+    alphabet: int | None = added(None, since="issue 21: the copy pilot")
+    # uniform: the distance uniform over [length, T + 1 - length], then the offset; ends: the first copy
+    # at the window's start and the second ending at its last input (distance T - length), where the
+    # copy probe puts them (positions.copy_metrics), a passkey at a fixed depth. At the positions size
+    # no copier formed at uniform distances in 500-600 steps; at the ends it did (in-range copy accuracy
+    # 0.57 at step 400, 0.92 at 500): a head that looks a fixed distance back needs no induction circuit
+    # (a previous-token head, then a content match), so it forms sooner
+    place: RepeatPlace = added("uniform", since="issue 21: the copy pilot")
 
     def validate(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
@@ -90,6 +103,12 @@ class RepeatsConfig(Section):
         if self.length < 2:
             raise ValueError(f"train.repeats.length={self.length} is too short; a repeat needs at least 2 tokens "
                              "(the first cues the copy), e.g. 16")
+        if self.alphabet is not None and self.source != "random":
+            raise ValueError(f"train.repeats.alphabet={self.alphabet} only applies to source=random (text repeats "
+                             "copy the window's own tokens); set train.repeats.source=random or leave alphabet unset")
+        if self.alphabet is not None and self.alphabet < 2:
+            raise ValueError(f"train.repeats.alphabet={self.alphabet} is too small; a segment needs at least 2 ids "
+                             "to draw from, e.g. 64")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

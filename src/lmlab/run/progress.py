@@ -84,8 +84,10 @@ class Progress:
         off a terminal as one line of its own)."""
         if self.bar is None:
             if self.show and "tokens_per_s" in record:
-                self.print(f"step {record['step']}/{self.total}: loss {record['loss']:.4f}, lr {record['lr']:.1e}, "
-                           f"{record['tokens_per_s']:,.0f} tok/s")
+                mtp = record.get("aux_losses", {}).get("mtp")  # multi-token prediction's weighted loss, apart
+                self.print(f"step {record['step']}/{self.total}: loss {record['loss']:.4f}, "
+                           + ("" if mtp is None else f"mtp {mtp:.4f}, ")
+                           + f"lr {record['lr']:.1e}, {record['tokens_per_s']:,.0f} tok/s")
             return
         if "tokens_per_s" in record:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
@@ -106,6 +108,8 @@ def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_
         f"({t.batch_size} x {cfg.seq_len} x {t.grad_accum} accum) on {device}"
         + (f" x {world} processes ({layout})" if world > 1 else "")
         + f"\ndata: {data}" + (f"\n{moe_balancing(m.moe)}" if m.moe is not None else "")
+        + (f"\nmtp: {m.mtp.depth} multi-token prediction module(s), loss weight {m.mtp.loss_weight:g}"
+           if m.mtp is not None else "")
     )
 
 

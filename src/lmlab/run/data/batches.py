@@ -76,19 +76,26 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
     """``window`` (B, W) with about ``repeats.fraction`` of its rows carrying a planted repeat: a
     K-token segment (K = ``repeats.length``) at [p, p+K) and again at [q, q+K), q >= p + K. Source
     ``text``: the window's own tokens at p are copied over q (three draws from ``generator``: which
-    rows, then two offsets each); ``random``: K ids drawn uniformly from ``ids`` (1-D int64, the ids
-    that may be planted, ``plantable_ids``) are written at both (a fourth draw, (B, K) whatever the
-    rows). Either way the batch is still decided by the generator's state alone. p and q - K are the
-    smaller and larger of two uniform offsets in [0, W - 2K]: every distance q - p from K to W - K
-    occurs, shorter ones more often. Applied to the whole (B, T+1) window, inputs and targets agree."""
+    rows, then a distance and an offset each); ``random``: K ids drawn uniformly from ``ids`` (1-D
+    int64, the ids that may be planted, ``plantable_ids``) are written at both (a fourth draw, (B, K)
+    whatever the rows). Either way the batch is still decided by the generator's state alone. The
+    distance q - p is uniform over [K, W - K] and p uniform over the offsets that fit it, so every
+    distance is as common as any other, the copy probe's in-range one (T - K: first copy at 0,
+    ``positions.copy_metrics``) included; two uniform offsets sorted, as before, made distances near
+    W - K rare (that one: 4 windows in 1,156 at W = 65, K = 16). ``repeats.place`` ``ends``: p = 0
+    and q = W - 1 - K, the probe's distance alone. Applied to the whole (B, T+1) window, inputs and
+    targets agree."""
     B, W = window.shape
     K = repeats.length
     if 2 * K > W:
         raise ValueError(f"train.repeats.length={K} does not fit twice in a window of {W} tokens; "
                          f"choose length <= {W // 2}")
     chosen = torch.rand(B, generator=generator) < repeats.fraction  # (B,)
-    a, b = torch.randint(W - 2 * K + 1, (2, B), generator=generator)  # (B,) each
-    p, q = torch.minimum(a, b), torch.maximum(a, b) + K  # (B,) each: q - p >= K
+    d = torch.randint(K, W - K + 1, (B,), generator=generator)  # (B,): the distance q - p, uniform
+    p = (torch.rand(B, generator=generator, dtype=torch.float64) * (W - K - d + 1)).long()  # (B,): in [0, W-K-d]
+    q = p + d  # (B,): q + K <= W
+    if repeats.place == "ends":  # the same draws, so the generator advances alike; the probe's geometry
+        p, q = torch.zeros_like(p), torch.full_like(q, W - 1 - K)  # the second copy ends at the last input
     rows = chosen.nonzero().squeeze(1)  # (R,)
     cols = torch.arange(K)  # (K,)
     out = window.clone()
@@ -106,7 +113,8 @@ def plant_repeats(window: torch.Tensor, repeats: RepeatsConfig, generator: torch
 def plantable_ids(meta: DataMeta) -> torch.Tensor:
     """(V',) int64: the token ids a random planted segment draws from, every id of ``meta``'s
     vocabulary except the special ones (end of document, unknown, padding), which never stand
-    inside text."""
+    inside text; in increasing order, so ``train.repeats.alphabet`` = n takes the n lowest (for a
+    byte-level BPE, the single characters it starts from)."""
     special = {meta.eod_id, meta.unk_id, meta.pad_id} - {None}
     return torch.tensor([i for i in range(meta.vocab_size) if i not in special], dtype=torch.int64)
 
@@ -182,7 +190,7 @@ class TokenData:
         window = self._window(starts.numpy(), seq_len)  # (B, T+1)
         if repeats is None:
             return self._split(window)
-        ids = self.plantable_ids if repeats.source == "random" else None
+        ids = self.plantable_ids[: repeats.alphabet] if repeats.source == "random" else None
         return self._split(plant_repeats(window, repeats, generator, ids))
 
     def num_eval_windows(self, seq_len: int) -> int:

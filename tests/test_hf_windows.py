@@ -1,0 +1,117 @@
+"""Per-layer attention families both ways: Mistral (every layer slides), Qwen2 (layers from
+max_window_layers slide), SmolLM3 (NoPE every n-th layer, sliding windows on those); tiny random
+models built here, logits compared over a sequence several windows long, and the decode cache of a
+loaded model against transformers' full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_export import load_hf, relative_difference
+from test_hf import LLAMA, logits, randomize_, saved, tokens
+
+import lmlab
+from lmlab.hf import to_hf
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
+
+
+def assert_parity(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1e-5 of the largest logit: fp32 rounding (test_export allows 1e-4; NoPE layers' logits run large)."""
+    assert ref.std() > 0.5, "reference logits are near constant; the comparison would prove little"
+    _, relative = relative_difference(ours, ref)
+    assert relative <= 1e-5, relative
+
+
+W = 5  # the window; sequences of 20 tokens cross it four times
+T = 20
+
+HF_MODELS = {
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**LLAMA, sliding_window=W)),
+    "qwen2_upper_layers_slide": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **{**LLAMA, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=W, max_window_layers=1)),
+    "qwen2_layer_types": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **{**LLAMA, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=W,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+SMOLLM3 = dict(LLAMA, num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=None)
+HF_MODELS.update({
+    "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**SMOLLM3, tie_word_embeddings=False)),
+    "smollm3_sliding_nope_layers": lambda: SmolLM3ForCausalLM(SmolLM3Config(
+        **SMOLLM3, use_sliding_window=True, sliding_window=W, attention_bias=True, mlp_bias=True)),
+})
+NO_WINDOW = {"attention.window": None, "attention.pattern": ["global"]}
+# case -> (what config.json maps to, a change of it that must change the logits: what the parity rests on)
+EXPECTED = {
+    "mistral": ({"attention.window": W, "attention.pattern": ("local",)}, NO_WINDOW),
+    "qwen2_upper_layers_slide": ({"attention.window": W, "attention.pattern": ("global", "local", "local")},
+                                 NO_WINDOW),
+    "qwen2_layer_types": ({"attention.window": W, "attention.pattern": ("local", "global")},  # shortest repeat
+                          NO_WINDOW),
+    "smollm3": ({"rope.nope_every": 2, "attention.window": None}, {"rope.nope_every": 0}),
+    "smollm3_sliding_nope_layers": ({"rope.nope_every": 2, "attention.pattern": ("global", "local"), "bias": True},
+                                    NO_WINDOW),
+}
+
+
+def field(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("case", HF_MODELS)
+def test_checkpoint_matches_transformers_both_ways(tmp_path, case):
+    hf = randomize_(HF_MODELS[case]())
+    ours = lmlab.from_hf(saved(hf, tmp_path / "hf"))
+    mapped, ablation = EXPECTED[case]
+    assert {k: field(ours.config, k) for k in mapped} == mapped
+    idx = tokens(T)
+    ref = logits(hf, idx)
+    assert_parity(logits(ours, idx), ref)
+    # the window or NoPE layers are what make them agree: the same weights without them differ
+    without = lmlab.Transformer(ours.config.override(ablation)).eval()
+    without.load_state_dict(ours.state_dict())
+    assert not torch.allclose(logits(without, idx), ref, atol=1e-2)
+    # and back: lmlab -> transformers gives the same logits again
+    to_hf(ours, tmp_path / "out", architecture=case.split("_")[0])  # and as the first family that fits:
+    assert to_hf(ours, tmp_path / "auto").model_type == case.split("_")[0]
+    back = load_hf(tmp_path / "out")
+    assert type(back) is type(hf)
+    _, relative = relative_difference(logits(back, idx), ref)
+    assert relative <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["mistral", "qwen2_layer_types", "smollm3_sliding_nope_layers"])
+def test_cached_decoding_of_a_sliding_checkpoint_equals_transformers_full_forward(tmp_path, case):
+    hf = randomize_(HF_MODELS[case]())
+    ours = lmlab.from_hf(saved(hf, tmp_path))
+    idx = tokens(T, seed=1)
+    cache = ours.new_cache(2, T)
+    with torch.no_grad():
+        parts = [ours(idx[:, :7], cache=cache).logits] + [ours(idx[:, t : t + 1], cache=cache).logits
+                                                         for t in range(7, T)]
+    assert_parity(torch.cat(parts, dim=1), logits(hf, idx))
+
+
+def test_left_padded_batch_matches_transformers(tmp_path):
+    """transformers' sliding mask counts cache slots; lmlab's counts positions: with left padding
+    they agree on every real token."""
+    hf = randomize_(HF_MODELS["mistral"]())
+    ours = lmlab.from_hf(saved(hf, tmp_path))
+    idx = tokens(T, seed=2)
+    mask = torch.ones_like(idx)
+    mask[0, :6] = 0
+    with torch.no_grad():
+        ref = hf(idx, attention_mask=mask).logits
+        got = ours(idx, attention_mask=mask).logits
+    real = mask.bool()
+    assert_parity(got[real], ref[real])
