@@ -160,6 +160,7 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
     refused = {
         "vaswani2017": "norm_position='post'", "switch": "moe.capacity_factor=1.25",
         "gshard": "moe.second_expert='random'", "deepseekmoe": "glm4_moe: moe.scoring='softmax'",
+        "gemma3": "embed_scale='sqrt_d'", "gpt-oss": "mixtral: bias=True",  # gemma3 and gpt_oss are not written yet
     }
     for preset in lmlab.PRESETS:
         model = Transformer(ModelConfig.from_preset(preset, **{**BASE, "n_layers": 2}))

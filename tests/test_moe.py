@@ -511,6 +511,8 @@ def test_every_moe_preset_trains_with_its_aux_losses(preset):
     counts = model.num_params()
     moe, width = cfg.moe, cfg.moe.expert_width(cfg.d_ff)
     per_expert = (3 if cfg.ffn == "glu" else 2) * 64 * width
+    if cfg.bias:  # gpt-oss: each expert's input and output biases
+        per_expert += (2 if cfg.ffn == "glu" else 1) * width + 64
     assert (
         counts["total"] - counts["active"] == cfg.n_moe_layers * (moe.routed_experts - moe.active_experts) * per_expert
     )

@@ -210,8 +210,6 @@ ERRORS = {
     "window without local layers": ({"attention.window": 8}, "attention.window=8 has no local layer to act on"),
     "local layers without window": ({"attention.pattern": ["local"]}, "has local layers but attention.window is unset"),
     "empty pattern": ({"attention.pattern": []}, "attention.pattern=[] is empty"),
-    "pattern longer than the model": ({"attention.window": 4, "attention.pattern": ["local", "global", "local"]},
-                                      "attention.pattern has 3 entries for n_layers=2"),
     "bad kind": ({"attention.pattern": ["sliding"]}, "not a valid choice"),
     "partial out of range": ({"rope.partial": 1.5}, "rope.partial=1.5 is not valid"),
     "odd rotary width": ({"rope.partial": 0.4}, "rope.partial=0.4 rotates 3 of head_dim=8"),
@@ -227,6 +225,24 @@ def test_invalid_choices_are_refused_in_one_line_naming_the_field(case):
     with pytest.raises(ValueError) as err:
         tiny_config(**fields)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_pattern_longer_than_the_model_is_cut_at_its_layers():
+    cfg = tiny_config(**{"attention.window": 4, "attention.pattern": ["local", "local", "global"]})
+    assert [cfg.attention.kind(i) for i in range(cfg.n_layers)] == ["local", "local"]
+
+
+@pytest.mark.parametrize("preset", ["gemma3", "gpt-oss"])
+def test_presets_decode_from_the_cache_as_the_full_forward(preset):
+    m = Transformer(ModelConfig.from_preset(preset, d_model=64, vocab_size=64, max_seq_len=64, init_std=0.1)).eval()
+    kinds = [m.config.attention.kind(i) for i in range(m.config.n_layers)]
+    assert kinds == {"gemma3": ["local"] * 5 + ["global"], "gpt-oss": ["local", "global"] * 2}[preset]
+    idx = tokens(2, 80)  # past the window (64) and the context
+    full = logits(m, idx)
+    cache = m.new_cache(2, 80)
+    with torch.no_grad():
+        parts = [m(idx[:, :70], cache=cache).logits] + [m(idx[:, t : t + 1], cache=cache).logits for t in range(70, 80)]
+    assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-5)
 
 
 def test_the_config_round_trips():

@@ -337,7 +337,8 @@ class AttentionConfig(Config):
     earlier token; a ``local`` layer sees itself and the ``window - 1`` tokens before it (a sliding
     window, Beltagy et al. 2020, arXiv:2004.05150), masked as transformers masks it: query i sees key
     j when i - window < j <= i. ("local",) is Mistral, ("local", "global") gpt-oss, five local and one
-    global Gemma 3 (Gemma Team 2025, sec. 2.2). A pattern as long as the model names every layer.
+    global Gemma 3 (Gemma Team 2025, sec. 2.2). A pattern as long as the model names every layer; one
+    longer is cut at n_layers (Gemma 3's 26 layers end within a repeat).
 
     ``sinks``: ``learned`` adds a learned logit per head to every softmax's denominator, a key that
     takes attention and gives nothing back, so a head may attend to nothing (gpt-oss; Xiao et al.
@@ -509,11 +510,6 @@ class ModelConfig(Config):
                                  ("local_base", rope.local_base, None)):
             if value != off and self.positions != "rope":
                 raise ValueError(f"rope.{name}={value} only applies to positions='rope', not {self.positions!r}")
-        if len(attention.pattern) > self.n_layers:
-            raise ValueError(
-                f"attention.pattern has {len(attention.pattern)} entries for n_layers={self.n_layers}; "
-                f"give at most {self.n_layers} (the pattern repeats over the layers)"
-            )
         if rope.local_base is not None and "local" not in attention.pattern:
             raise ValueError(
                 f"rope.local_base={rope.local_base} is the base of local layers, and attention.pattern has none; "
@@ -650,6 +646,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm="rmsnorm", norm_position="reordered", positions="rope", ffn="glu", activation="silu",
         n_heads=8, qk_norm="full", bias=False, tie_embeddings=False, norm_eps=1e-6, rope=dict(base=5e5),
     ),
+    # Gemma 3 (Gemma Team 2025, arXiv:2503.19786, sec. 2.2), text only, laptop-small: five local layers of a
+    # sliding window (1024 there, 64 here for a 256-token context) to one global layer, local layers rotating
+    # with base 10k and global ones with 1e6; QK-norm per head and sandwich norms (Gemma 2's pre and post norms),
+    # GeGLU, embeddings scaled by sqrt(d_model) and tied. Six layers, so that one of them is global. (Gemma's
+    # RMSNorm stores its gain as 1 + w: another parametrization of the same function.)
+    "gemma3": dict(
+        d_model=256, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=64,
+        norm="rmsnorm", norm_position="sandwich", positions="rope", ffn="glu", activation="gelu_tanh",
+        qk_norm="head", embed_scale="sqrt_d", bias=False, tie_embeddings=True, norm_eps=1e-6,
+        rope=dict(base=1e6, local_base=1e4),
+        attention=dict(window=64, pattern=["local"] * 5 + ["global"]),
+    ),
 }
 
 # Model presets with a mixture-of-experts feed-forward: name -> ModelConfig fields (``moe`` as a dict).
@@ -698,6 +706,16 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
             n_groups=8, topk_groups=4, group_score="top2",
             bias_update_rate=1e-3, expert_balance_coef=1e-4,
         ),
+    ),
+    # gpt-oss (OpenAI 2025, model card sec. 2) scaled down: layers alternate a sliding window (128 tokens
+    # there, 64 here) and full attention, every head has a learned attention sink, biases on the attention
+    # and expert projections, rotary base 150k, grouped-query attention; softmax over the top-k experts'
+    # logits (= softmax, then renormalized over the k). gpt-oss-20b routes 4 of 32; here 2 of 8. Not yet
+    # here: its router bias and clamped SwiGLU experts (see the issue-23 notes).
+    "gpt-oss": dict(
+        _BODY, n_kv_heads=2, ffn="glu", activation="silu", bias=True, rope=dict(base=150000.0),
+        attention=dict(window=64, pattern=["local", "global"], sinks="learned"),
+        moe=dict(n_experts=8, top_k=2, normalize_top_k=True),
     ),
 }
 PRESETS.update(MOE_PRESETS)
