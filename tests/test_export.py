@@ -187,6 +187,13 @@ def test_a_preset_no_family_computes_is_refused_with_the_field_to_set(tmp_path):
         assert to_hf(changed, tmp_path / family).model_type == family
 
 
+def test_a_model_with_multi_token_prediction_is_refused_rather_than_exported_without_its_mtp_weights(tmp_path):
+    model = Transformer(ModelConfig.from_preset("llama", **{**BASE, "n_layers": 2}).override({"mtp.depth": 1}))
+    with pytest.raises(ValueError, match=r"^cannot export: mtp.depth=1: no transformers architecture holds"):
+        to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # ================================================================== transformers -> lmlab -> transformers
 def randomized_hf(model, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

@@ -81,6 +81,12 @@ def universal_refusal(cfg: ModelConfig) -> str | None:
             f"moe.capacity_factor={cfg.moe.capacity_factor} has no exact transformers architecture: expert capacity "
             "drops tokens (Switch, GShard), and transformers' mixture-of-experts layers are dropless"
         )
+    if cfg.mtp is not None:  # written, the main model would export exactly and the MTP weights would be lost
+        return (
+            f"mtp.depth={cfg.mtp.depth}: no transformers architecture holds multi-token prediction modules "
+            "(DeepSeek-V3's modeling file ignores them), so their weights would be dropped; export a model "
+            "trained without model.mtp"
+        )
     return None
 
 
