@@ -38,7 +38,7 @@ run() {
   echo
   echo "=== $* ==="
   local start=$SECONDS
-  python "$here/$1" "${@:2}"
+  "${PYTHON:-python}" "$here/$1" "${@:2}"  # PYTHON: the interpreter to run them with (tests pass their own)
   echo "--- $1: $((SECONDS - start)) s"
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -334,7 +335,8 @@ def test_trainer_compile_option_compiles_each_block_and_still_samples(tmp_path, 
 
 # ============================================================== the benchmark suite
 def test_run_all_quick_runs_every_benchmark_on_cpu():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHON": sys.executable}  # never whatever python is on PATH
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all.sh"), "--quick"], capture_output=True, text=True,
                           env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
