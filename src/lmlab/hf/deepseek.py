@@ -41,6 +41,7 @@ from .registry import (
     HFTensors,
     Tensors,
     activation_from_hf,
+    key_refused,
     model_config,
     refusal,
     register,
@@ -70,10 +71,6 @@ DEEPSEEK_V3_FULL_DEFAULTS: dict[str, Any] = dict(
 
 
 # ============================================================== config.json -> ModelConfig
-def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
-    return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
-
-
 def mla_from_hf(hf: Mapping[str, Any]) -> MLAConfig:
     return MLAConfig(
         q_lora_rank=hf["q_lora_rank"] or None, kv_lora_rank=hf["kv_lora_rank"],
@@ -85,10 +82,10 @@ def deepseek_layout_config(hf: Mapping[str, Any], *, moe: MoEConfig | None, layo
     """What DeepSeek-V2 and V3 map alike: sizes, MLA, pre-norm RMSNorm, rotary, SwiGLU, no biases."""
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            raise _refuse(hf, key, "lmlab maps DeepSeek checkpoints without biases, as DeepSeek released them")
+            raise key_refused(hf, key, "lmlab maps DeepSeek checkpoints without biases, as DeepSeek released them")
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     if kv_heads not in (None, heads):
-        raise _refuse(hf, "num_key_value_heads", f"MLA gives every head its own keys; use {heads} "
+        raise key_refused(hf, "num_key_value_heads", f"MLA gives every head its own keys; use {heads} "
                       "(num_attention_heads), as DeepSeek's checkpoints do")
     if moe is not None and hf["first_k_dense_replace"] >= hf["num_hidden_layers"]:
         moe = None  # every layer is dense
@@ -108,17 +105,17 @@ def deepseek_v2_moe(hf: Mapping[str, Any]) -> MoEConfig:
     experts, the top-k taken over all (``greedy``) or within the best groups (``group_limited_greedy``,
     sec. 2.2.2), never renormalized, times routed_scaling_factor."""
     if hf.get("scoring_func", "softmax") != "softmax":
-        raise _refuse(hf, "scoring_func", "DeepSeek-V2 scores experts with a softmax; lmlab maps only that")
+        raise key_refused(hf, "scoring_func", "DeepSeek-V2 scores experts with a softmax; lmlab maps only that")
     method = hf["topk_method"]
     if method not in ("greedy", "group_limited_greedy"):
-        raise _refuse(hf, "topk_method", "transformers' DeepseekV2 routes with 'greedy' or 'group_limited_greedy'")
+        raise key_refused(hf, "topk_method", "transformers' DeepseekV2 routes with 'greedy' or 'group_limited_greedy'")
     if hf["norm_topk_prob"]:
-        raise _refuse(hf, "norm_topk_prob", "transformers' DeepseekV2 never renormalizes the chosen weights "
+        raise key_refused(hf, "norm_topk_prob", "transformers' DeepseekV2 never renormalizes the chosen weights "
                       "(DeepSeek's own code does), so the two disagree; only false maps")
     if hf.get("moe_layer_freq", 1) != 1:
-        raise _refuse(hf, "moe_layer_freq", "transformers' DeepseekV2 makes every layer after the dense ones MoE")
+        raise key_refused(hf, "moe_layer_freq", "transformers' DeepseekV2 makes every layer after the dense ones MoE")
     if not hf["num_experts_per_tok"]:
-        raise _refuse(hf, "num_experts_per_tok", "a DeepSeek-V2 MoE layer needs the number of experts per token")
+        raise key_refused(hf, "num_experts_per_tok", "a DeepSeek-V2 MoE layer needs the number of experts per token")
     groups = (hf["n_group"] or 1) if method == "group_limited_greedy" else 1
     return MoEConfig(
         n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],

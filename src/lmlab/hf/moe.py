@@ -43,7 +43,7 @@ from .dense import (
     qk_norm_to_hf,
     qk_norm_weights,
 )
-from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
+from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
 
 
 # ============================================================== shared pieces
@@ -90,10 +90,6 @@ def _unsqueezed(w: torch.Tensor | None) -> torch.Tensor | None:
 def _prefix_in_use(t: HFTensors, layer_prefix: str, options: tuple[str, ...]) -> str:
     """The first of ``options`` ("block_sparse_moe.", "mlp.") that this layer's tensors use."""
     return next((o for o in options if t.has_prefix(f"{layer_prefix}{o}")), options[-1])
-
-
-def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
-    return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
 
 
 def moe_to_hf(
@@ -162,9 +158,9 @@ def mixtral_config(hf: Mapping[str, Any]) -> ModelConfig:
     softmax over all experts then renormalized over the two chosen."""
     hf = with_defaults(hf, MIXTRAL_DEFAULTS)
     if hf["sliding_window"] is not None:
-        raise _refuse(hf, "sliding_window", "lmlab has no sliding-window attention; only sliding_window null loads")
+        raise key_refused(hf, "sliding_window", "lmlab has no sliding-window attention; only sliding_window null loads")
     if hf["router_jitter_noise"]:
-        raise _refuse(hf, "router_jitter_noise", "lmlab's router has no multiplicative input jitter; use 0.0")
+        raise key_refused(hf, "router_jitter_noise", "lmlab's router has no multiplicative input jitter; use 0.0")
     return llama_layout_config(
         hf, default_theta=1e6,
         moe=MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], normalize_top_k=True),
@@ -234,9 +230,9 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     expert whose output is gated per token by sigmoid(x·g)."""
     hf = with_defaults(hf, QWEN2_MOE_DEFAULTS)
     if hf["use_sliding_window"]:
-        raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention")
+        raise key_refused(hf, "use_sliding_window", "lmlab has no sliding-window attention")
     if not hf["num_experts"]:
-        raise _refuse(
+        raise key_refused(
             hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'"
         )
     moe = _qwen2_moe_experts(hf, hf["num_hidden_layers"])
@@ -246,7 +242,7 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
     d_shared = hf["shared_expert_intermediate_size"]
     if not d_shared or d_shared <= 0:
-        raise _refuse(
+        raise key_refused(
             hf,
             "shared_expert_intermediate_size",
             "lmlab maps Qwen2-MoE's gated shared expert only with a positive width",
@@ -256,7 +252,7 @@ def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
     sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)]
     layout = every_and_first_dense(sparse)
     if layout is None:
-        raise _refuse(
+        raise key_refused(
             hf, "mlp_only_layers",
             f"with decoder_sparse_step={step} the MoE layers are {[i for i, s in enumerate(sparse) if s]}; lmlab "
             "expresses only 'every n-th layer after the first k'",
@@ -362,11 +358,11 @@ def deepseek_v3_moe(hf: Mapping[str, Any]) -> MoEConfig:
     weights times routed_scaling_factor, shared experts, the first k layers dense."""
     hf = with_defaults(hf, DEEPSEEK_V3_DEFAULTS)
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
-        raise _refuse(hf, "scoring_func", "DeepSeek-V3 routing scores with sigmoid; lmlab maps only that")
+        raise key_refused(hf, "scoring_func", "DeepSeek-V3 routing scores with sigmoid; lmlab maps only that")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise _refuse(hf, "topk_method", "only DeepSeek-V3's 'noaux_tc' group-limited selection is mapped")
+        raise key_refused(hf, "topk_method", "only DeepSeek-V3's 'noaux_tc' group-limited selection is mapped")
     if hf.get("moe_layer_freq", 1) != 1:
-        raise _refuse(hf, "moe_layer_freq", "transformers' DeepSeek-V3 makes every layer after the dense ones MoE")
+        raise key_refused(hf, "moe_layer_freq", "transformers' DeepSeek-V3 makes every layer after the dense ones MoE")
     groups = hf["n_group"] or 1
     return MoEConfig(
         n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],

@@ -29,16 +29,12 @@ from .dense import (
     qk_norm_weights,
 )
 from .moe import all_experts_refusal, moe_refusal, moe_to_hf, moe_weights
-from .registry import Export, Family, HFTensors, Tensors, refusal, register, tied_head, with_defaults
-
-
-def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
-    return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
+from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, tied_head, with_defaults
 
 
 def _no_attention_bias(hf: Mapping[str, Any]) -> None:
     if hf["attention_bias"]:
-        raise _refuse(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
+        raise key_refused(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
                       "projections and none on the feed-forward")
 
 
@@ -120,10 +116,10 @@ def olmoe_config(hf: Mapping[str, Any]) -> ModelConfig:
     hf = with_defaults(hf, OLMOE_DEFAULTS)
     _no_attention_bias(hf)
     if hf["clip_qkv"] is not None:
-        raise _refuse(hf, "clip_qkv", "lmlab does not clamp queries, keys and values; only clip_qkv null loads")
+        raise key_refused(hf, "clip_qkv", "lmlab does not clamp queries, keys and values; only clip_qkv null loads")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise _refuse(hf, "head_dim", "OLMoE's q/k norms span hidden_size, so its heads must be hidden_size / "
+        raise key_refused(hf, "head_dim", "OLMoE's q/k norms span hidden_size, so its heads must be hidden_size / "
                       "num_attention_heads wide")
     moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                     normalize_top_k=bool(hf["norm_topk_prob"]))

@@ -25,21 +25,17 @@ from .dense import (
     qk_norm_weights,
 )
 from .moe import all_experts_refusal, every_and_first_dense, moe_refusal, moe_to_hf, moe_weights, qwen2_moe_layers
-from .registry import Export, Family, HFTensors, Tensors, refusal, register, with_defaults
-
-
-def _refuse(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
-    return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
+from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
 
 
 def _check_attention(hf: Mapping[str, Any]) -> None:
     """Qwen3's attention options that lmlab cannot compute: sliding windows, and attention_bias (biases on q,
     k, v and the output projection, none on the feed-forward)."""
     if hf["use_sliding_window"] or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise _refuse(hf, "use_sliding_window", "lmlab has no sliding-window attention yet, so only Qwen3 "
+        raise key_refused(hf, "use_sliding_window", "lmlab has no sliding-window attention yet, so only Qwen3 "
                       "checkpoints with full attention in every layer load")
     if hf["attention_bias"]:
-        raise _refuse(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
+        raise key_refused(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
                       "projections and none on the feed-forward")
 
 
@@ -107,12 +103,12 @@ def qwen3_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
     n_experts = hf.get(key, QWEN3_MOE_EXPERTS)
     if not n_experts:
-        raise _refuse(hf, key, "without experts this is a dense model; load it as model_type 'qwen3'")
+        raise key_refused(hf, key, "without experts this is a dense model; load it as model_type 'qwen3'")
     L, step, dense_only = hf["num_hidden_layers"], hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
     sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(L)]
     layout = every_and_first_dense(sparse)
     if layout is None:
-        raise _refuse(hf, "mlp_only_layers", f"with decoder_sparse_step={step} the MoE layers are "
+        raise key_refused(hf, "mlp_only_layers", f"with decoder_sparse_step={step} the MoE layers are "
                       f"{[i for i, s in enumerate(sparse) if s]}; lmlab expresses only 'every n-th layer after "
                       "the first k'")
     moe = MoEConfig(

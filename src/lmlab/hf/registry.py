@@ -300,6 +300,11 @@ def layers_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) ->
     return None
 
 
+def key_refused(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
+    """The error for a config.json key whose value lmlab cannot compute: the family, the key, its value, why."""
+    return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
+
+
 def refusal(cfg: ModelConfig, needs: Mapping[str, tuple[Any, str]]) -> str | None:
     """The first field of ``cfg`` (dotted for nested ones) whose value differs from the one an
     architecture needs: ``{"norm": ("rmsnorm", "Llama normalizes with RMSNorm")}``."""
