@@ -64,13 +64,15 @@ class Export:
     ``refuse(cfg)`` says why this architecture cannot compute ``cfg``'s model exactly, naming the
     field and its value (None: it can); ``config(cfg)`` gives config.json's architecture keys;
     ``weights(cfg, state_dict)`` gives the tensors under the names ``save_pretrained`` writes,
-    raising ValueError for a weight the architecture has no place for."""
+    raising ValueError for a weight the architecture has no place for. ``mtp``: its checkpoints hold
+    multi-token prediction modules (DeepSeek-V3's); every other architecture refuses a model with ``mtp``."""
 
     architecture: str  # the transformers class, config.json's "architectures"
     moe: bool | None  # holds mixture-of-experts models (else dense ones); None: both
     refuse: Callable[[ModelConfig], str | None]
     config: Callable[[ModelConfig], dict[str, Any]]
     weights: Callable[[ModelConfig, Tensors], dict[str, torch.Tensor]]
+    mtp: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,9 @@ class Family:
     weights: Callable[[ModelConfig, HFTensors], dict[str, torch.Tensor | None]]
     ignore: tuple[str, ...] = ()
     export: Export | None = None  # None: lmlab reads this family but does not write it
+    # (config, config.json, the checkpoint's tensor names) -> the config with the optional parts those names
+    # show (DeepSeek-V3's MTP layers); None: config.json alone decides
+    with_tensors: Callable[[ModelConfig, Mapping[str, Any], Iterable[str]], ModelConfig] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
