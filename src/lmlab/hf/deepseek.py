@@ -46,6 +46,7 @@ from .registry import (
     Tensors,
     activation_from_hf,
     key_refused,
+    layers_refusal,
     model_config,
     refusal,
     register,
@@ -256,7 +257,7 @@ def deepseek_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any,
         "bias": (False, f"{name} has no biases"), "qkv_bias": (False, f"{name} has no biases"),
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"), "ffn": ("glu", f"{name}'s feed-forward is SwiGLU"),
         "norm_position": ("pre", f"{name} normalizes each sublayer's input"),
-    }) or rope_refusal(cfg)
+    }) or rope_refusal(cfg) or layers_refusal(cfg, name)
     if why is None and cfg.moe is not None:
         why = refusal(cfg, {"moe.every": (1, f"every {name} layer after the first dense ones is a mixture"),
                             "moe.shared_gate": ("none", f"{name}'s shared experts are not gated"), **needs})
