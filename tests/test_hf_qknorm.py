@@ -152,10 +152,13 @@ def test_the_q_k_norm_gains_are_used_in_both_directions(tmp_path):
 
 # ================================================================== refusals
 @pytest.mark.parametrize("model_type, changes, message", [
-    ("qwen3", dict(use_sliding_window=True), "use_sliding_window=True: lmlab has no sliding-window attention"),
-    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "has no sliding-window attention"),
+    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "sliding_attention layers and "
+                                                                          "sliding_window null; set sliding_window"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True"),
-    ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True"),
+    ("qwen3_moe", dict(use_sliding_window=True, max_window_layers=1), "has max_window_layers=1: transformers' "
+                                                                      "Qwen3MoE ignores it and slides all 2 layers"),
+    ("qwen3_moe", dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types=['full_attention', 'sliding_attention']: transformers' Qwen3MoE ignores it and slides every layer"),
     ("qwen3_moe", dict(num_experts=0), "load it as model_type 'qwen3'"),
     ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[1]), "lmlab expresses only 'every n-th layer"),
     ("olmo2", dict(attention_bias=True), "attention_bias=True"),

@@ -33,6 +33,8 @@ import torch
 from ..config import ModelConfig, MoEConfig
 from .dense import (
     LLAMA_IGNORE,
+    every_layer_window,
+    every_layer_window_refusal,
     llama_glu,
     llama_glu_to_hf,
     llama_layout_config,
@@ -120,10 +122,10 @@ def moe_to_hf(
     return out
 
 
-def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]], **layout: str) -> str | None:
+def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]], **layout: Any) -> str | None:
     """What a Llama-layout MoE architecture ``name`` cannot compute: biases (no transformers MoE
-    has expert biases), the layout (``layout``: its norm placement and query/key norm, as
-    :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
+    has expert biases), the layout (``layout``: its norm placement, query/key norm and per-layer
+    ``supports``, as :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
     return (
         refusal(cfg, {"bias": (False, f"{name} has no biases outside attention")})
         or llama_layout_refusal(cfg, name, **layout)
@@ -157,14 +159,12 @@ def mixtral_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Mixtral (Jiang et al. 2024): Mistral with every FFN a top-2 mixture of SwiGLU experts,
     softmax over all experts then renormalized over the two chosen."""
     hf = with_defaults(hf, MIXTRAL_DEFAULTS)
-    if hf["sliding_window"] is not None:
-        raise key_refused(hf, "sliding_window", "lmlab has no sliding-window attention; only sliding_window null loads")
     if hf["router_jitter_noise"]:
         raise key_refused(hf, "router_jitter_noise", "lmlab's router has no multiplicative input jitter; use 0.0")
     return llama_layout_config(
         hf, default_theta=1e6,
         moe=MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], normalize_top_k=True),
-    )
+    ).replace(attention=every_layer_window(hf["sliding_window"]))  # transformers' Mixtral slides every layer
 
 
 def mixtral_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
@@ -186,7 +186,7 @@ def mixtral_refusal(cfg: ModelConfig) -> str | None:
         "moe.n_shared": (0, "Mixtral has no shared experts"),
         "moe.every": (1, "every Mixtral layer is a mixture"),
         "moe.first_dense": (0, "every Mixtral layer is a mixture"),
-    }) or all_experts_refusal(cfg, "Mixtral")
+    }, supports=("window",)) or all_experts_refusal(cfg, "Mixtral") or every_layer_window_refusal(cfg, "Mixtral")
 
 
 def mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
         **llama_layout_to_hf(cfg), "intermediate_size": moe.expert_width(cfg.d_ff),
         "num_local_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
-        "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False,
+        "router_jitter_noise": 0.0, "sliding_window": cfg.attention.window, "output_router_logits": False,
     }
 
 
