@@ -187,8 +187,10 @@ def qkv_heads(qkv: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor, H: i
     """:class:`QKVHeads`' forward, without autograd: [q; k; v] (B, T, H + 2KV, hd) -> rotated q
     (B, H, T, hd), rotated k and v (B, KV, T, hd)."""
     B, T, _, hd = qkv.shape
-    work = torch.empty(B, T, H + KV, hd, dtype=torch.promote_types(qkv.dtype, cos.dtype), device=qkv.device)
-    qk = rotate_half_into(qkv[:, :, : H + KV], cos, sin_half, work).to(qkv.dtype)
+    dtype = qkv.dtype if cos.dtype == qkv.dtype else torch.promote_types(qkv.dtype, cos.dtype)
+    work = torch.empty(B, T, H + KV, hd, dtype=dtype, device=qkv.device)
+    qk = rotate_half_into(qkv[:, :, : H + KV], cos, sin_half, work)
+    qk = qk if dtype == qkv.dtype else qk.to(qkv.dtype)
     return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
 
 
@@ -392,9 +394,9 @@ class Attention(nn.Module):
         largest overhead after the matmuls."""
         if torch.compiler.is_compiling():
             return self.heads_split(qkv, ctx)
-        r = ctx.state  # tables (B|1, 1, T, hd) -> (B|1, T, 1, hd), the layout of qkv
+        r = ctx.state  # its tables in the layout of qkv, (B|1, T, 1, hd)
         heads = QKVHeads.apply if torch.is_grad_enabled() else qkv_heads
-        return heads(qkv, r.cos.transpose(1, 2), r.sin_half.transpose(1, 2), self.n_heads, self.n_kv_heads)
+        return heads(qkv, r.cos_tokens, r.sin_half_tokens, self.n_heads, self.n_kv_heads)
 
     def attend_sdpa(self, q, k, v, ctx: Context) -> torch.Tensor:
         """q (B, H, T, hd); k, v (B, KV, S, hd)."""
