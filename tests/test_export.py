@@ -155,12 +155,12 @@ def test_the_scaling_and_layout_cases_would_fail_if_ignored(tmp_path):
 
 
 def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
-    """The presets: llama, gpt2, mixtral, deepseek-v3 (with MLA), qwen3 and olmo2 export; the others name what
+    """The presets: llama, gpt2, mixtral, deepseek-v3 (with MLA), qwen3, olmo2 and gemma3 export; the others name what
     has no equivalent."""
     refused = {
         "vaswani2017": "norm_position='post'", "switch": "moe.capacity_factor=1.25",
         "gshard": "moe.second_expert='random'", "deepseekmoe": "glm4_moe: moe.scoring='softmax'",
-        "gemma3": "embed_scale='sqrt_d'", "gpt-oss": "mixtral: bias=True",  # gemma3 and gpt_oss are not written yet
+        "gpt-oss": "mixtral: bias=True",  # gpt_oss is not written yet
     }
     for preset in lmlab.PRESETS:
         model = Transformer(ModelConfig.from_preset(preset, **{**BASE, "n_layers": 2}))
@@ -170,7 +170,29 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
         else:
             assert to_hf(model, tmp_path / preset).model_type == {
                 "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "deepseek_v3", "qwen3": "qwen3",
-                "olmo2": "olmo2"}[preset]
+                "olmo2": "olmo2", "gemma3": "gemma3_text"}[preset]
+
+
+@pytest.mark.parametrize("preset, family", [("gemma3", "gemma3_text")])
+def test_the_newer_family_presets_train_a_step_export_and_read_back(tmp_path, preset, family):
+    """Each preset of issue 23's families, at a tiny size: one optimizer step, then the trained model exports as
+    its family; transformers and lmlab.from_hf read it back with its logits."""
+    cfg = ModelConfig.from_preset(preset, vocab_size=V, d_model=64, n_heads=4, head_dim=16, max_seq_len=32,
+                                  **{"attention.window": 8})
+    model = Transformer(cfg)
+    idx = tokens(24)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = model(idx, targets=idx.roll(-1, 1)).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    model.eval()
+    done = to_hf(model, tmp_path / "out")
+    assert done.model_type == family
+    ref = logits(model, idx)
+    assert relative_difference(logits(load_hf(done.path), idx), ref)[1] <= 1e-4
+    assert relative_difference(logits(lmlab.from_hf(done.path), idx), ref)[1] <= 1e-5
 
 
 def test_a_preset_no_family_computes_is_refused_with_the_field_to_set(tmp_path):

@@ -4,6 +4,7 @@ transformers, a checkpoint through lmlab and back unchanged, and every refusal b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,8 @@ from test_hf import assert_parity
 
 import lmlab
 from lmlab import to_hf
-from lmlab.hf import config_from_hf, read_safetensors
+from lmlab.hf import config_from_hf, hf_tensors, read_safetensors
+from lmlab.mtp import shift_left
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -126,21 +128,136 @@ def test_exported_mla_model_gives_the_same_logits_in_transformers(tmp_path, case
     assert relative <= 1e-4
 
 
-def test_mtp_layers_of_a_checkpoint_are_set_aside(tmp_path):
-    """A DeepSeek-V3 checkpoint from the Hub holds its multi-token-prediction layer after the last
-    decoder layer; the main model loads without it and computes the same logits."""
+MTP_MODEL = ("deepseek-v3", {"n_layers": 3, "moe": SIGMOID_MOE, "mtp.depth": 1})
+
+
+def mtp_logits(model, idx):
+    """lmlab's depth-1 MTP logits (B, T-1, V): at position i, from h_i and token i+1, predicting token i+2."""
+    with torch.no_grad():
+        h0, ctx = model.hidden_and_context(idx)
+        h1 = model.mtp.hidden_states(h0, shift_left(idx, 1), ctx, model.embed_tokens)[0]
+        return model.head(h1)[:, :-1]
+
+
+def transformers_mtp(path):
+    """transformers' main model and its MtpModel (generate(use_mtp=True)'s draft) from checkpoint ``path``.
+    DeepseekV3's class finds MTP weights by its ``model.layers.61`` pattern; pointed at this checkpoint's
+    MTP layer, MtpModel.from_pretrained raises for any weight it misses."""
+    from transformers.modeling_layers import MtpModel
+
+    hf, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    n = hf.config.num_hidden_layers
+    assert not info["missing_keys"] and all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
+    hf._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+    return hf.eval(), MtpModel.from_pretrained(hf).eval()
+
+
+def transformers_mtp_logits(hf, mtp, idx):
+    """MtpModel's depth-1 logits at every position (its forward keeps only the last): the main model's last hidden
+    states at 0..T-2 with tokens 1..T-1, at their own positions (rotary is relative: the shift changes nothing)."""
+    with torch.no_grad():
+        h = hf.model(idx).last_hidden_state[:, :-1]
+        position_ids = torch.arange(1, idx.shape[1])[None].expand(idx.shape[0], -1)
+        return mtp._project_to_logits(mtp.forward_layer(0, h, position_ids, None, input_ids=idx[:, 1:]))
+
+
+def test_exported_mtp_model_gives_the_same_main_and_mtp_logits_in_transformers(tmp_path):
+    preset, fields = MTP_MODEL
+    model = lm(preset, **fields)
+    done = to_hf(model, tmp_path / "out")
+    assert done.model_type == "deepseek_v3"
+    assert json.loads((done.path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    hf, mtp = transformers_mtp(done.path)
+    idx = tokens(model.config.max_seq_len + 8)
+    for path, ours, ref in [("main", logits(model, idx), logits(hf, idx)),
+                            ("mtp", mtp_logits(model, idx), transformers_mtp_logits(hf, mtp, idx))]:
+        assert ref.std() > 0.5
+        MEASURED[f"to_hf deepseek_v3 with MTP, {path} logits"] = float((ours - ref).abs().max())
+        _, relative = relative_difference(ours, ref)
+        assert relative <= 1e-4, path
+
+
+def test_mtp_weights_round_trip_exactly(tmp_path):
+    preset, fields = MTP_MODEL
+    model = lm(preset, **fields)
+    to_hf(model, tmp_path / "out")
+    back = lmlab.from_hf(tmp_path / "out")
+    assert back.config == model.config
+    a, b = model.state_dict(), back.state_dict()
+    assert sorted(a) == sorted(b) and any(k.startswith("mtp.") for k in a)
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+    idx = tokens()
+    assert torch.equal(mtp_logits(back, idx), mtp_logits(model, idx))
+    again = to_hf(back, tmp_path / "again")
+    first, second = read_safetensors(tmp_path / "out"), read_safetensors(again.path)
+    assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def hub_like_checkpoint(path) -> None:
+    """A DeepSeek-V3 checkpoint laid out as the Hub's: transformers' main weights (save_pretrained writes no MTP
+    layer) plus one MTP layer ``model.layers.3.*`` holding copies of the embedding and head."""
     hf = hf_model("deepseek_v3")
-    hf.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    extra = {"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32)}
-    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    from lmlab.hf import HFTensors
+    hf.config.num_nextn_predict_layers = 1
+    hf.save_pretrained(path)
+    main = lmlab.from_hf(path)
+    with_mtp = lm(None, **{"mtp.depth": 1}, **{k: v for k, v in dataclasses.asdict(main.config).items()
+                                                 if k not in ("mtp",)})
+    with_mtp.load_state_dict(main.state_dict(), strict=False)
+    tensors = load_file(path / "model.safetensors")
+    extra = {k: v for k, v in hf_tensors(with_mtp).items() if k.startswith("model.layers.3.")}
+    save_file({**tensors, **{k: v.contiguous() for k, v in extra.items()}}, path / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def test_mtp_layers_of_a_hub_checkpoint_load_and_leave_the_main_logits_as_transformers_computes_them(tmp_path):
+    hub_like_checkpoint(tmp_path)
+    ours = lmlab.from_hf(tmp_path)
+    assert ours.config.mtp is not None and ours.config.mtp.depth == 1
+    hf, mtp = transformers_mtp(tmp_path)
+    idx = tokens()
+    assert_parity(logits(ours, idx), logits(hf, idx))
+    a, b = mtp_logits(ours, idx), transformers_mtp_logits(hf, mtp, idx)
+    MEASURED["from_hf deepseek_v3 with MTP, mtp logits"] = float((a - b).abs().max())
+    assert_parity(a, b)
+
+
+def test_a_config_without_mtp_sets_the_mtp_layers_aside(tmp_path):
+    """state_dict_from_hf with a config without mtp loads the main model alone, as transformers' main model does."""
+    hub_like_checkpoint(tmp_path)
+    from lmlab.hf import HFTensors, state_dict_from_hf
     from lmlab.hf.deepseek import mtp_tensors
 
-    ours = lmlab.from_hf(tmp_path)
-    assert_parity(logits(ours, tokens()), logits(hf, tokens()))
-    t = HFTensors({**tensors, **extra})
-    assert sorted(mtp_tensors(ours.config, t)) == sorted(extra) and t.taken == set(extra)
+    tensors = read_safetensors(tmp_path)
+    cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert cfg.mtp is None  # config.json alone: the MTP layers are optional, the tensors decide
+    sd = state_dict_from_hf(cfg, tensors, "deepseek_v3")
+    assert not any(k.startswith("mtp.") for k in sd)
+    t = HFTensors(tensors)
+    extra = {k for k in tensors if k.startswith("model.layers.3.")}
+    assert set(mtp_tensors(cfg, t)) == extra and t.taken == extra
+
+
+@pytest.mark.parametrize("change, message", [
+    ("num_nextn_predict_layers", "config.json (model_type 'deepseek_v3') has num_nextn_predict_layers=2: the "
+                                 "checkpoint holds 1 MTP layers (model.layers.3..3); make the two agree"),
+    ("embed_tokens", "model.layers.3.embed_tokens.weight differs from model.embed_tokens.weight: lmlab's MTP modules "
+                     "share the main model's embedding and head"),
+    ("missing", "missing tensors [model.layers.3.hnorm.weight]"),
+])
+def test_mtp_layers_lmlab_cannot_hold_are_refused(tmp_path, change, message):
+    hub_like_checkpoint(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    if change == "num_nextn_predict_layers":
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
+    elif change == "embed_tokens":
+        tensors["model.layers.3.embed_tokens.weight"] = tensors["model.layers.3.embed_tokens.weight"] + 1
+    else:
+        del tensors["model.layers.3.hnorm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        lmlab.from_hf(tmp_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_kv_cache_decoding_equals_transformers_full_logits(tmp_path):
@@ -206,6 +323,14 @@ def test_configs_lmlab_cannot_express_are_refused(model_type, changes, message):
     (dict(mla=MLA, moe=SOFTMAX_MOE | dict(normalize_top_k=True)), None,
      "deepseek_v2: moe.normalize_top_k=True (transformers' DeepseekV2 does not renormalize"),
     (dict(mla=MLA, moe=SIGMOID_MOE | dict(group_score="max")), "deepseek_v3", "moe.group_score='max'"),
+    ({"mla": MLA, "moe": SIGMOID_MOE, "mtp.depth": 2}, "deepseek_v3",
+     "deepseek_v3 holds them but cannot compute this model: mtp.depth=2 (DeepSeek-V3 trains one MTP module"),
+    ({"mla": MLA, "mtp.depth": 1}, "deepseek_v3", "mtp.depth=1 with moe=None (DeepSeek-V3's MTP layer is a mixture"),
+    ({"mla": MLA, "moe": SIGMOID_MOE, "mtp.depth": 1}, "deepseek_v2",
+     "cannot export as 'deepseek_v2': mtp.depth=1 (its checkpoints hold no multi-token prediction modules"),
+    ({"mla": MLA, "moe": SIGMOID_MOE, "mtp.depth": 2}, None, "cannot export: mtp.depth=2: no transformers "
+     "architecture holds multi-token prediction modules for this model (deepseek_v3 holds them but cannot compute "
+     "this model: mtp.depth=2"),
 ])
 def test_mla_models_without_an_exact_architecture_are_refused_by_name(tmp_path, fields, asked, message):
     with pytest.raises(ValueError) as err:

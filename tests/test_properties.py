@@ -66,6 +66,14 @@ EXTRAS = {  # designs the grid's axes do not reach
     "mla-post-interleaved": {"positions": "rope", "norm_position": "post", "rope.layout": "interleaved",
                              "mla": dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                          v_head_dim=6)},
+    # Gemma 3: RMSNorm gains stored as 1 + w (q/k norms too), scores over sqrt(attention.scale_dim), scaled
+    # embeddings, local/global layers with their own rotary base; scale_dim with relative positions' key term
+    "gemma3-offset-gain-scale-dim": {"norm": "rmsnorm", "norm_gain": "offset", "norm_position": "sandwich",
+                                     "qk_norm": "head", "embed_scale": "sqrt_d", "attention.scale_dim": 24,
+                                     "attention.window": 4, "attention.pattern": ["local", "global"],
+                                     "rope.local_base": 100.0, "activation": "gelu_tanh"},
+    "offset-gain-qk-full-post": {"norm_gain": "offset", "qk_norm": "full", "norm_position": "post"},
+    "scale-dim-relative-explicit": {"positions": "relative", "attention.scale_dim": 4, "_impl": "explicit"},
     # multi-token prediction (DeepSeek-V3): the gradient test's loss includes the MTP loss
     "mtp": {"mtp.depth": 2},
     "mtp-post-learned-relative": dict(norm_position="post", norm="layernorm", positions="relative", **{"mtp.depth": 1}),

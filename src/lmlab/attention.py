@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .init import Init, init_module
-from .norm import RMSNorm
+from .norm import build_rms_norm
 from .positions import AttentionTerm, Context, causal_context, padded_context
 
 
@@ -245,7 +245,7 @@ class HeadQKNorm(NoQKNorm):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.q_norm, self.k_norm = build_rms_norm(cfg, cfg.head_dim), build_rms_norm(cfg, cfg.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, T, H, hd), k (B, T, KV, hd), normalized over hd."""
@@ -260,8 +260,8 @@ class FullQKNorm(NoQKNorm):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+        self.q_norm = build_rms_norm(cfg, cfg.n_heads * cfg.head_dim)
+        self.k_norm = build_rms_norm(cfg, cfg.n_kv_heads * cfg.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, T, H, hd), k (B, T, KV, hd), each normalized over its last two axes together."""
@@ -308,7 +308,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale  # 1 / sqrt(head_dim), or of attention.scale_dim
         self.dropout = cfg.dropout
         qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, qkv_dim, bias=cfg.qkv_bias)  # [q; k; v], one matmul

@@ -25,6 +25,7 @@ from .schema import (
 )
 
 Norm = Literal["layernorm", "rmsnorm"]
+NormGain = Literal["plain", "offset"]
 NormPosition = Literal["pre", "post", "sandwich", "reordered"]
 QKNorm = Literal["none", "head", "full"]
 AttnGate = Literal["none", "elementwise", "headwise"]
@@ -348,8 +349,12 @@ class AttentionConfig(Config):
     window: int | None = added(None, since="issue 23")
     pattern: tuple[LayerKind, ...] = added(("global",), since="issue 23")  # repeated over the layers
     sinks: Sinks = added("none", since="issue 23")
+    # scores are q·k / sqrt(scale_dim); None = head_dim (Vaswani et al. 2017). Gemma 3's query_pre_attn_scalar
+    scale_dim: int | None = added(None, since="issue 23: Gemma 3")
 
     def validate(self) -> None:
+        if self.scale_dim is not None:
+            check_size("attention.scale_dim", self.scale_dim)
         if not self.pattern:
             raise ValueError("attention.pattern=[] is empty; give each layer's kind, e.g. ['local', 'global']")
         has_local = "local" in self.pattern
@@ -403,6 +408,10 @@ class ModelConfig(Config):
 
     # ---- design axes
     norm: Norm = "rmsnorm"
+    # how an RMSNorm stores its gain g: plain, g itself (initialized to 1); offset, w with g = 1 + w, initialized
+    # to 0 (Gemma), so weight decay pulls the gain towards 1 rather than 0. Every RMSNorm of the blocks, the
+    # final norm and the q/k norms
+    norm_gain: NormGain = added("plain", since="issue 23: Gemma's RMSNorm")
     # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
     # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
     norm_position: NormPosition = "pre"
@@ -495,6 +504,11 @@ class ModelConfig(Config):
             raise ValueError(
                 "init='xavier' and residual_scaling='gpt2' are two rules for the same weights; choose "
                 "init='normal' for GPT-2's scaled init, or residual_scaling in ['none', 'deepnorm']"
+            )
+        if self.norm_gain != "plain" and self.norm != "rmsnorm":
+            raise ValueError(
+                f"norm_gain={self.norm_gain!r} is a parametrization of RMSNorm's gain; set norm='rmsnorm' or "
+                "norm_gain='plain'"
             )
         if self.mla is not None:
             self._validate_mla()
@@ -603,6 +617,11 @@ class ModelConfig(Config):
         if self.mla is None:
             return self.n_kv_heads, self.head_dim, self.head_dim
         return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of every attention score q·k: 1 / sqrt(attention.scale_dim or head_dim)."""
+        return (self.attention.scale_dim or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int | None:
         """The window of layer ``layer``'s attention: ``attention.window`` for a local layer, None for a global one."""

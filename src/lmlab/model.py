@@ -275,8 +275,11 @@ class Transformer(nn.Module):
         return self.final_norm(x), ctx
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (B, T, C) of ids (B, T), scaled by ``embed_scale``; no positions."""
-        return self.embed(idx) * self.embed_scale
+        """Token embeddings (B, T, C) of ids (B, T), scaled by ``embed_scale``; no positions. The scale is
+        rounded to the embeddings' dtype first, as Gemma does (sqrt(2304) = 48 is exact, in bf16 sqrt(3072)
+        becomes 55.5); in fp32 that is the scale itself."""
+        e = self.embed(idx)  # (B, T, C)
+        return e * torch.tensor(self.embed_scale, dtype=e.dtype)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,

@@ -16,7 +16,8 @@ main model's, times its ``embed_scale``; absolute position embeddings are not ad
 carries them), and the block uses the main model's position scheme at the same positions.
 
 Weight names, and where DeepSeek-V3's checkpoint keeps them (L = num_hidden_layers; the MTP module
-k = 0 .. D-1 is its layer L + k; ``transformers``' modeling file ignores these layers):
+k = 0 .. D-1 is its layer L + k; ``transformers``' main model ignores these layers and its ``MtpModel``
+reads them; ``lmlab.hf`` maps them both ways):
 
 ===============================  ==============================================================
 lmlab                            DeepSeek-V3 checkpoint

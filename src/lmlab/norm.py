@@ -1,4 +1,5 @@
-"""Normalization layers: LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019)."""
+"""Normalization layers: LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), whose gain is stored
+as itself or, as Gemma stores it, as its offset from 1 (``ModelConfig.norm_gain``)."""
 
 from __future__ import annotations
 
@@ -74,12 +75,39 @@ class RMSNorm(nn.Module):
         return rms_normalize(x, self.weight, self.eps)
 
 
+class OffsetRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), with w stored and initialized at 0 (Gemma; ``norm_gain="offset"``): RMSNorm with
+    gain 1 + w. As Gemma computes it, the gain multiplies in fp32, before the cast back to x's dtype (RMSNorm
+    casts first); the same numbers in fp32."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _ = _normalize(x.float(), self.eps)
+        return (n * (1.0 + self.weight.float())).to(x.dtype)
+
+    def init_params(self, init) -> None:
+        """w = 0: the gain starts at 1, as RMSNorm's."""
+        init.zeros(self.weight)
+
+
+RMS_NORMS = {"plain": RMSNorm, "offset": OffsetRMSNorm}  # ModelConfig.norm_gain -> the class
+
+
+def build_rms_norm(cfg: ModelConfig, d: int) -> nn.Module:
+    """An RMSNorm over ``d`` values with ``cfg``'s eps and gain parametrization (the q/k norms use it too)."""
+    return RMS_NORMS[cfg.norm_gain](d, cfg.norm_eps)
+
+
 def layer_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def rms_norm(cfg: ModelConfig) -> nn.Module:
-    return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return build_rms_norm(cfg, cfg.d_model)
 
 
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}

@@ -200,7 +200,7 @@ class RelativeTerm(AttentionTerm):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale  # as the attention scores'
         self.rel_k = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
         self.rel_v = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
 

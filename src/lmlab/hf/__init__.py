@@ -29,8 +29,11 @@ Families: a registry keyed by config.json's ``model_type``
 - ``export``: an :class:`Export` where lmlab also writes the family: ``refuse(cfg)`` (why this
   architecture cannot compute ``cfg`` exactly, naming the field and value, or None),
   ``config(cfg)`` (config.json's keys) and ``weights(cfg, state_dict)`` (tensors under the names
-  ``save_pretrained`` writes). :func:`to_hf` takes the first registered family that can hold the
-  model, so the choice follows what the config needs, never a model's name.
+  ``save_pretrained`` writes); ``mtp=True`` where it holds multi-token prediction (DeepSeek-V3).
+  :func:`to_hf` takes the first registered family that can hold the model, so the choice follows
+  what the config needs, never a model's name.
+- ``with_tensors(cfg, hf, names)`` (optional): the config completed by what the checkpoint's tensor
+  names show, for parts config.json does not decide (DeepSeek-V3's MTP layers, present or not).
 
 The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- export <- this
 file:
@@ -42,6 +45,7 @@ file:
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
 - ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
+- ``smollm3.py``: smollm3 (NoPE layers); ``gemma.py``: gemma3_text (sandwich norms, 1 + w gains, local rotary base);
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
 - this file: the reading entry points and the checkpoint files. A new family is a config function,
   a weights function (and their inverses) and one ``register("name", Family(...))`` line in a
@@ -60,7 +64,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import deepseek, dense, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, gemma, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register
@@ -158,6 +162,9 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     tensors = read_safetensors(path)
     if target is None:  # "auto": the stored dtype
         target = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    family = family_for(hf["model_type"])
+    if family.with_tensors is not None:  # optional weights the checkpoint holds (DeepSeek-V3's MTP layers)
+        cfg = family.with_tensors(cfg, hf, tensors.keys())
     sd = state_dict_from_hf(cfg, tensors, hf["model_type"], source=f"checkpoint {str(path)!r}")
     model = uninitialized(cfg)
     _check_shapes(model, sd, path)

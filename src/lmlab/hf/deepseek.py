@@ -19,19 +19,23 @@ Both: the first ``first_k_dense_replace`` layers dense, ``n_shared_experts`` sha
 ``num_attention_heads``.
 
 Multi-token prediction: DeepSeek-V3 checkpoints on the Hub hold ``num_nextn_predict_layers`` extra
-layers after the last decoder layer (``model.layers.{n_layers}.*``). transformers ignores them, and
-so does the main model here: :func:`mtp_tensors` is the one place that sets them aside, where lmlab's
-MTP modules will take them.
+layers after the last decoder layer (``model.layers.{n_layers}.*``, the table in ``lmlab.mtp``), which
+transformers' main model ignores (its ``MtpModel`` reads them for ``generate(use_mtp=True)``).
+``from_hf`` loads them into lmlab's MTP modules where present (:func:`deepseek_v3_with_mtp` sets
+``mtp.depth``), and ``to_hf`` writes them for a model with ``mtp``: one module (:func:`mtp_refusal`),
+with the copies of the embedding and head the Hub checkpoints hold. A config without ``mtp`` sets
+them aside (:func:`mtp_tensors`), so the main model loads alone.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..config import MLAConfig, ModelConfig, MoEConfig
+from ..config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from ..mtp import checkpoint_prefixes
 from .dense import half_to_interleaved, llama_glu, llama_glu_to_hf
 from .moe import DEEPSEEK_V3_DEFAULTS, deepseek_v3_moe, glm4_moe_groups, moe_to_hf, moe_weights
 from .registry import (
@@ -42,6 +46,7 @@ from .registry import (
     Tensors,
     activation_from_hf,
     key_refused,
+    layers_refusal,
     model_config,
     refusal,
     register,
@@ -150,11 +155,15 @@ def mla_weights(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str,
     return {f"{ours}{mine}.weight": t.take(f"{hf}{theirs}.weight") for mine, theirs in names.items()}
 
 
-def deepseek_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
-    if not cfg.is_moe_layer(int(ours.split(".")[1])):
-        return llama_glu(cfg, t, hf, ours)
-    return moe_weights(
-        cfg, t, hf, ours, names=("gate_proj", "up_proj", "down_proj"),
+def deepseek_layer(cfg: ModelConfig, t: HFTensors, layer: int, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    """Decoder layer ``layer`` under ``hf`` ("model.layers.3.") -> lmlab's block under ``ours`` ("blocks.3.")."""
+    sd = {f"{ours}norm1.weight": t.take(f"{hf}input_layernorm.weight"),
+          f"{ours}norm2.weight": t.take(f"{hf}post_attention_layernorm.weight")}
+    sd.update(mla_weights(cfg, t, f"{hf}self_attn.", f"{ours}attn."))
+    if not cfg.is_moe_layer(layer):
+        return sd | llama_glu(cfg, t, f"{hf}mlp.", f"{ours}ffn.")
+    return sd | moe_weights(
+        cfg, t, f"{hf}mlp.", f"{ours}ffn.", names=("gate_proj", "up_proj", "down_proj"),
         shared="shared_experts" if cfg.moe.n_shared else None,
         score_bias="gate.e_score_correction_bias" if cfg.moe.scoring == "sigmoid" else None,
     )
@@ -162,32 +171,81 @@ def deepseek_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str
 
 def mtp_tensors(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor]:
     """The multi-token-prediction layers a DeepSeek-V3 checkpoint may hold after its last decoder layer
-    (``model.layers.{n_layers + k}.*``): set aside, so they are neither weights of the main model nor
-    reported as unexpected. The hook for lmlab's MTP modules (not part of the main model)."""
+    (``model.layers.{n_layers + k}.*``) that ``cfg`` has no MTP module for: set aside, so they are neither
+    weights of the main model nor reported as unexpected (transformers' main model ignores them too)."""
     aside = {}
     for name in t.tensors:
         layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if layer and int(layer.group(1)) >= cfg.n_layers:
+        if layer and int(layer.group(1)) >= cfg.n_layers + (cfg.mtp.depth if cfg.mtp else 0):
             t.taken.add(name)
             aside[name] = t.tensors[name]
     return aside
 
 
+def mtp_depth_in(hf: Mapping[str, Any], n_layers: int, names: Iterable[str]) -> int:
+    """How many MTP layers a DeepSeek-V3 checkpoint holds (``model.layers.{n_layers + k}.eh_proj``, k = 0, 1, ..)."""
+    names = set(names)
+    depth = 0
+    while f"model.layers.{n_layers + depth}.eh_proj.weight" in names:
+        depth += 1
+    return depth
+
+
+def deepseek_v3_with_mtp(cfg: ModelConfig, hf: Mapping[str, Any], names: Iterable[str]) -> ModelConfig:
+    """``cfg`` with ``mtp`` set where the checkpoint holds its MTP layers (config.json's
+    ``num_nextn_predict_layers`` says how many were trained; a checkpoint saved by transformers holds none,
+    and then the model has none, as in transformers)."""
+    depth = mtp_depth_in(hf, cfg.n_layers, names)
+    if depth == 0:
+        return cfg
+    said = hf.get("num_nextn_predict_layers", 1)
+    if depth != said:
+        raise key_refused(hf, "num_nextn_predict_layers", f"the checkpoint holds {depth} MTP layers "
+                          f"(model.layers.{cfg.n_layers}..{cfg.n_layers + depth - 1}); make the two agree")
+    why = mtp_refusal(cfg.replace(mtp=MTPConfig(depth=depth)))
+    if why is not None:
+        raise ValueError(f"config.json (model_type {hf.get('model_type')!r}) with MTP layers maps to {why}; load "
+                         "the main model alone with lmlab.hf.state_dict_from_hf and a config without mtp")
+    return cfg.replace(mtp=MTPConfig(depth=depth))
+
+
+def shared_copy(t: HFTensors, name: str, main: torch.Tensor | None, main_name: str) -> None:
+    """Take ``name``, a DeepSeek MTP layer's copy of the main ``main_name``, refusing one that differs: lmlab's MTP
+    modules share the main embedding and head (DeepSeek-V3 sec. 2.2), as transformers' MtpModel does."""
+    copy = t.take(name)
+    if copy is None or main is None or copy.is_meta or main.is_meta:
+        return
+    if copy.shape != main.shape or not torch.equal(copy, main):
+        raise ValueError(f"{name} differs from {main_name}: lmlab's MTP modules share the main model's embedding "
+                         "and head; load the main model alone with a config without mtp")
+
+
+def mtp_weights(cfg: ModelConfig, t: HFTensors, embed: torch.Tensor | None,
+                head: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """The MTP layers ``model.layers.{n_layers + k}.*`` -> ``mtp.layers.{k}.*`` (``lmlab.mtp.checkpoint_prefixes``)."""
+    sd: dict[str, torch.Tensor | None] = {}
+    for ours, hf in checkpoint_prefixes(cfg.n_layers, cfg.mtp.depth if cfg.mtp else 0).items():
+        if ours.endswith(".block"):
+            sd.update(deepseek_layer(cfg, t, int(hf.split(".")[-1]), f"{hf}.", f"{ours}."))
+            shared_copy(t, f"{hf}.embed_tokens.weight", embed, "model.embed_tokens.weight")
+            shared_copy(t, f"{hf}.shared_head.head.weight", head, "lm_head.weight")
+        else:
+            sd[f"{ours}.weight"] = t.take(f"{hf}.weight")
+    return sd
+
+
 def deepseek_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
-    """DeepSeek-V2 and V3 checkpoints (one mapping: their names agree; V3's routers add a correction bias)."""
+    """DeepSeek-V2 and V3 checkpoints (one mapping: their names agree; V3's routers add a correction bias),
+    with V3's MTP layers where ``cfg.mtp`` is set."""
     if cfg.mla is None:  # e.g. detect_model_type trying this family on a config without MLA
         raise ValueError("a DeepSeek checkpoint needs a config with mla set")
     mtp_tensors(cfg, t)
     sd = {"embed.weight": t.take("model.embed_tokens.weight")}
     for i in range(cfg.n_layers):
-        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        sd[f"{ours}norm1.weight"] = t.take(f"{hf}input_layernorm.weight")
-        sd[f"{ours}norm2.weight"] = t.take(f"{hf}post_attention_layernorm.weight")
-        sd.update(mla_weights(cfg, t, f"{hf}self_attn.", f"{ours}attn."))
-        sd.update(deepseek_ffn(cfg, t, f"{hf}mlp.", f"{ours}ffn."))
+        sd.update(deepseek_layer(cfg, t, i, f"model.layers.{i}.", f"blocks.{i}."))
     sd["final_norm.weight"] = t.take("model.norm.weight")
     sd["head.weight"] = tied_head(cfg, t, "lm_head.weight", sd["embed.weight"])
-    return sd
+    return sd | mtp_weights(cfg, t, sd["embed.weight"], sd["head.weight"])
 
 
 # ============================================================== lmlab -> DeepSeek
@@ -199,7 +257,7 @@ def deepseek_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any,
         "bias": (False, f"{name} has no biases"), "qkv_bias": (False, f"{name} has no biases"),
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"), "ffn": ("glu", f"{name}'s feed-forward is SwiGLU"),
         "norm_position": ("pre", f"{name} normalizes each sublayer's input"),
-    }) or rope_refusal(cfg)
+    }) or rope_refusal(cfg) or layers_refusal(cfg, name)
     if why is None and cfg.moe is not None:
         why = refusal(cfg, {"moe.every": (1, f"every {name} layer after the first dense ones is a mixture"),
                             "moe.shared_gate": ("none", f"{name}'s shared experts are not gated"), **needs})
@@ -221,10 +279,24 @@ def deepseek_v2_refusal(cfg: ModelConfig) -> str | None:
     return why
 
 
+def mtp_refusal(cfg: ModelConfig) -> str | None:
+    """What of ``cfg.mtp`` DeepSeek-V3's MTP layers cannot hold: they are mixture-of-experts layers, and one deep."""
+    if cfg.mtp is None:
+        return None
+    if cfg.moe is None:
+        return (f"mtp.depth={cfg.mtp.depth} with moe=None (DeepSeek-V3's MTP layer is a mixture-of-experts layer, "
+                "as transformers' MtpModel builds it, and lmlab's MTP block of a dense model is dense)")
+    if cfg.mtp.depth != 1:
+        return (f"mtp.depth={cfg.mtp.depth} (DeepSeek-V3 trains one MTP module; past the first, transformers' "
+                "MtpModel feeds the next module the normed state and DeepSeek's paper, vLLM and lmlab the block's "
+                "output, so only mtp.depth 1 has one meaning)")
+    return None
+
+
 def deepseek_v3_refusal(cfg: ModelConfig) -> str | None:
     why = deepseek_refusal(cfg, "DeepSeek-V3", {
         "moe.scoring": ("sigmoid", "DeepSeek-V3 scores experts with a sigmoid"),
-    })
+    }) or mtp_refusal(cfg)
     moe = cfg.moe
     if why is None and moe is not None and moe.group_limited and moe.group_score != "top2":
         why = f"moe.group_score={moe.group_score!r} (DeepSeek-V3 scores a group by its best two experts)"
@@ -266,9 +338,9 @@ def deepseek_v2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def deepseek_v3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """V3's router always ranks groups by their best two: without group limits, groups that keep every
-    expert (as ``moe.glm4_moe_groups``). No MTP layers are written (num_nextn_predict_layers 0)."""
+    expert (as ``moe.glm4_moe_groups``). ``num_nextn_predict_layers``: the MTP layers written (0 without mtp)."""
     keys = {**deepseek_layout_to_hf(cfg), "rope_interleave": cfg.rope.layout == "interleaved",
-            "num_nextn_predict_layers": 0}
+            "num_nextn_predict_layers": cfg.mtp.depth if cfg.mtp else 0}
     if cfg.moe is not None:
         n_group, topk_group = glm4_moe_groups(cfg.moe)
         keys.update(n_group=n_group, topk_group=topk_group)
@@ -303,27 +375,46 @@ def mla_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str, *, interleaved:
     return out
 
 
+def deepseek_layer_to_hf(cfg: ModelConfig, sd: Tensors, layer: int, ours: str, hf: str, *,
+                         interleaved: bool) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`deepseek_layer`, one tensor per expert (the Hub layout)."""
+    out = {f"{hf}input_layernorm.weight": sd[f"{ours}norm1.weight"],
+           f"{hf}post_attention_layernorm.weight": sd[f"{ours}norm2.weight"]}
+    out.update(mla_to_hf(cfg, sd, f"{ours}attn.", f"{hf}self_attn.", interleaved=interleaved))
+    if not cfg.is_moe_layer(layer):
+        return out | llama_glu_to_hf(cfg, sd, f"{ours}ffn.", f"{hf}mlp.")
+    sigmoid = cfg.moe.scoring == "sigmoid"
+    return out | moe_to_hf(
+        cfg, sd, f"{ours}ffn.", f"{hf}mlp.", names=("gate_proj", "up_proj", "down_proj"),
+        arch="DeepSeek-V3" if sigmoid else "DeepSeek-V2", shared="shared_experts" if cfg.moe.n_shared else None,
+        score_bias="gate.e_score_correction_bias" if sigmoid else None,
+    )
+
+
+def mtp_to_hf(cfg: ModelConfig, sd: Tensors, *, interleaved: bool) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`mtp_weights`: each MTP layer with its copies of the embedding and the head, as
+    DeepSeek-V3's checkpoints hold them (transformers' MtpModel reads the shared ones from the main model)."""
+    out = {}
+    for ours, hf in checkpoint_prefixes(cfg.n_layers, cfg.mtp.depth if cfg.mtp else 0).items():
+        if not ours.endswith(".block"):
+            out[f"{hf}.weight"] = sd[f"{ours}.weight"]
+            continue
+        out.update(deepseek_layer_to_hf(cfg, sd, int(hf.split(".")[-1]), f"{ours}.", f"{hf}.",
+                                        interleaved=interleaved))
+        out[f"{hf}.embed_tokens.weight"] = sd["embed.weight"]
+        out[f"{hf}.shared_head.head.weight"] = sd["head.weight"]
+    return out
+
+
 def deepseek_weights_to_hf(cfg: ModelConfig, sd: Tensors, *, interleaved: bool) -> dict[str, torch.Tensor]:
     """The inverse of :func:`deepseek_weights`, one tensor per expert (the Hub layout)."""
     out = {"model.embed_tokens.weight": sd["embed.weight"]}
     for i in range(cfg.n_layers):
-        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        out[f"{hf}input_layernorm.weight"] = sd[f"{ours}norm1.weight"]
-        out[f"{hf}post_attention_layernorm.weight"] = sd[f"{ours}norm2.weight"]
-        out.update(mla_to_hf(cfg, sd, f"{ours}attn.", f"{hf}self_attn.", interleaved=interleaved))
-        if not cfg.is_moe_layer(i):
-            out.update(llama_glu_to_hf(cfg, sd, f"{ours}ffn.", f"{hf}mlp."))
-            continue
-        sigmoid = cfg.moe.scoring == "sigmoid"
-        out.update(moe_to_hf(
-            cfg, sd, f"{ours}ffn.", f"{hf}mlp.", names=("gate_proj", "up_proj", "down_proj"),
-            arch="DeepSeek-V3" if sigmoid else "DeepSeek-V2", shared="shared_experts" if cfg.moe.n_shared else None,
-            score_bias="gate.e_score_correction_bias" if sigmoid else None,
-        ))
+        out.update(deepseek_layer_to_hf(cfg, sd, i, f"blocks.{i}.", f"model.layers.{i}.", interleaved=interleaved))
     out["model.norm.weight"] = sd["final_norm.weight"]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["head.weight"]
-    return out
+    return out | mtp_to_hf(cfg, sd, interleaved=interleaved)
 
 
 def deepseek_v2_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
@@ -342,5 +433,5 @@ register("deepseek_v2", Family(deepseek_v2_config, deepseek_weights, DEEPSEEK_IG
 )))
 register("deepseek_v3", Family(deepseek_v3_config, deepseek_weights, DEEPSEEK_IGNORE, Export(
     "DeepseekV3ForCausalLM", moe=None, refuse=deepseek_v3_refusal, config=deepseek_v3_to_hf,
-    weights=deepseek_v3_weights_to_hf,
-)))
+    weights=deepseek_v3_weights_to_hf, mtp=True,
+), with_tensors=deepseek_v3_with_mtp))

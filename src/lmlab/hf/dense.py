@@ -110,14 +110,18 @@ def llama_glu(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, t
 FFNWeights = Callable[[ModelConfig, HFTensors, str, str], dict]
 
 
-def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu) -> dict[str, torch.Tensor | None]:
+# each layer's norms: HF name -> lmlab name (Llama: pre-norm, an input norm before each sublayer)
+LLAMA_NORMS = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2"}
+
+
+def llama_weights(cfg: ModelConfig, t: HFTensors, ffn: FFNWeights = llama_glu,
+                  norms: Mapping[str, str] = LLAMA_NORMS) -> dict[str, torch.Tensor | None]:
     """Llama-layout checkpoints; ``ffn`` maps each layer's "mlp." part (mixture-of-experts
-    families pass their own)."""
+    families pass their own), ``norms`` each layer's norms (families that place them elsewhere pass theirs)."""
     sd = {"embed.weight": t.take("model.embed_tokens.weight")}
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        sd[f"{ours}norm1.weight"] = t.take(f"{hf}input_layernorm.weight")
-        sd[f"{ours}norm2.weight"] = t.take(f"{hf}post_attention_layernorm.weight")
+        sd.update({f"{ours}{mine}.weight": t.take(f"{hf}{theirs}.weight") for theirs, mine in norms.items()})
         sd.update(llama_attention(cfg, t, f"{hf}self_attn.", f"{ours}attn."))
         sd.update(ffn(cfg, t, f"{hf}mlp.", f"{ours}ffn."))
     sd["final_norm.weight"] = t.take("model.norm.weight")
@@ -221,14 +225,14 @@ def llama_glu_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[s
 FFNToHF = Callable[[ModelConfig, Tensors, str, str], dict]
 
 
-def llama_weights_to_hf(cfg: ModelConfig, sd: Tensors, ffn: FFNToHF = llama_glu_to_hf) -> dict[str, torch.Tensor]:
+def llama_weights_to_hf(cfg: ModelConfig, sd: Tensors, ffn: FFNToHF = llama_glu_to_hf,
+                        norms: Mapping[str, str] = LLAMA_NORMS) -> dict[str, torch.Tensor]:
     """The inverse of :func:`llama_weights`: HF names as ``save_pretrained`` writes them; a tied
     head is left out, as transformers leaves it out."""
     out = {"model.embed_tokens.weight": sd["embed.weight"]}
     for i in range(cfg.n_layers):
         ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        out[f"{hf}input_layernorm.weight"] = sd[f"{ours}norm1.weight"]
-        out[f"{hf}post_attention_layernorm.weight"] = sd[f"{ours}norm2.weight"]
+        out.update({f"{hf}{theirs}.weight": sd[f"{ours}{mine}.weight"] for theirs, mine in norms.items()})
         out.update(llama_attention_to_hf(cfg, sd, f"{ours}attn.", f"{hf}self_attn."))
         out.update(ffn(cfg, sd, f"{ours}ffn.", f"{hf}mlp."))
     out["model.norm.weight"] = sd["final_norm.weight"]

@@ -5,7 +5,7 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, olmo2, olmoe, qwen3, qwen3_moe), or named with
+qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gemma3_text, olmo2, olmoe, qwen3, qwen3_moe, smollm3), or named with
 ``architecture=``. Nothing approximate is ever written: a model that no transformers architecture
 computes exactly is refused with a ValueError that names the field and its value. Dropout and
 balancing coefficients act only in training and are not part of what is checked.
@@ -31,7 +31,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, fsync_dir
-from . import deepseek, dense, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, gemma, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, Tensors
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
@@ -45,7 +45,6 @@ NO_EQUIVALENT: tuple[tuple[str, Any, str], ...] = (
     ("positions", "relative", "Shaw et al. relative positions (learned key and value terms)"),
     ("positions", "alibi", "ALiBi attention biases"),
     ("positions", "none", "no position information at all"),
-    ("embed_scale", "sqrt_d", "embeddings multiplied by sqrt(d_model)"),
     ("attn_gate", "elementwise", "a sigmoid gate on the attention output (Qwen3-Next's, whose other layers are "
                                  "linear attention, is not written)"),
     ("attn_gate", "headwise", "a per-head sigmoid gate on the attention output"),
@@ -81,13 +80,20 @@ def universal_refusal(cfg: ModelConfig) -> str | None:
             f"moe.capacity_factor={cfg.moe.capacity_factor} has no exact transformers architecture: expert capacity "
             "drops tokens (Switch, GShard), and transformers' mixture-of-experts layers are dropless"
         )
-    if cfg.mtp is not None:  # written, the main model would export exactly and the MTP weights would be lost
-        return (
-            f"mtp.depth={cfg.mtp.depth}: no transformers architecture holds multi-token prediction modules "
-            "(DeepSeek-V3's modeling file ignores them), so their weights would be dropped; export a model "
-            "trained without model.mtp"
-        )
-    return None
+    return mtp_refusal(cfg)
+
+
+def mtp_refusal(cfg: ModelConfig) -> str | None:
+    """A model with multi-token prediction that no architecture holding MTP modules (DeepSeek-V3) computes:
+    written as another, the main model would export exactly and the MTP weights would be lost."""
+    if cfg.mtp is None:
+        return None
+    holders = {name: target.refuse(cfg) for name, target in exports().items() if target.mtp}
+    if any(why is None for why in holders.values()):
+        return None
+    reasons = "; ".join(f"{name} holds them but cannot compute this model: {why}" for name, why in holders.items())
+    return (f"mtp.depth={cfg.mtp.depth}: no transformers architecture holds multi-token prediction modules for this "
+            f"model ({reasons}), so their weights would be dropped; export a model trained without model.mtp")
 
 
 def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tuple[str, Export]:
@@ -101,14 +107,14 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
         if architecture not in targets:
             raise ValueError(f"architecture={architecture!r} is not one lmlab writes; choose one of {sorted(targets)}")
         target = targets[architecture]
-        why = _kind_mismatch(cfg, target) or target.refuse(cfg)
+        why = _kind_mismatch(cfg, target) or _mtp_mismatch(cfg, target) or target.refuse(cfg)
         if why:
             raise ValueError(f"cannot export as {architecture!r}: {why}")
         return architecture, target
     reasons: list[str] = []
     fixes: list[str] = []
     for name, target in targets.items():
-        if target.moe is not None and target.moe != (cfg.moe is not None):
+        if target.moe is not None and target.moe != (cfg.moe is not None) or _mtp_mismatch(cfg, target):
             continue
         why = target.refuse(cfg)
         if why is None:
@@ -142,6 +148,13 @@ def one_field_fixes(cfg: ModelConfig, target: Export, why: str) -> list[tuple[st
         if target.refuse(changed) is None and not universal_refusal(changed):
             fixes.append((field, str(value).lower() if isinstance(value, bool) else str(value)))
     return fixes
+
+
+def _mtp_mismatch(cfg: ModelConfig, target: Export) -> str | None:
+    if cfg.mtp is not None and not target.mtp:
+        return (f"mtp.depth={cfg.mtp.depth} (its checkpoints hold no multi-token prediction modules, so their "
+                "weights would be dropped; export a model trained without model.mtp)")
+    return None
 
 
 def _kind_mismatch(cfg: ModelConfig, target: Export) -> str | None:

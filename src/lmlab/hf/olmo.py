@@ -16,10 +16,6 @@ from ..config import ModelConfig, MoEConfig
 from .dense import (
     LLAMA_DEFAULTS,
     LLAMA_IGNORE,
-    llama_attention,
-    llama_attention_to_hf,
-    llama_glu,
-    llama_glu_to_hf,
     llama_layout_config,
     llama_layout_refusal,
     llama_layout_to_hf,
@@ -29,14 +25,17 @@ from .dense import (
     qk_norm_weights,
 )
 from .moe import all_experts_refusal, moe_refusal, moe_to_hf, moe_weights
-from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, tied_head, with_defaults
-
-
-def _no_attention_bias(hf: Mapping[str, Any]) -> None:
-    if hf["attention_bias"]:
-        raise key_refused(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
-                      "projections and none on the feed-forward")
-
+from .registry import (
+    Export,
+    Family,
+    HFTensors,
+    Tensors,
+    key_refused,
+    refusal,
+    refuse_attention_bias,
+    register,
+    with_defaults,
+)
 
 # ============================================================== OLMo 2
 # transformers' Olmo2Config defaults (5.x), for keys an older config.json leaves out.
@@ -49,26 +48,19 @@ def olmo2_config(hf: Mapping[str, Any]) -> ModelConfig:
     """OLMo 2 (arXiv:2501.00656): Llama without biases, the norms on each sublayer's output
     (x + norm(f(x))), and an RMSNorm over the whole q and k projections before rotary."""
     hf = with_defaults(hf, OLMO2_DEFAULTS)
-    _no_attention_bias(hf)
+    refuse_attention_bias(hf)
     return llama_layout_config(hf, norm_position="reordered", qk_norm="full")
 
 
+# OLMo 2's layers have no input norms: post_attention_layernorm and post_feedforward_layernorm are the
+# reordered block's norm1 and norm2
+OLMO2_NORMS = {"post_attention_layernorm": "norm1", "post_feedforward_layernorm": "norm2"}
+
+
 def olmo2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
-    """OLMo 2's layers have no input norms: post_attention_layernorm and post_feedforward_layernorm are
-    the reordered block's norm1 and norm2."""
     if cfg.norm_position != "reordered" or cfg.qk_norm != "full":
         raise ValueError("an OLMo 2 checkpoint needs a config with norm_position='reordered' and qk_norm='full'")
-    sd = {"embed.weight": t.take("model.embed_tokens.weight")}
-    for i in range(cfg.n_layers):
-        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        sd[f"{ours}norm1.weight"] = t.take(f"{hf}post_attention_layernorm.weight")
-        sd[f"{ours}norm2.weight"] = t.take(f"{hf}post_feedforward_layernorm.weight")
-        sd.update(llama_attention(cfg, t, f"{hf}self_attn.", f"{ours}attn."))
-        sd.update(llama_glu(cfg, t, f"{hf}mlp.", f"{ours}ffn."))
-    sd.update(qk_norm_weights(cfg, t))
-    sd["final_norm.weight"] = t.take("model.norm.weight")
-    sd["head.weight"] = tied_head(cfg, t, "lm_head.weight", sd["embed.weight"])
-    return sd
+    return {**llama_weights(cfg, t, norms=OLMO2_NORMS), **qk_norm_weights(cfg, t)}
 
 
 def olmo2_refusal(cfg: ModelConfig) -> str | None:
@@ -82,18 +74,7 @@ def olmo2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def olmo2_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": sd["embed.weight"]}
-    for i in range(cfg.n_layers):
-        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        out[f"{hf}post_attention_layernorm.weight"] = sd[f"{ours}norm1.weight"]
-        out[f"{hf}post_feedforward_layernorm.weight"] = sd[f"{ours}norm2.weight"]
-        out.update(llama_attention_to_hf(cfg, sd, f"{ours}attn.", f"{hf}self_attn."))
-        out.update(llama_glu_to_hf(cfg, sd, f"{ours}ffn.", f"{hf}mlp."))
-    out.update(qk_norm_to_hf(cfg, sd))
-    out["model.norm.weight"] = sd["final_norm.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
-    return out
+    return {**llama_weights_to_hf(cfg, sd, norms=OLMO2_NORMS), **qk_norm_to_hf(cfg, sd)}
 
 
 register("olmo2", Family(olmo2_config, olmo2_weights, LLAMA_IGNORE, Export(
@@ -114,7 +95,7 @@ def olmoe_config(hf: Mapping[str, Any]) -> ModelConfig:
     """OLMoE (arXiv:2409.02060): pre-norm, OLMo 2's whole-projection q/k norm, and every feed-forward a
     mixture of SwiGLU experts of width intermediate_size, softmax-routed, no shared expert."""
     hf = with_defaults(hf, OLMOE_DEFAULTS)
-    _no_attention_bias(hf)
+    refuse_attention_bias(hf)
     if hf["clip_qkv"] is not None:
         raise key_refused(hf, "clip_qkv", "lmlab does not clamp queries, keys and values; only clip_qkv null loads")
     heads = hf["num_attention_heads"]

@@ -25,7 +25,17 @@ from .dense import (
     qk_norm_weights,
 )
 from .moe import all_experts_refusal, every_and_first_dense, moe_refusal, moe_to_hf, moe_weights, qwen2_moe_layers
-from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
+from .registry import (
+    Export,
+    Family,
+    HFTensors,
+    Tensors,
+    key_refused,
+    refusal,
+    refuse_attention_bias,
+    register,
+    with_defaults,
+)
 
 
 def _check_attention(hf: Mapping[str, Any]) -> None:
@@ -34,9 +44,7 @@ def _check_attention(hf: Mapping[str, Any]) -> None:
     if hf["use_sliding_window"] or "sliding_attention" in (hf.get("layer_types") or ()):
         raise key_refused(hf, "use_sliding_window", "lmlab has no sliding-window attention yet, so only Qwen3 "
                       "checkpoints with full attention in every layer load")
-    if hf["attention_bias"]:
-        raise key_refused(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
-                      "projections and none on the feed-forward")
+    refuse_attention_bias(hf)
 
 
 def _qwen3_attention_to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -64,13 +64,15 @@ class Export:
     ``refuse(cfg)`` says why this architecture cannot compute ``cfg``'s model exactly, naming the
     field and its value (None: it can); ``config(cfg)`` gives config.json's architecture keys;
     ``weights(cfg, state_dict)`` gives the tensors under the names ``save_pretrained`` writes,
-    raising ValueError for a weight the architecture has no place for."""
+    raising ValueError for a weight the architecture has no place for. ``mtp``: its checkpoints hold
+    multi-token prediction modules (DeepSeek-V3's); every other architecture refuses a model with ``mtp``."""
 
     architecture: str  # the transformers class, config.json's "architectures"
     moe: bool | None  # holds mixture-of-experts models (else dense ones); None: both
     refuse: Callable[[ModelConfig], str | None]
     config: Callable[[ModelConfig], dict[str, Any]]
     weights: Callable[[ModelConfig, Tensors], dict[str, torch.Tensor]]
+    mtp: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,9 @@ class Family:
     weights: Callable[[ModelConfig, HFTensors], dict[str, torch.Tensor | None]]
     ignore: tuple[str, ...] = ()
     export: Export | None = None  # None: lmlab reads this family but does not write it
+    # (config, config.json, the checkpoint's tensor names) -> the config with the optional parts those names
+    # show (DeepSeek-V3's MTP layers); None: config.json alone decides
+    with_tensors: Callable[[ModelConfig, Mapping[str, Any], Iterable[str]], ModelConfig] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -281,11 +286,17 @@ def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
 
 
 def layers_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) -> str | None:
-    """The first per-layer attention or position choice of ``cfg`` that architecture ``name`` lacks;
-    ``supports`` names those it has: "window" (sliding layers, any pattern), "sinks", "partial"
-    (partial rotary), "nope" (NoPE layers), "local_base" (local layers' own rotary base)."""
+    """The first per-layer attention or position choice of ``cfg``, or refinement of the block, that
+    architecture ``name`` lacks; ``supports`` names those it has: "window" (sliding layers, any pattern),
+    "sinks", "partial" (partial rotary), "nope" (NoPE layers), "local_base" (local layers' own rotary base),
+    "embed_scale" (embeddings times sqrt(d_model)), "scale_dim" (scores over sqrt(attention.scale_dim)),
+    "norm_gain" (RMSNorm gains stored as 1 + w). Every family's refusal asks this."""
     attention, rope, ok = cfg.attention, cfg.rope, set(supports)
     checks = [
+        ("embed_scale", cfg.embed_scale != "none", f"embed_scale={cfg.embed_scale!r}", "does not scale its embeddings"),
+        ("scale_dim", attention.scale_dim is not None, f"attention.scale_dim={attention.scale_dim}",
+         "scales attention scores by 1/sqrt(head_dim)"),
+        ("norm_gain", cfg.norm_gain != "plain", f"norm_gain={cfg.norm_gain!r}", "stores each RMSNorm's gain itself"),
         ("window", "local" in attention.pattern, f"attention.pattern={list(attention.pattern)}",
          "has no sliding-window layers"),
         ("sinks", attention.sinks != "none", f"attention.sinks={attention.sinks!r}", "has no attention sinks"),
@@ -303,6 +314,14 @@ def layers_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) ->
 def key_refused(hf: Mapping[str, Any], key: str, why: str) -> ValueError:
     """The error for a config.json key whose value lmlab cannot compute: the family, the key, its value, why."""
     return ValueError(f"config.json (model_type {hf.get('model_type')!r}) has {key}={hf.get(key)!r}: {why}")
+
+
+def refuse_attention_bias(hf: Mapping[str, Any]) -> None:
+    """config.json's ``attention_bias`` true (biases on q, k, v and the output projection, none on the
+    feed-forward) refused: lmlab's ``bias`` covers every linear layer, ``qkv_bias`` q, k and v only."""
+    if hf["attention_bias"]:
+        raise key_refused(hf, "attention_bias", "lmlab's one `bias` switch cannot put biases on attention's four "
+                          "projections and none on the feed-forward")
 
 
 def refusal(cfg: ModelConfig, needs: Mapping[str, tuple[Any, str]]) -> str | None:
