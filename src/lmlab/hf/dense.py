@@ -57,9 +57,11 @@ def llama_config(hf: Mapping[str, Any], defaults: Mapping[str, Any] = LLAMA_DEFA
     return llama_layout_config(hf, bias=attention_bias)
 
 
-def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0, **fields: Any) -> ModelConfig:
+def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0, partial: bool = False,
+                        **fields: Any) -> ModelConfig:
     """The fields every Llama-layout family (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) maps the
-    same way: sizes, pre-norm RMSNorm, rotary, SwiGLU. ``fields`` add or override (bias, moe, ...)."""
+    same way: sizes, pre-norm RMSNorm, rotary (``partial``: see :func:`rope_from_hf`), SwiGLU. ``fields`` add
+    or override (bias, moe, ...)."""
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None)
     return model_config(hf, **{
@@ -70,7 +72,7 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
             max_seq_len=hf["max_position_embeddings"],
             norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
             activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-            rope=rope_from_hf(hf, default_theta=default_theta), bias=False,
+            rope=rope_from_hf(hf, default_theta=default_theta, partial=partial), bias=False,
             tie_embeddings=bool(hf["tie_word_embeddings"]),
             norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
         ),
