@@ -30,9 +30,11 @@ ACTIVATIONS = {
 }
 
 def quick_gelu_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """g * d/dx [x sigmoid(a x)] = g * s (1 + a x (1 - s)), s = sigmoid(a x), written into ``out``."""
-    s = torch.sigmoid(QUICK_GELU_A * x)
-    return torch.mul(g, s * (1 + QUICK_GELU_A * x * (1 - s)), out=out)
+    """g * d/dx [x sigmoid(a x)] = g s + a sigmoid'(a x) g x, s = sigmoid(a x), written into ``out`` (which may
+    be g): the ops autograd runs for :func:`quick_gelu`, in its order, so the bits are autograd's."""
+    s = torch.sigmoid(x * QUICK_GELU_A)
+    through_sigmoid = torch.ops.aten.sigmoid_backward(g * x, s) * QUICK_GELU_A
+    return torch.add(g * s, through_sigmoid, out=out)
 
 
 _aten = torch.ops.aten
