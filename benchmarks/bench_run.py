@@ -20,7 +20,7 @@ interpreter), tokens/s and time-to-loss: the wall seconds until an evaluation re
 loop's final validation loss of the same round. Then lmlab's time per phase: set-up, the steps,
 evaluation, saving (finite checks included), logging and metrics, the final sample, the rest.
 
-    python benchmarks/bench_run.py                  # the recipe, 2 rounds (~5 min on a 2-core CPU)
+    python benchmarks/bench_run.py                  # the recipe, 2 rounds (~17 min on an idle 2-core CPU)
     python benchmarks/bench_run.py --quick          # seconds; numbers meaningless (run_all.sh --quick)
 """
 

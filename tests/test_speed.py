@@ -118,6 +118,47 @@ def test_rotary_heads_backward_writes_one_gradient_without_cat_or_zero_fill():
     assert "aten::cat" not in fused and "aten::slice_backward" not in fused and "aten::roll" not in fused
 
 
+def events_of(fn) -> set[str]:
+    """Names of every profiler event ``fn`` ran: aten ops and autograd Functions."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_grad_the_fast_paths_skip_their_autograd_functions_and_give_the_same_values(dtype):
+    """Generation and evaluation run without grad, where a Function's ``apply`` is bookkeeping only:
+    rms_normalize, glu and the rotary heads then run their forward's ops directly, to the same values."""
+    g = torch.Generator().manual_seed(4)
+    x, w, z = torch.randn(2, 3, 32, generator=g).to(dtype), (1 + torch.randn(32, generator=g)).to(dtype), \
+        torch.randn(2, 3, 16, generator=g).to(dtype)
+    model = Transformer(tiny_config(positions="rope", n_kv_heads=2))
+    attn, ctx = model.blocks[0].attn, model.positions.context(0, 5, torch.device("cpu"))
+    qkv = torch.randn(2, 5, 8, 8, generator=g).to(dtype)
+    cases = {"RMSNormFunction": lambda: (rms_normalize(x, w, 1e-5),), "GLUFunction": lambda: (glu(z, "silu"),),
+             "QKVHeads": lambda: attn.heads(qkv, ctx)}
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for function, run in cases.items():
+        assert function in events_of(run)  # with grad: the Function, as training runs it
+        with torch.no_grad():
+            assert function not in events_of(run), function
+            fast = run()
+        for a, b in zip(fast, run()):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape
+            assert_close(a, b.detach(), **tol)
+
+
+def test_a_model_without_grad_gives_the_logits_it_gives_with_grad():
+    model = Transformer(tiny_config(positions="rope", n_kv_heads=2)).eval()
+    assert not any(isinstance(m, torch.nn.Dropout) for m in model.modules())  # dropout 0: no op at all
+    seq = tokens(2, 9)
+    with torch.no_grad():
+        inference = model(seq).logits
+    assert_close(inference, model(seq).logits.detach(), rtol=1e-6, atol=1e-6)
+    dropping = Transformer(tiny_config(dropout=0.1))
+    assert sum(isinstance(m, torch.nn.Dropout) for m in dropping.modules()) == 1 + dropping.config.n_layers
+
+
 @pytest.mark.parametrize("preset", ["llama", "gpt2", "vaswani2017"])
 def test_model_with_fast_paths_equals_model_with_references(preset, monkeypatch):
     monkeypatch.setattr(lmlab.loss, "CHUNK_ELEMENTS", 5 * 64)  # the loss in chunks of 5 positions

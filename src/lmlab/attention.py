@@ -53,6 +53,7 @@ class KVCache:
         heads, key_width, value_width = cfg.cache_widths
         self.k = torch.zeros(len(layers), batch_size, heads, max_len, key_width, device=device, dtype=dtype)
         self.v = torch.zeros(len(layers), batch_size, heads, max_len, value_width, device=device, dtype=dtype)
+        self.layer_kv = [(self.k[i], self.v[i]) for i in range(len(layers))]  # (B, heads, max_len, width) views
         self.max_len = max_len
         self.length = 0
         self.valid: torch.Tensor | None = None  # (B, max_len) bool: the slot holds a real token
@@ -81,10 +82,11 @@ class KVCache:
         return padded_context(q_pos, self.pos[:, :end], self.valid[:, :end])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end, i = self.length, self.length + k.shape[2], layer - self.first_layer
-        self.k[i, :, :, start:end] = k
-        self.v[i, :, :, start:end] = v
-        return self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, KV, S, hd)
+        start, end = self.length, self.length + k.shape[2]
+        keys, values = self.layer_kv[layer - self.first_layer]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]  # (B, KV, S, hd)
 
     def advance(self, T: int) -> None:
         self.length += T
@@ -181,6 +183,17 @@ def rotate_half_into(x: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor,
     return out
 
 
+def qkv_heads(qkv: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor, H: int, KV: int):
+    """:class:`QKVHeads`' forward, without autograd: [q; k; v] (B, T, H + 2KV, hd) -> rotated q
+    (B, H, T, hd), rotated k and v (B, KV, T, hd)."""
+    B, T, _, hd = qkv.shape
+    dtype = qkv.dtype if cos.dtype == qkv.dtype else torch.promote_types(qkv.dtype, cos.dtype)
+    work = torch.empty(B, T, H + KV, hd, dtype=dtype, device=qkv.device)
+    qk = rotate_half_into(qkv[:, :, : H + KV], cos, sin_half, work)
+    qk = qk if dtype == qkv.dtype else qk.to(qkv.dtype)
+    return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
+
+
 class QKVHeads(torch.autograd.Function):
     """[q; k; v] (B, T, H + 2KV, hd), the fused projection's output, -> rotated q (B, H, T, hd),
     rotated k (B, KV, T, hd) and v (B, KV, T, hd), as views in the (B, T, heads, hd) layout that
@@ -194,13 +207,9 @@ class QKVHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor, n_heads: int, n_kv_heads: int):
-        B, T, N, hd = qkv.shape
-        H, KV = n_heads, n_kv_heads
-        work = torch.empty(B, T, H + KV, hd, dtype=torch.promote_types(qkv.dtype, cos.dtype), device=qkv.device)
-        qk = rotate_half_into(qkv[:, :, : H + KV], cos, sin_half, work).to(qkv.dtype)
         ctx.save_for_backward(cos, sin_half)
-        ctx.shape, ctx.dtype, ctx.heads = qkv.shape, qkv.dtype, (H, KV)
-        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
+        ctx.shape, ctx.dtype, ctx.heads = qkv.shape, qkv.dtype, (n_heads, n_kv_heads)
+        return qkv_heads(qkv, cos, sin_half, n_heads, n_kv_heads)
 
     @staticmethod
     def backward(ctx, g_q: torch.Tensor, g_k: torch.Tensor, g_v: torch.Tensor):
@@ -380,11 +389,14 @@ class Attention(nn.Module):
 
     def heads_rotary(self, qkv: torch.Tensor, ctx: Context):
         """Half-layout rotary heads through :class:`QKVHeads`: no ``cat`` in the backward at all.
-        Under ``torch.compile``, :meth:`heads_split`: the compiler fuses its backward itself."""
+        Under ``torch.compile``, :meth:`heads_split`: the compiler fuses its backward itself. Without
+        grad (generation, evaluation), its forward alone: ``apply``'s bookkeeping is a decoding step's
+        largest overhead after the matmuls."""
         if torch.compiler.is_compiling():
             return self.heads_split(qkv, ctx)
-        r = ctx.state  # tables (B|1, 1, T, hd) -> (B|1, T, 1, hd), the layout of qkv
-        return QKVHeads.apply(qkv, r.cos.transpose(1, 2), r.sin_half.transpose(1, 2), self.n_heads, self.n_kv_heads)
+        r = ctx.state  # its tables in the layout of qkv, (B|1, T, 1, hd)
+        heads = QKVHeads.apply if torch.is_grad_enabled() else qkv_heads
+        return heads(qkv, r.cos_tokens, r.sin_half_tokens, self.n_heads, self.n_kv_heads)
 
     def attend_sdpa(self, q, k, v, ctx: Context) -> torch.Tensor:
         """q (B, H, T, hd); k, v (B, KV, S, hd)."""

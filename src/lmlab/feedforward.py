@@ -84,8 +84,9 @@ class GLUFunction(torch.autograd.Function):
 
 def glu(z: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for z = [gate, up] (..., 2F) -> (..., F); equal to :func:`glu_reference`.
-    Under ``torch.compile`` the reference: the compiler fuses its ops and their backward itself."""
-    if torch.compiler.is_compiling():
+    Under ``torch.compile`` the reference: the compiler fuses its ops and their backward itself; without
+    grad too (generation, evaluation), where the Function's bookkeeping is all it would add."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return glu_reference(z, activation)
     return GLUFunction.apply(z, activation)
 

@@ -43,13 +43,18 @@ from .schema import check_choice
 
 
 # ============================================================== blocks
+def build_dropout(cfg: ModelConfig) -> nn.Module:
+    """Dropout at ``cfg.dropout``; at 0 nothing at all (``nn.Dropout(0)`` still dispatches an op per call)."""
+    return nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
         super().__init__()
         self.attn = build_attention(cfg, layer, term)
         self.ffn = build_ffn(cfg, layer)
         self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = build_dropout(cfg)
 
 
 class PreNormBlock(Block):
@@ -213,7 +218,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale == "sqrt_d" else 1.0
         self.positions = build_positions(cfg)
         self.layer_contexts = LayerContexts(cfg, self.positions)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = build_dropout(cfg)
         self.blocks = nn.ModuleList(
             BLOCKS[cfg.norm_position](cfg, i, term) for i, term in enumerate(self.layer_contexts.terms)
         )

@@ -35,7 +35,7 @@ class RMSNormFunction(torch.autograd.Function):
         n, rstd = _normalize(x.float(), eps)
         ctx.save_for_backward(n, rstd, weight)
         ctx.x_dtype = x.dtype
-        return weight * n.to(x.dtype)
+        return weight * n.to(x.dtype)  # as rms_normalize's no-grad path computes it
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -51,8 +51,14 @@ class RMSNormFunction(torch.autograd.Function):
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """g * x / rms(x) in fp32, cast back to x's dtype before the gain; equal to :func:`rms_norm_reference`.
-    Under ``torch.compile`` the reference: the compiler fuses its ops and their backward itself."""
+    Under ``torch.compile`` the reference: the compiler fuses its ops and their backward itself.
+    Without grad (generation, evaluation) the reference, in one call where it is fp32: ``apply``'s
+    bookkeeping costs more than the ops at a decoding step's (B, 1, D) (74 against 22 us at D 256)."""
     if torch.compiler.is_compiling():
+        return rms_norm_reference(x, weight, eps)
+    if not torch.is_grad_enabled():
+        if x.dtype == weight.dtype == torch.float32:  # the reference's ops in one call: x * rstd * g
+            return F.rms_norm(x, weight.shape, weight, eps)
         return rms_norm_reference(x, weight, eps)
     return RMSNormFunction.apply(x, weight, eps)
 

@@ -129,11 +129,21 @@ class AttentionTerm(nn.Module):
 
 class RotaryState(NamedTuple):
     """Per-forward rotary tables for the T new positions, each (B|1, 1, T, hd): one row per
-    batch row (positions differ in a padded batch), broadcast over heads."""
+    batch row (positions differ in a padded batch), broadcast over heads; ``cos_tokens`` and
+    ``sin_half_tokens`` are cos and sin_half as (B|1, T, 1, hd) views, the layout of the fused
+    [q; k; v] projection (``attention.QKVHeads``), made once per forward rather than per layer."""
 
     cos: torch.Tensor  # [cos p·θ, cos p·θ]: both members of a pair share the angle
     sin: torch.Tensor  # [sin p·θ, sin p·θ]
     sin_half: torch.Tensor  # [-sin p·θ, sin p·θ]: the half layout's signs, folded in once per forward
+    cos_tokens: torch.Tensor
+    sin_half_tokens: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> "RotaryState":
+        """From (B|1, T, 3, hd) rows of [cos, sin, sin_half] (``Rotary.tables``)."""
+        cos, sin, sin_half = rows[:, None].unbind(-2)
+        return cls(cos, sin, sin_half, cos.transpose(1, 2), sin_half.transpose(1, 2))
 
 
 class RotaryTerm(AttentionTerm):
@@ -420,7 +430,7 @@ class Rotary(PositionScheme):
 
     def state(self, ctx):
         rows = self.table(ctx.S, ctx.q_pos.device)[ctx.q_pos]  # (B|1, T, 3, hd); positions < S
-        return RotaryState(*rows[:, None].unbind(-2))
+        return RotaryState.of(rows)
 
     def attention_term(self):
         if self.cfg.rope.partial < 1.0:
@@ -447,7 +457,7 @@ class DynamicRotary(Rotary):
         base = torch.where(seq_len > original, rope.base * stretch ** (d / (d - 2)), rope.base)
         exponent = torch.arange(0, d, 2, dtype=torch.float32, device=seq_len.device) / d
         inv_freq = 1.0 / base[..., None] ** exponent  # (B|1, 1, d/2)
-        return RotaryState(*self.tables(inv_freq, ctx.q_pos)[:, None].unbind(-2))
+        return RotaryState.of(self.tables(inv_freq, ctx.q_pos))
 
 
 SCHEMES: dict[str, type[PositionScheme]] = {
