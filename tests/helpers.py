@@ -16,6 +16,30 @@ import lmlab
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
 
 
+def decoded_logits(model, idx: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits (B, T, V) of ``idx`` (B, T) decoded through a KV cache: a prefill of ``prefill`` tokens, then
+    one token per forward; equal to the full forward's where the cache is right."""
+    cache = model.new_cache(idx.shape[0], idx.shape[1])
+    with torch.no_grad():
+        parts = [model(idx[:, :prefill], cache=cache).logits]
+        parts += [model(idx[:, t : t + 1], cache=cache).logits for t in range(prefill, idx.shape[1])]
+    return torch.cat(parts, dim=1)
+
+
+def assert_comes_back_identical(original: Path, exported: Path) -> None:
+    """A Hugging Face checkpoint directory read by lmlab and written back (``exported``) holds the same tensors,
+    bit for bit, and a config.json that maps to the same lmlab config."""
+    import json
+
+    from lmlab.hf import config_from_hf, read_safetensors
+
+    a, b = read_safetensors(original), read_safetensors(exported)
+    assert sorted(a) == sorted(b)
+    assert not [n for n in a if not torch.equal(a[n], b[n])]
+    before, after = (json.loads((p / "config.json").read_text()) for p in (original, exported))
+    assert config_from_hf(after) == config_from_hf(before)
+
+
 def tiny_config(**overrides) -> lmlab.ModelConfig:
     """d_model 32, 2 layers, 4 heads, vocab 64, context 32; any field (dotted keys too) overridable."""
     nested = {k: v for k, v in overrides.items() if "." in k}

@@ -56,12 +56,18 @@ CHOICES = {
     "attn_gate": ["none", "elementwise", "headwise"],
     "positions": ["none", "sinusoidal", "learned", "relative", "alibi", "rope"],
     "ffn": ["mlp", "glu"],
-    "activation": ["gelu", "gelu_tanh", "silu", "relu"],
+    "activation": ["gelu", "gelu_tanh", "silu", "relu", "quick_gelu"],
+    "glu_variant": ["plain", "clamped"],
     "residual_scaling": ["none", "gpt2", "deepnorm"],
     "embed_scale": ["none", "sqrt_d"],
+    "norm_gain": ["plain", "offset"],
 }
 for _name, _valid in CHOICES.items():
     BAD[f"unknown-{_name}"] = ({_name: "bogus"}, [f"{_name}='bogus'", str(_valid)])
+BAD["clamped-glu-needs-glu"] = (dict(ffn="mlp", glu_variant="clamped"), ["glu_variant='clamped'", "ffn='glu'"])
+BAD["offset-gain-needs-rmsnorm"] = (dict(norm="layernorm", norm_gain="offset"),
+                                    ["norm_gain='offset'", "norm='rmsnorm'"])
+BAD["scale-dim-positive"] = (dict(attention={"scale_dim": 0}), ["attention.scale_dim=0"])
 BAD["unknown-choice-suggests"] = (dict(norm="rmsnrom"), ["norm='rmsnrom'", "did you mean 'rmsnorm'"])
 BAD["unknown-nested-choice"] = (dict(rope={"layout": "zigzag"}), ["layout='zigzag'", "['half', 'interleaved']"])
 

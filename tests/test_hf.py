@@ -429,7 +429,7 @@ CONFIG_ERRORS = {
                               "scale_attn_by_inverse_layer_idx=true"),
     "unscaled_attention": (GPT2_JSON, {"scale_attn_weights": False}, "scale_attn_weights=false"),
     "cross_attention": (GPT2_JSON, {"add_cross_attention": True}, "add_cross_attention=true"),
-    "gpt2_activation": (GPT2_JSON, {"activation_function": "quick_gelu"}, "activation_function='quick_gelu'"),
+    "gpt2_activation": (GPT2_JSON, {"activation_function": "mish"}, "activation_function='mish'"),
 }
 
 

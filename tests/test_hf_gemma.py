@@ -5,17 +5,17 @@ is refused by its config.json key."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from test_export import lm, load_hf, relative_difference
+from helpers import assert_comes_back_identical, decoded_logits
+from test_export import assert_exports_and_reads_back, lm, load_hf
 from test_hf import V, assert_parity, logits, randomize_, saved, tokens
 
 import lmlab
 from lmlab import ModelConfig, Transformer
-from lmlab.hf import config_from_hf, read_safetensors, to_hf
+from lmlab.hf import config_from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
@@ -73,10 +73,7 @@ def test_checkpoint_matches_transformers_both_ways(tmp_path, case):
         assert not torch.allclose(logits(without, idx), ref, atol=1e-2), change
     done = to_hf(ours, tmp_path / "out")  # the first family that fits
     assert done.model_type == "gemma3_text"
-    a, b = read_safetensors(tmp_path / "hf"), read_safetensors(done.path)
-    assert sorted(a) == sorted(b) and not [n for n in a if not torch.equal(a[n], b[n])]
-    before, after = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "hf", done.path))
-    assert config_from_hf(after) == config_from_hf(before)
+    assert_comes_back_identical(tmp_path / "hf", done.path)
     back = load_hf(done.path)
     assert type(back) is Gemma3ForCausalLM
     assert torch.equal(logits(back, idx), ref)
@@ -86,11 +83,7 @@ def test_cached_decoding_of_a_loaded_checkpoint_equals_transformers_full_forward
     hf = hf_model("local_global_scaled")
     ours = lmlab.from_hf(saved(hf, tmp_path))
     idx = tokens(T, seed=1)
-    cache = ours.new_cache(2, T)
-    with torch.no_grad():
-        parts = [ours(idx[:, :7], cache=cache).logits]
-        parts += [ours(idx[:, t : t + 1], cache=cache).logits for t in range(7, T)]
-    assert_parity(torch.cat(parts, dim=1), logits(hf, idx))
+    assert_parity(decoded_logits(ours, idx, prefill=7), logits(hf, idx))
 
 
 def test_the_older_config_form_reads_as_the_newer():
@@ -126,17 +119,8 @@ LMLAB_CASES = {
 def test_lmlab_model_exports_as_gemma3_with_the_same_logits(tmp_path, case):
     preset, fields = LMLAB_CASES[case]
     model = lm(preset, **fields)
-    done = to_hf(model, tmp_path / "out")
-    assert done.model_type == "gemma3_text"
-    hf = load_hf(done.path)
-    assert type(hf) is Gemma3ForCausalLM
-    idx = tokens(model.config.max_seq_len + 8)
-    ref = logits(hf, idx)
-    assert ref.std() > 0.5
-    assert relative_difference(logits(model, idx), ref)[1] <= 1e-4
-    back = lmlab.from_hf(done.path)  # and read back by lmlab: the same function, Gemma's gain parametrization
-    assert back.config.norm_gain == "offset"
-    assert relative_difference(logits(back, idx), logits(model, idx))[1] <= 1e-5
+    back = assert_exports_and_reads_back(model, tmp_path / "out", "gemma3_text", tokens(model.config.max_seq_len + 8))
+    assert back.config.norm_gain == "offset"  # read back with Gemma's gain parametrization, whatever the model's
 
 
 def test_embedding_scale_is_rounded_to_the_weights_dtype_as_gemma_rounds_it():
@@ -159,10 +143,10 @@ HF_REFUSALS = {
     "attn_logit_softcapping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
     "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     "attention_bias": ({"attention_bias": True}, "attention_bias=True"),
-    "scaled_sliding_rope": ({"layer_types": LOCAL_GLOBAL, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                 "sliding_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                       "rope_theta": 1e4}}},
-                            "rope_parameters=.*give sliding_attention rope_type 'default'"),
+    "scaled_sliding_rope": ({"layer_types": LOCAL_GLOBAL, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+        "rope_parameters=.*give sliding_attention rope_type 'default'"),
 }
 
 

@@ -23,11 +23,13 @@ def test_public_names_are_exported():
 def test_hf_families_register_on_import():
     assert set(lmlab.hf.FAMILIES) == {
         "llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "qwen3",
-        "qwen3_moe", "olmo2", "olmoe", "smollm3", "gemma3_text",
+        "qwen3_moe", "olmo2", "olmoe", "smollm3", "gemma3_text", "gpt_oss",
     }
     writes = [name for name, family in lmlab.hf.FAMILIES.items() if family.export is not None]
-    assert writes == ["llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
-                      "deepseek_v3", "gemma3_text", "olmo2", "olmoe", "qwen3", "qwen3_moe", "smollm3"]  # preference order
+    assert writes == [  # preference order
+        "llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
+        "gemma3_text", "gpt_oss", "olmo2", "olmoe", "qwen3", "qwen3_moe", "smollm3",
+    ]
 
 
 def test_package_ships_its_typing_marker():

@@ -74,6 +74,15 @@ EXTRAS = {  # designs the grid's axes do not reach
                                      "rope.local_base": 100.0, "activation": "gelu_tanh"},
     "offset-gain-qk-full-post": {"norm_gain": "offset", "qk_norm": "full", "norm_position": "post"},
     "scale-dim-relative-explicit": {"positions": "relative", "attention.scale_dim": 4, "_impl": "explicit"},
+    # gpt-oss: experts with biases and the clamped gated unit (quick_gelu), a bias on the router logits, learned sinks
+    # and windows; the clamped unit and quick_gelu in a dense GLU (quick_gelu through the fused GLU's backward)
+    "gpt-oss-moe": {"ffn": "glu", "activation": "quick_gelu", "glu_variant": "clamped", "attention.sinks": "learned",
+                    "attention.window": 6, "attention.pattern": ["local", "global"], "n_kv_heads": 2,
+                    "moe": dict(n_experts=4, top_k=2, normalize_top_k=True, router_bias=True)},
+    "clamped-glu-dense": {"ffn": "glu", "activation": "quick_gelu", "glu_variant": "clamped"},
+    "quick-gelu-glu": {"ffn": "glu", "activation": "quick_gelu"},
+    "router-bias-sigmoid": {"moe": dict(n_experts=4, top_k=2, scoring="sigmoid", normalize_top_k=True,
+                                        router_bias=True)},
     # multi-token prediction (DeepSeek-V3): the gradient test's loss includes the MTP loss
     "mtp": {"mtp.depth": 2},
     "mtp-post-learned-relative": dict(norm_position="post", norm="layernorm", positions="relative", **{"mtp.depth": 1}),
@@ -179,7 +188,8 @@ def test_same_seed_same_model_other_seed_differs(case):
     assert sa.keys() == sb.keys() == sc.keys()
     for name in sa:
         assert torch.equal(sa[name], sb[name]), name
-    random = [n for n, p in sa.items() if p.ndim == 2]  # norms start at 1/0 whatever the seed
+    # norms start at 1/0 and biases (the experts' (E, F) ones too) at 0 whatever the seed
+    random = [n for n, p in sa.items() if p.ndim == 2 and not n.endswith("bias")]
     assert random and all(not torch.equal(sa[n], sc[n]) for n in random)
     idx = tokens(2, T, seed=3)
     with torch.no_grad():

@@ -31,7 +31,8 @@ QKNorm = Literal["none", "head", "full"]
 AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
-Activation = Literal["gelu", "gelu_tanh", "silu", "relu"]
+Activation = Literal["gelu", "gelu_tanh", "silu", "relu", "quick_gelu"]
+GLUVariant = Literal["plain", "clamped"]
 ResidualScaling = Literal["none", "gpt2", "deepnorm"]
 EmbedScale = Literal["none", "sqrt_d"]
 RopeScaling = Literal["none", "linear", "ntk", "dynamic", "yarn", "llama3"]
@@ -162,6 +163,8 @@ class MoEConfig(Config):
     expert_balance_coef: float | None = None
     device_balance_coef: float = 0.0  # DeepSeekMoE eq. 15-17, with n_groups devices
     bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
+    # a learned bias on the router logits, x·centroid + b: it shifts both the choice and the weights (gpt-oss)
+    router_bias: bool = added(False, since="issue 23: gpt-oss")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -417,7 +420,9 @@ class ModelConfig(Config):
     norm_position: NormPosition = "pre"
     positions: Positions = "rope"
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
-    activation: Activation = "silu"  # glu + silu = SwiGLU
+    activation: Activation = "silu"  # glu + silu = SwiGLU; quick_gelu: x sigmoid(1.702 x) (Hendrycks & Gimpel 2016)
+    # plain: act(gate) * up; clamped: act(min(gate, 7)) * (clamp(up, -7, 7) + 1), gpt-oss's experts (with quick_gelu)
+    glu_variant: GLUVariant = added("plain", since="issue 23: gpt-oss")
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
     # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
@@ -505,6 +510,8 @@ class ModelConfig(Config):
                 "init='xavier' and residual_scaling='gpt2' are two rules for the same weights; choose "
                 "init='normal' for GPT-2's scaled init, or residual_scaling in ['none', 'deepnorm']"
             )
+        if self.glu_variant != "plain" and self.ffn != "glu":
+            raise ValueError(f"glu_variant={self.glu_variant!r} is a form of the gated feed-forward; set ffn='glu'")
         if self.norm_gain != "plain" and self.norm != "rmsnorm":
             raise ValueError(
                 f"norm_gain={self.norm_gain!r} is a parametrization of RMSNorm's gain; set norm='rmsnorm' or "
@@ -728,13 +735,14 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     ),
     # gpt-oss (OpenAI 2025, model card sec. 2) scaled down: layers alternate a sliding window (128 tokens
     # there, 64 here) and full attention, every head has a learned attention sink, biases on the attention
-    # and expert projections, rotary base 150k, grouped-query attention; softmax over the top-k experts'
-    # logits (= softmax, then renormalized over the k). gpt-oss-20b routes 4 of 32; here 2 of 8. Not yet
-    # here: its router bias and clamped SwiGLU experts (see the issue-23 notes).
+    # and expert projections and on the router's logits, rotary base 150k, grouped-query attention; softmax
+    # over the top-k experts' logits (= softmax, then renormalized over the k); experts computing the clamped
+    # gated unit (clamp(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7). gpt-oss-20b routes 4 of 32;
+    # here 2 of 8. Its YaRN extension (32x from 4k) has no use at a 256-token context and is left out.
     "gpt-oss": dict(
-        _BODY, n_kv_heads=2, ffn="glu", activation="silu", bias=True, rope=dict(base=150000.0),
-        attention=dict(window=64, pattern=["local", "global"], sinks="learned"),
-        moe=dict(n_experts=8, top_k=2, normalize_top_k=True),
+        _BODY, n_kv_heads=2, ffn="glu", activation="quick_gelu", glu_variant="clamped", bias=True,
+        rope=dict(base=150000.0), attention=dict(window=64, pattern=["local", "global"], sinks="learned"),
+        moe=dict(n_experts=8, top_k=2, normalize_top_k=True, router_bias=True),
     ),
 }
 PRESETS.update(MOE_PRESETS)

@@ -12,6 +12,13 @@ from torch import nn
 from .config import ModelConfig
 from .init import Init
 
+QUICK_GELU_A = 1.702  # the sigmoid approximation of GELU, x sigmoid(1.702 x) (Hendrycks & Gimpel 2016, sec. 2)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x * QUICK_GELU_A)  # gpt-oss's order: gate * sigmoid(gate * alpha)
+
+
 ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(
@@ -19,7 +26,16 @@ ACTIVATIONS = {
     ),  # GPT-2's "gelu_new"; a partial pickles, a lambda does not
     "silu": F.silu,
     "relu": F.relu,
+    "quick_gelu": quick_gelu,
 }
+
+def quick_gelu_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """g * d/dx [x sigmoid(a x)] = g s + a sigmoid'(a x) g x, s = sigmoid(a x), written into ``out`` (which may
+    be g): the ops autograd runs for :func:`quick_gelu`, in its order, so the bits are autograd's."""
+    s = torch.sigmoid(x * QUICK_GELU_A)
+    through_sigmoid = torch.ops.aten.sigmoid_backward(g * x, s) * QUICK_GELU_A
+    return torch.add(g * s, through_sigmoid, out=out)
+
 
 _aten = torch.ops.aten
 # grad_in = grad_out * act'(x), written into ``out`` (which may be grad_out itself): the backward
@@ -29,6 +45,7 @@ ACTIVATION_GRADS = {
     "gelu_tanh": lambda g, x, out: _aten.gelu_backward(g, x, approximate="tanh", grad_input=out),
     "silu": lambda g, x, out: _aten.silu_backward(g, x, grad_input=out),
     "relu": lambda g, x, out: _aten.threshold_backward(g, x, 0, grad_input=out),
+    "quick_gelu": quick_gelu_grad,
 }
 
 
@@ -74,6 +91,21 @@ def glu(z: torch.Tensor, activation: str) -> torch.Tensor:
     return GLUFunction.apply(z, activation)
 
 
+GLU_LIMIT = 7.0  # gpt-oss's swiglu_limit: the gate is clamped from above, up on both sides
+
+
+def clamped_glu(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(min(gate, 7)) * (clamp(up, -7, 7) + 1) for z = [gate, up] (..., 2F) -> (..., F): gpt-oss's experts
+    (OpenAI 2025, with activation quick_gelu). The clamps bound each unit's output; the +1 lets up = 0 pass the
+    gate through. Written out, autograd differentiates it."""
+    gate, up = z.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=GLU_LIMIT), up.clamp(min=-GLU_LIMIT, max=GLU_LIMIT)
+    return (up + 1) * ACTIVATIONS[activation](gate)
+
+
+GLUS = {"plain": glu, "clamped": clamped_glu}  # ModelConfig.glu_variant -> the gated unit
+
+
 class MLP(nn.Module):
     """down(act(up(x)))"""
 
@@ -104,9 +136,10 @@ class GLU(nn.Module):
         self.gate_up = nn.Linear(cfg.d_model, 2 * self.d_ff, bias=cfg.bias)
         self.down = nn.Linear(self.d_ff, cfg.d_model, bias=cfg.bias)
         self.activation = cfg.activation
+        self.glu = GLUS[cfg.glu_variant]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(glu(self.gate_up(x), self.activation))
+        return self.down(self.glu(self.gate_up(x), self.activation))
 
     def init_params(self, init: Init) -> None:
         """As :meth:`MLP.init_params`, with gate and up two matrices that happen to be stored as one."""

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
-from .feedforward import ACTIVATIONS, glu
+from .feedforward import ACTIVATIONS, GLUS
 from .init import Init, init_module
 from .loss import compute_dtype  # grouped_mm is not autocast-aware
 from .schema import check_choice
@@ -82,6 +82,7 @@ class Router(nn.Module):
 
     The selection bias (DeepSeek-V3's e_score_correction_bias) shifts which experts are chosen,
     never the gate weights; it is zero unless loss-free balancing updates it or a checkpoint sets it.
+    ``moe.router_bias`` adds a learned bias to the logits themselves (gpt-oss), which shifts both.
     """
 
     def __init__(self, moe: MoEConfig, d_model: int):
@@ -89,6 +90,7 @@ class Router(nn.Module):
         E = moe.routed_experts
         self.n_experts, self.top_k = E, moe.active_experts
         self.weight = nn.Parameter(torch.empty(E, d_model))  # one centroid per expert
+        self.bias = nn.Parameter(torch.zeros(E)) if moe.router_bias else None  # on the logits (gpt-oss)
         self.register_buffer("score_bias", torch.zeros(E))
         self.score = SCORINGS[moe.scoring]
         self.routed_scale = moe.routed_scale
@@ -100,13 +102,14 @@ class Router(nn.Module):
 
     def init_params(self, init: Init) -> None:
         """Centroids ~ N(0, std), never Xavier (DeepNorm scales the experts, not the router);
-        selection bias 0."""
+        the logits' bias and the selection bias 0."""
         init.normal(self.weight, init.std)
-        init.zeros(self.score_bias)
+        init.zeros(self.bias, self.score_bias)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())  # fp32 even under autocast
+            bias = None if self.bias is None else self.bias.float()
+            logits_TE = F.linear(x_TD.float(), self.weight.float(), bias)  # fp32 even under autocast
         scores_TE, probs_TE = self.score(logits_TE)
         expert_TK = self.select(scores_TE.detach() + self.score_bias)  # the bias picks, it does not weigh
         weight_TK = self.normalize(scores_TE.gather(1, expert_TK)) * self.routed_scale
@@ -193,7 +196,8 @@ class Experts(nn.Module):
     with no knowledge of tokens. Expert parallelism can wrap this module (send the groups to
     the devices that hold their experts, call it there, send the results back)."""
 
-    def __init__(self, n: int, d_model: int, width: int, ffn: str, activation: str, bias: bool):
+    def __init__(self, n: int, d_model: int, width: int, ffn: str, activation: str, bias: bool,
+                 glu_variant: str = "plain"):
         super().__init__()
         self.n, self.width = n, width
         self.in_name = "gate_up" if ffn == "glu" else "up"
@@ -203,6 +207,7 @@ class Experts(nn.Module):
         self.in_bias = nn.Parameter(torch.zeros(n, rows)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
         self.activation = activation
+        self.glu = GLUS[glu_variant]  # ModelConfig.glu_variant
         self.hidden = self.glu_hidden if ffn == "glu" else ACTIVATIONS[activation]
         self.weighted_down = self.gate_then_down if self.down_bias is None else self.down_then_gate
 
@@ -211,7 +216,7 @@ class Experts(nn.Module):
         return getattr(self, self.in_name)
 
     def glu_hidden(self, z_NI: torch.Tensor) -> torch.Tensor:
-        return glu(z_NI, self.activation)
+        return self.glu(z_NI, self.activation)
 
     def init_params(self, init: Init) -> None:
         """Each expert as a dense FFN: input projections ~ N(0, std); down projections, which write
@@ -481,8 +486,9 @@ class SharedExperts(Experts):
     """n_shared experts fused into one FFN of width n_shared * width, applied to every token; ``width``
     is ``MoEConfig.shared_width``: the routed F, or a checkpoint's own shared width."""
 
-    def __init__(self, n_shared: int, d_model: int, width: int, ffn: str, activation: str, bias: bool):
-        super().__init__(1, d_model, n_shared * width, ffn, activation, bias)
+    def __init__(self, n_shared: int, d_model: int, width: int, ffn: str, activation: str, bias: bool,
+                 glu_variant: str = "plain"):
+        super().__init__(1, d_model, n_shared * width, ffn, activation, bias, glu_variant)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.one(x_TD, 0)
@@ -532,13 +538,14 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = moe.routed_experts, moe.active_experts
         width = moe.expert_width(cfg.d_ff)
         self.router = Router(moe, cfg.d_model)
-        self.experts = Experts(self.n_experts, cfg.d_model, width, cfg.ffn, cfg.activation, cfg.bias)
+        self.experts = Experts(self.n_experts, cfg.d_model, width, cfg.ffn, cfg.activation, cfg.bias, cfg.glu_variant)
         if moe.n_shared == 0:
             self.shared = NoSharedExperts()
         else:
             shared = GatedSharedExperts if moe.shared_gate == "sigmoid" else SharedExperts
             self.shared = shared(
-                moe.n_shared, cfg.d_model, moe.shared_width(cfg.d_ff), cfg.ffn, cfg.activation, cfg.bias
+                moe.n_shared, cfg.d_model, moe.shared_width(cfg.d_ff), cfg.ffn, cfg.activation, cfg.bias,
+                cfg.glu_variant,
             )
         self.capacity_factor = moe.capacity_factor
         limited = moe.capacity_factor is not None or moe.second_expert == "random"

@@ -46,6 +46,7 @@ file:
 - ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``smollm3.py``: smollm3 (NoPE layers); ``gemma.py``: gemma3_text (sandwich norms, 1 + w gains, local rotary base);
+  ``gpt_oss.py``: gpt_oss (sinks, router bias, clamped gated experts with interleaved gate/up columns);
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;
 - this file: the reading entry points and the checkpoint files. A new family is a config function,
   a weights function (and their inverses) and one ``register("name", Family(...))`` line in a
@@ -64,7 +65,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import deepseek, dense, gemma, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register

@@ -5,7 +5,8 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gemma3_text, olmo2, olmoe, qwen3, qwen3_moe, smollm3), or named with
+qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gemma3_text, gpt_oss, olmo2, olmoe, qwen3, qwen3_moe, smollm3), or
+named with
 ``architecture=``. Nothing approximate is ever written: a model that no transformers architecture
 computes exactly is refused with a ValueError that names the field and its value. Dropout and
 balancing coefficients act only in training and are not part of what is checked.
@@ -31,7 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, fsync_dir
-from . import deepseek, dense, gemma, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, Tensors
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it

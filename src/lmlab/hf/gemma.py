@@ -147,7 +147,8 @@ def gemma3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **keys, "hidden_activation": keys.pop("hidden_act"), "head_dim": cfg.head_dim,
         "query_pre_attn_scalar": cfg.attention.scale_dim or cfg.head_dim, "attention_bias": False,
         # transformers builds the sliding mask even where no layer uses it, so a window is always written
-        "sliding_window": cfg.attention.window or GEMMA3_DEFAULTS["sliding_window"], "layer_types": layer_types_to_hf(cfg),
+        "sliding_window": cfg.attention.window or GEMMA3_DEFAULTS["sliding_window"],
+        "layer_types": layer_types_to_hf(cfg),
         "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
         "rope_local_base_freq": local_base if local_base is not None else rope.base,
         "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,

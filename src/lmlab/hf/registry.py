@@ -131,11 +131,13 @@ ACTIVATIONS = {
     "gelu": "gelu",  # erf form
     "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",  # tanh approximation (GPT-2)
     "relu": "relu",
+    "quick_gelu": "quick_gelu",  # x sigmoid(1.702 x)
 }
 
 
 # lmlab activation -> the name config.json gives it (Llama layout; GPT-2 writes gelu_tanh as "gelu_new")
-ACTIVATION_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+ACTIVATION_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu",
+                    "quick_gelu": "quick_gelu"}
 
 
 def activation_from_hf(name: Any, key: str) -> str:
@@ -294,13 +296,17 @@ def layers_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) ->
     architecture ``name`` lacks; ``supports`` names those it has: "window" (sliding layers, any pattern),
     "sinks", "partial" (partial rotary), "nope" (NoPE layers), "local_base" (local layers' own rotary base),
     "embed_scale" (embeddings times sqrt(d_model)), "scale_dim" (scores over sqrt(attention.scale_dim)),
-    "norm_gain" (RMSNorm gains stored as 1 + w). Every family's refusal asks this."""
+    "norm_gain" (RMSNorm gains stored as 1 + w), "clamped" (``glu_variant``), "router_bias" (``moe.router_bias``).
+    Every family's refusal asks this."""
     attention, rope, ok = cfg.attention, cfg.rope, set(supports)
     checks = [
         ("embed_scale", cfg.embed_scale != "none", f"embed_scale={cfg.embed_scale!r}", "does not scale its embeddings"),
         ("scale_dim", attention.scale_dim is not None, f"attention.scale_dim={attention.scale_dim}",
          "scales attention scores by 1/sqrt(head_dim)"),
         ("norm_gain", cfg.norm_gain != "plain", f"norm_gain={cfg.norm_gain!r}", "stores each RMSNorm's gain itself"),
+        ("clamped", cfg.glu_variant != "plain", f"glu_variant={cfg.glu_variant!r}", "gates its feed-forward unclamped"),
+        ("router_bias", cfg.moe is not None and cfg.moe.router_bias, "moe.router_bias=True",
+         "has no bias on the router logits"),
         ("window", "local" in attention.pattern, f"attention.pattern={list(attention.pattern)}",
          "has no sliding-window layers"),
         ("sinks", attention.sinks != "none", f"attention.sinks={attention.sinks!r}", "has no attention sinks"),
