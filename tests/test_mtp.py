@@ -301,9 +301,10 @@ def accept_every_draft(p, q, drafts, generator):
 
 def test_speculative_sampling_draws_from_plain_samplings_distribution(monkeypatch):
     """Speculative sampling (Leviathan et al. 2023) keeps the distribution: 6000 rows of one prompt, their first
-    three tokens (the prefill's, then drafts accepted or redrawn over two rounds) against the exact distribution
-    of plain sampling at the same temperature, top-k and top-p (Pearson's chi-square, cells pooled below 5
-    expected). Accepting every draft instead fails the same test: the MTP modules' distributions differ from the
+    three tokens (the prefill's, then drafts accepted or redrawn) against the exact distribution of plain sampling
+    at the same temperature, top-k and top-p (Pearson's chi-square, cells pooled below 5 expected). So large a
+    batch advances in lockstep by its least-accepting row, one token a round: the next test covers longer
+    acceptances. Accepting every draft instead fails the same test: the MTP modules' distributions differ from the
     main model's."""
     model = mtp_model(2, vocab_size=16)
     expected = plain_sampling_distribution(model, 3)
@@ -322,3 +323,47 @@ def test_speculative_sampling_at_temperature_zero_is_greedy():
     sampled = torch.stack(list(generate(model, idx, 20, temperature=0, top_k=5, top_p=0.9, seed=3,
                                         attention_mask=mask, decoder="speculative")))
     assert torch.equal(sampled, greedy(model, idx, mask, 20, "eager"))
+
+
+def markov_speculation(rule, n: int, steps: int, seed: int) -> tuple[collections.Counter, list[int], dict]:
+    """``rule`` (accept_drafts or a wrong one) on a target Markov chain P over 4 tokens drafted by another chain Q,
+    D = 2, each of ``n`` rows committing its own accepted count + 1 tokens a round (no lockstep), until every row
+    has ``steps`` tokens after token 0. Returns the counts of those first tokens, the accepted counts seen, and
+    the chain's exact distribution of them."""
+    V, D = 4, 2
+    g = torch.Generator().manual_seed(seed)
+    P, Q = (torch.softmax(torch.randn(V, V, generator=g) * 2, -1) for _ in range(2))  # (V, V) transitions
+    buf, length = torch.zeros(n, steps + D + 1, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    last, seen = torch.zeros(n, dtype=torch.long), []
+    while int(length.min()) < steps:
+        drafts, qs, x = [], [], last
+        for _ in range(D):
+            qs.append(Q[x])
+            x = torch.multinomial(qs[-1], 1, generator=g).squeeze(-1)
+            drafts.append(x)
+        drafts = torch.stack(drafts, dim=1)  # (n, D)
+        p = P[torch.cat([last[:, None], drafts], dim=1)]  # (n, D+1, V): p_j conditions on the token before slot j
+        tokens, accepted = rule(p, torch.stack(qs, dim=1), drafts, g)
+        seen += accepted.tolist()
+        at = torch.arange(D + 1)
+        write = (at <= accepted[:, None]) & (length[:, None] + at < buf.shape[1])
+        rows, cols = write.nonzero(as_tuple=True)
+        buf[rows, length[rows] + cols] = tokens[rows, cols]
+        length = length + accepted + 1
+        last = buf[torch.arange(n), (length - 1).clamp(max=buf.shape[1] - 1)]
+    expected = {(a, b, c): float(P[0, a] * P[a, b] * P[b, c]) for a in range(V) for b in range(V) for c in range(V)}
+    return collections.Counter(map(tuple, buf[:, :steps].tolist())), seen, expected
+
+
+def test_the_acceptance_rule_alone_keeps_the_target_distribution_whatever_each_row_accepts():
+    """accept_drafts with rows that advance independently (every accepted count committed, the bonus draw from p_D
+    included, which a large lockstep batch rarely reaches): the first three tokens of a target Markov chain,
+    drafted by another, against the chain's exact distribution (chi-square); accepting every draft fails it."""
+    n = 20000
+    counts, seen, expected = markov_speculation(speculative.accept_drafts, n, 3, seed=0)
+    assert {0, 1, 2} <= set(seen)  # rejections at either draft, and whole rounds accepted
+    stat, p_value = chi_square(counts, expected, n)
+    print(f"\nacceptance rule alone: chi-square {stat:.1f} over {len(expected)} sequences, p-value {p_value:.3f}")
+    assert p_value > 1e-3
+    counts, _, expected = markov_speculation(accept_every_draft, n, 3, seed=0)
+    assert chi_square(counts, expected, n)[1] < 1e-6
