@@ -45,6 +45,17 @@ HF_CASES = {
         MOE_LAYOUT, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
         partial_rotary_factor=1.0, num_nextn_predict_layers=0), dict(qk_norm="head", moe=dict(scoring="sigmoid"))),
+    # GLM-4.5's own rotary: the first half of each head (Glm4MoeConfig's default partial_rotary_factor 0.5)
+    "glm4_moe_partial_rotary": ("Glm4MoeConfig", dict(
+        MOE_LAYOUT, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        n_group=4, topk_group=2, first_k_dense_replace=1, use_qk_norm=True, num_nextn_predict_layers=0),
+        dict(qk_norm="head", rope=dict(partial=0.5))),
+    "glm4_moe_partial_rotary_yarn": ("Glm4MoeConfig", dict(
+        MOE_LAYOUT, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        first_k_dense_replace=1, num_nextn_predict_layers=0, partial_rotary_factor=0.25, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1e4,
+            "partial_rotary_factor": 0.25}),
+        dict(qk_norm="none", rope=dict(partial=0.25, scaling="yarn"))),
 }
 
 
@@ -118,6 +129,8 @@ LMLAB_CASES = {
     "olmoe": (dict(qk_norm="full", n_kv_heads=2, moe=MOE), "olmoe"),
     "glm4_moe_qk_norm": (dict(qk_norm="head", n_kv_heads=2, moe=MOE | dict(scoring="sigmoid", n_groups=2,
                                                                            n_shared=1, first_dense=1)), "glm4_moe"),
+    "glm4_moe_partial_rotary": ({"n_kv_heads": 2, "rope.partial": 0.5, "moe": MOE | dict(scoring="sigmoid")},
+                                "glm4_moe"),
 }
 
 
@@ -152,10 +165,13 @@ def test_the_q_k_norm_gains_are_used_in_both_directions(tmp_path):
 
 # ================================================================== refusals
 @pytest.mark.parametrize("model_type, changes, message", [
-    ("qwen3", dict(use_sliding_window=True), "use_sliding_window=True: lmlab has no sliding-window attention"),
-    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "has no sliding-window attention"),
+    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "sliding_attention layers and "
+                                                                          "sliding_window null; set sliding_window"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True"),
-    ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True"),
+    ("qwen3_moe", dict(use_sliding_window=True, max_window_layers=1), "has max_window_layers=1: transformers' "
+                                                                      "Qwen3MoE ignores it and slides all 2 layers"),
+    ("qwen3_moe", dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types=['full_attention', 'sliding_attention']: transformers' Qwen3MoE ignores it and slides every layer"),
     ("qwen3_moe", dict(num_experts=0), "load it as model_type 'qwen3'"),
     ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[1]), "lmlab expresses only 'every n-th layer"),
     ("olmo2", dict(attention_bias=True), "attention_bias=True"),
@@ -176,6 +192,9 @@ def test_config_from_hf_refuses_what_lmlab_cannot_express(model_type, changes, m
     (dict(attn_gate="elementwise"), "attn_gate='elementwise' has no exact transformers architecture"),
     (dict(attn_gate="headwise", qk_norm="head"), "attn_gate='headwise' has no exact transformers architecture"),
     (dict(qk_norm="full", d_model=48, n_heads=4, head_dim=8, moe=MOE), "olmoe: head_dim=8"),
+    ({"rope.partial": 0.5, "rope.layout": "interleaved", "moe": MOE | dict(scoring="sigmoid")},
+     "glm4_moe: rope.layout='interleaved' with rope.partial=0.5 (GLM-4-MoE rotates its first dimensions as pairs"),
+    ({"rope.partial": 0.5}, "llama: rope.partial=0.5 (Llama rotates every dimension of each head)"),
 ])
 def test_export_refuses_what_no_family_computes(tmp_path, fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):

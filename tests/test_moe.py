@@ -691,7 +691,6 @@ def test_deepseek_v3_checkpoint_loads_with_multi_head_latent_attention(tmp_path)
         ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window"),
         ("qwen2_moe", dict(mlp_only_layers=[2]), "mlp_only_layers"),  # MoE layers 0, 1: not a pattern
         ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
-        ("mixtral", dict(sliding_window=4096), "sliding_window"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("mixtral", dict(num_experts_per_tok=5), "moe.top_k"),
         ("qwen2_moe", dict(num_experts=0), "num_experts"),

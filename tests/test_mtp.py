@@ -1,9 +1,12 @@
 """Multi-token prediction (DeepSeek-V3 sec. 2.2): the config, the loss against its closed form, training
-through the CLI with an exact resume, and self-speculative decoding equal to plain greedy decoding."""
+through the CLI with an exact resume, and self-speculative decoding: equal to plain greedy decoding at temperature 0,
+drawing from plain sampling's distribution otherwise."""
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 
 import pytest
 import torch
@@ -11,11 +14,12 @@ import torch.nn.functional as F
 from helpers import TINY_ARGS, corpus, fast_args, tiny_config, tokens
 from torch.testing import assert_close
 
-from lmlab import Transformer, cli
+from lmlab import Transformer, cli, speculative
 from lmlab.config import ModelConfig
 from lmlab.generate import generate, left_pad
 from lmlab.loss import IGNORE_INDEX
 from lmlab.mtp import checkpoint_prefixes, shift_left
+from lmlab.sampling import make_probabilities
 from lmlab.speculative import SpeculationStats, Speculator, draft_reference, speculate
 
 
@@ -176,8 +180,6 @@ def test_speculative_commits_exactly_the_greedy_tokens_whatever_is_accepted(dept
 
 def test_speculative_refusals():
     idx = [[1, 2, 3]]
-    with pytest.raises(ValueError, match="decoder='speculative' is greedy only, got temperature=0.8; set temper"):
-        generate(mtp_model(), idx, 4, temperature=0.8, decoder="speculative")
     with pytest.raises(ValueError, match=r"this model has none \(mtp=None\); train one with --model.mtp.depth 1"):
         generate(Transformer(tiny_config()), idx, 4, temperature=0, decoder="speculative")
     learned = mtp_model(2, positions="learned")  # max_seq_len 32: the verify forward reads 2 slots past the end
@@ -222,6 +224,12 @@ def test_cli_trains_resumes_exactly_evaluates_and_decodes_speculatively(capsys, 
                          "--temperature", "0", "--decoder", decoder]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and len(outs[0]) > len("the model") + 10
+    sampled = []
+    for _ in range(2):  # speculative sampling: reproducible with a seed
+        assert cli.main(["generate", str(tmp_path / "resumed"), "--prompt", "the model", "--max-new-tokens", "24",
+                         "--temperature", "0.8", "--top-k", "20", "--seed", "1", "--decoder", "speculative"]) == 0
+        sampled.append(capsys.readouterr().out)
+    assert sampled[0] == sampled[1] and len(sampled[0]) > len("the model") + 10
 
 
 def test_mtp_is_named_in_the_config():
@@ -247,3 +255,115 @@ def test_an_moe_models_mtp_block_is_moe_and_its_losses_and_biases_count():
     assert not torch.equal(mtp_moe.router.score_bias, before)
     counts = model.num_params()  # the MTP layer's idle experts are not active parameters either
     assert counts["total"] - counts["active"] == sum(m.inactive_params() for m in [*model.moe_layers, mtp_moe])
+
+
+# ============================================================== speculative sampling
+PROMPT = [1, 5, 9]
+SAMPLING = dict(temperature=0.8, top_k=3, top_p=0.95)
+
+
+def plain_sampling_distribution(model, steps: int) -> dict[tuple[int, ...], float]:
+    """The exact probability of every sequence of the first ``steps`` tokens plain sampling draws after PROMPT."""
+    probs = make_probabilities(vocab_size=model.config.vocab_size, **SAMPLING)
+    out = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(out)
+        with torch.no_grad():
+            p = probs(model(torch.tensor([PROMPT + list(x) for x in prefixes])).logits[:, -1])  # (N, V)
+        out = {x + (v,): out[x] * float(p[i, v]) for i, x in enumerate(prefixes) for v in p[i].nonzero()[:, 0].tolist()}
+    return out
+
+
+def chi_square(counts: collections.Counter, expected: dict[tuple[int, ...], float], n: int) -> tuple[float, float]:
+    """(Pearson's statistic, its p-value) of ``counts`` against ``n`` draws from ``expected``, cells expecting
+    fewer than 5 pooled into one; (inf, 0) if a sequence plain sampling never draws was drawn."""
+    if not set(counts) <= set(expected):
+        return math.inf, 0.0
+    small = [x for x, p in expected.items() if p * n < 5]
+    cells = [(counts[x], p * n) for x, p in expected.items() if p * n >= 5]
+    cells.append((sum(counts[x] for x in small), sum(expected[x] for x in small) * n))
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    df = sum(1 for _, e in cells if e > 0) - 1
+    return stat, float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+def speculative_counts(model, n: int, seed: int, steps: int) -> collections.Counter:
+    idx = torch.tensor([PROMPT] * n)
+    out = torch.stack(list(generate(model, idx, steps, seed=seed, decoder="speculative", **SAMPLING)), dim=1)
+    return collections.Counter(map(tuple, out.tolist()))
+
+
+def accept_every_draft(p, q, drafts, generator):
+    """A wrong rule, for the test's power: keep every draft and draw the bonus token from p."""
+    bonus = torch.multinomial(p[:, -1], 1, generator=generator)
+    return torch.cat([drafts, bonus], dim=1), torch.full_like(drafts[:, 0], drafts.shape[1])
+
+
+def test_speculative_sampling_draws_from_plain_samplings_distribution(monkeypatch):
+    """Speculative sampling (Leviathan et al. 2023) keeps the distribution: 6000 rows of one prompt, their first
+    three tokens (the prefill's, then drafts accepted or redrawn) against the exact distribution of plain sampling
+    at the same temperature, top-k and top-p (Pearson's chi-square, cells pooled below 5 expected). So large a
+    batch advances in lockstep by its least-accepting row, one token a round: the next test covers longer
+    acceptances. Accepting every draft instead fails the same test: the MTP modules' distributions differ from the
+    main model's."""
+    model = mtp_model(2, vocab_size=16)
+    expected = plain_sampling_distribution(model, 3)
+    n = 6000
+    stat, p_value = chi_square(speculative_counts(model, n, seed=0, steps=3), expected, n)
+    print(f"\nspeculative sampling: chi-square {stat:.1f} over {len(expected)} sequences, p-value {p_value:.3f}")
+    assert p_value > 1e-3
+    monkeypatch.setattr(speculative, "accept_drafts", accept_every_draft)
+    _, wrong = chi_square(speculative_counts(model, 2000, seed=0, steps=3), expected, 2000)
+    assert wrong < 1e-6
+
+
+def test_speculative_sampling_at_temperature_zero_is_greedy():
+    model = mtp_model(2)
+    idx, mask = left_pad(PROMPTS)
+    sampled = torch.stack(list(generate(model, idx, 20, temperature=0, top_k=5, top_p=0.9, seed=3,
+                                        attention_mask=mask, decoder="speculative")))
+    assert torch.equal(sampled, greedy(model, idx, mask, 20, "eager"))
+
+
+def markov_speculation(rule, n: int, steps: int, seed: int) -> tuple[collections.Counter, list[int], dict]:
+    """``rule`` (accept_drafts or a wrong one) on a target Markov chain P over 4 tokens drafted by another chain Q,
+    D = 2, each of ``n`` rows committing its own accepted count + 1 tokens a round (no lockstep), until every row
+    has ``steps`` tokens after token 0. Returns the counts of those first tokens, the accepted counts seen, and
+    the chain's exact distribution of them."""
+    V, D = 4, 2
+    g = torch.Generator().manual_seed(seed)
+    P, Q = (torch.softmax(torch.randn(V, V, generator=g) * 2, -1) for _ in range(2))  # (V, V) transitions
+    buf, length = torch.zeros(n, steps + D + 1, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    last, seen = torch.zeros(n, dtype=torch.long), []
+    while int(length.min()) < steps:
+        drafts, qs, x = [], [], last
+        for _ in range(D):
+            qs.append(Q[x])
+            x = torch.multinomial(qs[-1], 1, generator=g).squeeze(-1)
+            drafts.append(x)
+        drafts = torch.stack(drafts, dim=1)  # (n, D)
+        p = P[torch.cat([last[:, None], drafts], dim=1)]  # (n, D+1, V): p_j conditions on the token before slot j
+        tokens, accepted = rule(p, torch.stack(qs, dim=1), drafts, g)
+        seen += accepted.tolist()
+        at = torch.arange(D + 1)
+        write = (at <= accepted[:, None]) & (length[:, None] + at < buf.shape[1])
+        rows, cols = write.nonzero(as_tuple=True)
+        buf[rows, length[rows] + cols] = tokens[rows, cols]
+        length = length + accepted + 1
+        last = buf[torch.arange(n), (length - 1).clamp(max=buf.shape[1] - 1)]
+    expected = {(a, b, c): float(P[0, a] * P[a, b] * P[b, c]) for a in range(V) for b in range(V) for c in range(V)}
+    return collections.Counter(map(tuple, buf[:, :steps].tolist())), seen, expected
+
+
+def test_the_acceptance_rule_alone_keeps_the_target_distribution_whatever_each_row_accepts():
+    """accept_drafts with rows that advance independently (every accepted count committed, the bonus draw from p_D
+    included, which a large lockstep batch rarely reaches): the first three tokens of a target Markov chain,
+    drafted by another, against the chain's exact distribution (chi-square); accepting every draft fails it."""
+    n = 20000
+    counts, seen, expected = markov_speculation(speculative.accept_drafts, n, 3, seed=0)
+    assert {0, 1, 2} <= set(seen)  # rejections at either draft, and whole rounds accepted
+    stat, p_value = chi_square(counts, expected, n)
+    print(f"\nacceptance rule alone: chi-square {stat:.1f} over {len(expected)} sequences, p-value {p_value:.3f}")
+    assert p_value > 1e-3
+    counts, _, expected = markov_speculation(accept_every_draft, n, 3, seed=0)
+    assert chi_square(counts, expected, n)[1] < 1e-6

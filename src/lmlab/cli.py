@@ -353,7 +353,8 @@ def build_generate(g: argparse.ArgumentParser) -> None:
                    help="end a text before this string; repeatable (the tokenizer's end-of-text ids always stop)")
     g.add_argument("--decoder", default="auto", choices=["auto", "eager", "static", "compiled", "graph", "speculative"],
                    help="how tokens are decoded (see lmlab.generate): compiled pays off for long runs; speculative "
-                        "drafts with a model's multi-token prediction modules (greedy: --temperature 0)")
+                        "drafts with a model's multi-token prediction modules (greedy at --temperature 0, else "
+                        "speculative sampling: plain sampling's distribution)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON line per prompt: prompt, text, finish, decoder (auto's choice)")
 

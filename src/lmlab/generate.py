@@ -30,10 +30,11 @@ auto       ``graph`` on CUDA for a dense model outside torch.distributed (a shar
            collectives cannot be captured this way), else ``eager``. On the CPU ``eager``
            measured faster than ``static`` and ``compiled`` pays for its compile time only
            after tens of thousands of tokens (docs/speed.md).
-speculative  greedy only, for a model with multi-token prediction modules (``mtp``): they
-           draft ``mtp.depth`` tokens, one main forward verifies them all, the longest
-           prefix equal to greedy's is kept (``speculative.py``). Same tokens as ``eager``
-           at temperature 0; never ``auto``'s choice.
+speculative  for a model with multi-token prediction modules (``mtp``): they draft
+           ``mtp.depth`` tokens, one main forward verifies them all, the longest accepted
+           prefix is kept (``speculative.py``). Same tokens as ``eager`` at temperature 0;
+           sampling keeps plain sampling's distribution (Leviathan et al. 2023's rule), with
+           other draws for the same seed. Never ``auto``'s choice.
 =========  ===========================================================================
 
 The prefill is never compiled or captured: its shape changes with every prompt. The host
@@ -59,7 +60,16 @@ import torch
 
 from .attention import StaticKVCache
 from .memory import check_generation_fits
-from .sampling import Noise, Picker, make_picker, make_sampler, noise_width, top_k_filter, top_p_filter
+from .sampling import (
+    Noise,
+    Picker,
+    make_picker,
+    make_probabilities,
+    make_sampler,
+    noise_width,
+    top_k_filter,
+    top_p_filter,
+)
 from .speculative import speculate
 
 __all__ = [
@@ -87,6 +97,7 @@ class Request:
     sync_every: int
     ctx: Callable[[], contextlib.AbstractContextManager]
     cache_dtype: torch.dtype
+    probs: Callable[[torch.Tensor], torch.Tensor] | None = None  # logits -> the sampled distribution; None: greedy
 
     def choose(self, logits: torch.Tensor, t: int, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token t (B,) from logits (B, V), and the rows finished after it (B,). Finished rows
@@ -244,7 +255,7 @@ def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
     B, T = idx.shape
     limit = context_limit(model)
     if decoder == "speculative":
-        check_speculative(model, temperature, T + max_new_tokens, limit)
+        check_speculative(model, T + max_new_tokens, limit)
     if limit is not None and T + max_new_tokens > limit:
         raise ValueError(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} exceeds "
@@ -264,7 +275,7 @@ def _request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
         Noise(B, noise_width(top_k, top_p, vocab), generator, device) if sampling else None,
         torch.tensor(eos, device=device) if eos else None, eos[0] if eos else 0,
         sync_every or (SYNC_EVERY_CUDA if device.type == "cuda" else 1), _contexts(device),
-        cache_dtype,
+        cache_dtype, make_probabilities(float(temperature), top_k, top_p, vocab) if sampling else None,
     ), decoder
 
 
@@ -322,19 +333,17 @@ def _eval_mode(model, chunks: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 # ============================================================== the reference loop
 def decode_speculative(r: Request) -> Iterator[torch.Tensor]:
-    """Greedy decoding with the MTP modules drafting and the main model verifying (``speculative.py``)."""
-    return speculate(r.model, r.idx, r.mask, r.n, eos=r.eos, fill=r.fill, ctx=r.ctx, cache_dtype=r.cache_dtype)
+    """The MTP modules drafting and the main model verifying, greedy or sampling (``speculative.py``)."""
+    return speculate(r.model, r.idx, r.mask, r.n, eos=r.eos, fill=r.fill, ctx=r.ctx, cache_dtype=r.cache_dtype,
+                     probs=r.probs, generator=None if r.noise is None else r.noise.generator)
 
 
-def check_speculative(model, temperature, length: int, limit: int | None) -> None:
+def check_speculative(model, length: int, limit: int | None) -> None:
     """Refuse what speculative decoding cannot do, before any token."""
     depth = model.mtp.depth
     if depth == 0:
         raise ValueError("decoder='speculative' drafts with the multi-token prediction modules, and this model has "
                          "none (mtp=None); train one with --model.mtp.depth 1, or choose decoder='eager'")
-    if temperature != 0:
-        raise ValueError(f"decoder='speculative' is greedy only, got temperature={temperature}; set temperature=0 "
-                         "or choose decoder='eager'")
     if limit is not None and length + depth > limit:
         raise ValueError(f"decoder='speculative' verifies {depth} drafted token(s) past the last one, so prompt + "
                          f"max_new_tokens + mtp.depth = {length + depth} must fit max_seq_len={limit} (learned "

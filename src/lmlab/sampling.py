@@ -122,6 +122,25 @@ def make_sampler(
     return sample
 
 
+def make_probabilities(temperature: float, top_k: int | None, top_p: float | None,
+                       vocab_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """logits (..., V) -> the distribution (..., V), fp32, that the picker samples from at this temperature,
+    top-k and top-p: softmax(top_p_filter(top_k_filter(logits / temperature))). Speculative sampling's
+    acceptance rule needs it as numbers (``speculative.accept_drafts``)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: a distribution needs temperature > 0 (0 is greedy)")
+    k = effective_top_k(top_k, vocab_size)
+    p = top_p if top_p is not None and top_p < 1.0 else None
+
+    def probabilities(logits: torch.Tensor) -> torch.Tensor:
+        x = logits.float().reshape(-1, logits.shape[-1]) / temperature  # (N, V)
+        x = top_k_filter(x, k) if k is not None else x
+        x = top_p_filter(x, p) if p is not None else x
+        return x.softmax(dim=-1).view(logits.shape)
+
+    return probabilities
+
+
 # ============================================================== the randomness, ahead of time
 def gumbel_(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Fill ``x`` with Gumbel(0, 1) draws, -log E with E ~ Exp(1), in place. An exponential draw

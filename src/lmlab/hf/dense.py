@@ -57,9 +57,11 @@ def llama_config(hf: Mapping[str, Any], defaults: Mapping[str, Any] = LLAMA_DEFA
     return llama_layout_config(hf, bias=attention_bias)
 
 
-def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0, **fields: Any) -> ModelConfig:
+def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0, partial: bool = False,
+                        **fields: Any) -> ModelConfig:
     """The fields every Llama-layout family (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) maps the
-    same way: sizes, pre-norm RMSNorm, rotary, SwiGLU. ``fields`` add or override (bias, moe, ...)."""
+    same way: sizes, pre-norm RMSNorm, rotary (``partial``: see :func:`rope_from_hf`), SwiGLU. ``fields`` add
+    or override (bias, moe, ...)."""
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None)
     return model_config(hf, **{
@@ -70,7 +72,7 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
             max_seq_len=hf["max_position_embeddings"],
             norm="rmsnorm", norm_position="pre", positions="rope", ffn="glu",
             activation=activation_from_hf(hf["hidden_act"], "hidden_act"),
-            rope=rope_from_hf(hf, default_theta=default_theta), bias=False,
+            rope=rope_from_hf(hf, default_theta=default_theta, partial=partial), bias=False,
             tie_embeddings=bool(hf["tie_word_embeddings"]),
             norm_eps=hf["rms_norm_eps"], init_std=hf["initializer_range"],
         ),
@@ -78,13 +80,42 @@ def llama_layout_config(hf: Mapping[str, Any], *, default_theta: float = 10000.0
     })
 
 
+def every_layer_window(window: int | None) -> AttentionConfig:
+    """A sliding window of ``window`` tokens in every layer (None: full attention), as Mistral, Mixtral
+    and Qwen3-MoE apply config.json's ``sliding_window``."""
+    return AttentionConfig() if window is None else AttentionConfig(window=window, pattern=("local",))
+
+
+def every_layer_window_refusal(cfg: ModelConfig, name: str) -> str | None:
+    """The inverse's limit: ``name`` slides every layer or none."""
+    if len(set(cfg.attention.pattern)) > 1:
+        return f"attention.pattern={list(cfg.attention.pattern)} ({name}'s sliding window applies to every layer)"
+    return None
+
+
+def qwen_attention(hf: Mapping[str, Any]) -> AttentionConfig:
+    """Qwen2's and Qwen3's windows: with ``use_sliding_window``, the layers ``layer_types`` names, or (without
+    it) those from ``max_window_layers`` on, as Qwen2Config and Qwen3Config derive them; else none."""
+    n, window = hf["num_hidden_layers"], hf["sliding_window"] if hf["use_sliding_window"] else None
+    types = hf["layer_types"]
+    if types is None:
+        first = hf["max_window_layers"]
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    return attention_from_hf(types, window, n)
+
+
+def qwen_attention_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The inverse of :func:`qwen_attention`: every layer's type written out."""
+    window = cfg.attention.window
+    return {"use_sliding_window": window is not None, "sliding_window": window, "layer_types": layer_types_to_hf(cfg)}
+
+
 def mistral_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Mistral is Llama without biases, with a sliding window of ``sliding_window`` tokens in every
     layer (null: full attention)."""
     window = with_defaults(hf, MISTRAL_DEFAULTS)["sliding_window"]
-    attention = AttentionConfig() if window is None else AttentionConfig(window=window, pattern=("local",))
     cfg = llama_config({**hf, "attention_bias": False, "mlp_bias": False}, MISTRAL_DEFAULTS)
-    return cfg.replace(attention=attention)
+    return cfg.replace(attention=every_layer_window(window))
 
 
 def llama_attention(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
@@ -255,9 +286,7 @@ def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def mistral_refusal(cfg: ModelConfig) -> str | None:
-    if len(set(cfg.attention.pattern)) > 1:
-        return f"attention.pattern={list(cfg.attention.pattern)} (Mistral's sliding window applies to every layer)"
-    return refusal(cfg, {
+    return every_layer_window_refusal(cfg, "Mistral") or refusal(cfg, {
         "bias": (False, "Mistral has no biases"), "qkv_bias": (False, "Mistral has no biases"),
     }) or llama_layout_refusal(cfg, "Mistral", supports=("window",))
 
@@ -276,7 +305,7 @@ register("mistral", Family(mistral_config, llama_weights, LLAMA_IGNORE, Export(
 # transformers' Qwen2Config defaults (5.x), for keys an older config.json leaves out.
 QWEN2_DEFAULTS: dict[str, Any] = dict(
     LLAMA_DEFAULTS, vocab_size=151936, hidden_size=4096, intermediate_size=22016, max_position_embeddings=32768,
-    use_sliding_window=False, layer_types=None,
+    use_sliding_window=False, sliding_window=4096, max_window_layers=28, layer_types=None,
 )
 
 
@@ -284,13 +313,8 @@ def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Qwen2 is Llama with biases on the q, k and v projections only (qkv_bias=True, bias=False).
     With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (or as ``layer_types`` says)."""
     hf = with_defaults(hf, QWEN2_DEFAULTS)
-    n, window = hf["num_hidden_layers"], hf["sliding_window"] if hf["use_sliding_window"] else None
-    types = hf["layer_types"]
-    if types is None:  # as Qwen2Config.__post_init__ derives them
-        first = hf.get("max_window_layers", 28)
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
     cfg = llama_config({**hf, "attention_bias": False, "mlp_bias": False}, QWEN2_DEFAULTS)
-    return cfg.replace(qkv_bias=True, attention=attention_from_hf(types, window, n))
+    return cfg.replace(qkv_bias=True, attention=qwen_attention(hf))
 
 
 def qwen2_refusal(cfg: ModelConfig) -> str | None:
@@ -300,9 +324,7 @@ def qwen2_refusal(cfg: ModelConfig) -> str | None:
 
 
 def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    window = cfg.attention.window
-    return {**llama_layout_to_hf(cfg), "use_sliding_window": window is not None, "sliding_window": window,
-            "layer_types": layer_types_to_hf(cfg)}
+    return {**llama_layout_to_hf(cfg), **qwen_attention_to_hf(cfg)}
 
 
 register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE, Export(

@@ -33,6 +33,8 @@ import torch
 from ..config import ModelConfig, MoEConfig
 from .dense import (
     LLAMA_IGNORE,
+    every_layer_window,
+    every_layer_window_refusal,
     llama_glu,
     llama_glu_to_hf,
     llama_layout_config,
@@ -120,10 +122,10 @@ def moe_to_hf(
     return out
 
 
-def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]], **layout: str) -> str | None:
+def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]], **layout: Any) -> str | None:
     """What a Llama-layout MoE architecture ``name`` cannot compute: biases (no transformers MoE
-    has expert biases), the layout (``layout``: its norm placement and query/key norm, as
-    :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
+    has expert biases), the layout (``layout``: its norm placement, query/key norm and per-layer
+    ``supports``, as :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
     return (
         refusal(cfg, {"bias": (False, f"{name} has no biases outside attention")})
         or llama_layout_refusal(cfg, name, **layout)
@@ -157,14 +159,12 @@ def mixtral_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Mixtral (Jiang et al. 2024): Mistral with every FFN a top-2 mixture of SwiGLU experts,
     softmax over all experts then renormalized over the two chosen."""
     hf = with_defaults(hf, MIXTRAL_DEFAULTS)
-    if hf["sliding_window"] is not None:
-        raise key_refused(hf, "sliding_window", "lmlab has no sliding-window attention; only sliding_window null loads")
     if hf["router_jitter_noise"]:
         raise key_refused(hf, "router_jitter_noise", "lmlab's router has no multiplicative input jitter; use 0.0")
     return llama_layout_config(
         hf, default_theta=1e6,
         moe=MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], normalize_top_k=True),
-    )
+    ).replace(attention=every_layer_window(hf["sliding_window"]))  # transformers' Mixtral slides every layer
 
 
 def mixtral_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
@@ -186,7 +186,7 @@ def mixtral_refusal(cfg: ModelConfig) -> str | None:
         "moe.n_shared": (0, "Mixtral has no shared experts"),
         "moe.every": (1, "every Mixtral layer is a mixture"),
         "moe.first_dense": (0, "every Mixtral layer is a mixture"),
-    }) or all_experts_refusal(cfg, "Mixtral")
+    }, supports=("window",)) or all_experts_refusal(cfg, "Mixtral") or every_layer_window_refusal(cfg, "Mixtral")
 
 
 def mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
         **llama_layout_to_hf(cfg), "intermediate_size": moe.expert_width(cfg.d_ff),
         "num_local_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
-        "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False,
+        "router_jitter_noise": 0.0, "sliding_window": cfg.attention.window, "output_router_logits": False,
     }
 
 
@@ -395,8 +395,8 @@ def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     """GLM-4-MoE (GLM-4.5): DeepSeek-V3's router and experts (sigmoid affinities plus correction bias,
     group-limited top-k with a group's score its best two, routed scaling, shared experts, the first
     k layers dense) with grouped-query attention (biases on q, k, v with attention_bias) and, with
-    use_qk_norm, Qwen3's per-head q/k norms (qk_norm="head"). Only full rotary (partial_rotary_factor 1)
-    maps exactly; GLM-4.5's own rotates half of each head."""
+    use_qk_norm, Qwen3's per-head q/k norms (qk_norm="head"). Rotary turns the first partial_rotary_factor of
+    each head's dimensions (GLM-4.5: half), pairs (j, j + r/2) within them, as lmlab's rope.partial does."""
     hf = with_defaults(hf, GLM4_MOE_DEFAULTS)
     groups = hf["n_group"] or 1
     moe = MoEConfig(
@@ -405,7 +405,7 @@ def glm4_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
         routed_scale=hf["routed_scaling_factor"], n_groups=groups, topk_groups=hf["topk_group"] or groups,
         group_score="top2", first_dense=hf["first_k_dense_replace"],
     )
-    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe,
+    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), moe=moe, partial=True,
                                qk_norm="head" if hf["use_qk_norm"] else "none")
 
 
@@ -443,7 +443,10 @@ def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.scoring": ("sigmoid", "GLM-4-MoE scores experts with a sigmoid"),
         "moe.shared_gate": ("none", "GLM-4-MoE's shared experts are not gated"),
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
-    }, qk_norm=qk_norm)
+    }, qk_norm=qk_norm, supports=("partial",))
+    if why is None and cfg.rope.partial < 1.0 and cfg.rope.layout != "half":
+        why = (f"rope.layout={cfg.rope.layout!r} with rope.partial={cfg.rope.partial} (GLM-4-MoE rotates its first "
+               "dimensions as pairs (j, j + r/2); train with --model.rope.layout half)")
     if why is None and _shared_total(cfg) % width:
         why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
                f"moe_intermediate_size={width})")
@@ -468,7 +471,7 @@ def glm4_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     width = moe.expert_width(cfg.d_ff)
     n_group, topk_group = glm4_moe_groups(moe)
     return {
-        **llama_layout_to_hf(cfg, partial_rotary_factor=1.0), "attention_bias": cfg.qkv_bias,
+        **llama_layout_to_hf(cfg, partial_rotary_factor=cfg.rope.partial), "attention_bias": cfg.qkv_bias,
         "n_routed_experts": moe.routed_experts, "num_experts_per_tok": moe.active_experts,
         "moe_intermediate_size": width, "n_shared_experts": _shared_total(cfg) // width,
         "routed_scaling_factor": moe.routed_scale, "n_group": n_group, "topk_group": topk_group,

@@ -11,6 +11,7 @@ the families of ``dense.py`` and ``moe.py``, in both directions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -147,7 +148,7 @@ def activation_from_hf(name: Any, key: str) -> str:
     return ACTIVATIONS[name]
 
 
-def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> RopeConfig:
+def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0, partial: bool = False) -> RopeConfig:
     """RopeConfig from config.json, in either published form:
 
     - older: ``rope_theta`` at top level and ``rope_scaling`` = {"type" or "rope_type": ..., ...};
@@ -156,7 +157,9 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> Ro
     Mirrors ``transformers.modeling_rope_utils`` (``standardize_rope_params`` and the
     ``_compute_*_parameters`` functions): ``rope_scaling`` wins over ``rope_parameters``,
     "default" means no scaling, a missing ``original_max_position_embeddings`` means
-    ``max_position_embeddings``, and ``dynamic`` scales relative to ``max_position_embeddings``."""
+    ``max_position_embeddings``, and ``dynamic`` scales relative to ``max_position_embeddings``.
+    ``partial``: the family rotates the first ``partial_rotary_factor`` of each head's dimensions in the half
+    layout, as lmlab's ``rope.partial`` does (GLM-4-MoE); elsewhere a factor other than 1 is refused."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError(
@@ -165,12 +168,13 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> Ro
     base = params.get("rope_theta")
     base = base if base is not None else hf.get("rope_theta")
     base = base if base is not None else default_theta
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial is not None and partial != 1.0:
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction is not None and fraction != 1.0 and not partial:
         raise ValueError(
-            f"config.json has partial_rotary_factor={partial}: lmlab rotates every dimension of each head, "
-            "so partial rotary embeddings are not supported"
+            f"config.json has partial_rotary_factor={fraction}: lmlab maps partial rotary for the families whose "
+            "rotated dimensions it lays out as transformers does (glm4_moe); this one is not supported"
         )
+    rope = functools.partial(RopeConfig, partial=1.0 if fraction is None else float(fraction))
     kind = params.get("rope_type", params.get("type", "default"))
     max_pos = hf["max_position_embeddings"]
     original = hf.get("original_max_position_embeddings", params.get("original_max_position_embeddings")) or max_pos
@@ -181,12 +185,12 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> Ro
         return params[key]
 
     if kind == "default":
-        return RopeConfig(base=base)
+        return rope(base=base)
     if kind in ("linear", "dynamic"):
-        return RopeConfig(base=base, scaling=kind, factor=need("factor"))
+        return rope(base=base, scaling=kind, factor=need("factor"))
     if kind == "yarn":
         factor = params.get("factor")
-        return RopeConfig(
+        return rope(
             base=base, scaling="yarn",
             factor=factor if factor is not None else max_pos / original,  # DeepSeek-V3 style
             original_max_seq_len=original,
@@ -198,7 +202,7 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> Ro
             truncate=bool(params.get("truncate", True)),
         )
     if kind == "llama3":
-        return RopeConfig(
+        return rope(
             base=base, scaling="llama3", factor=need("factor"), original_max_seq_len=original,
             low_freq_factor=need("low_freq_factor"), high_freq_factor=need("high_freq_factor"),
         )

@@ -14,8 +14,9 @@ from .dense import (
     llama_layout_to_hf,
     llama_weights,
     llama_weights_to_hf,
+    qwen_attention_to_hf,
 )
-from .registry import Export, Family, attention_from_hf, layer_types_to_hf, register, with_defaults
+from .registry import Export, Family, attention_from_hf, register, with_defaults
 
 # transformers' SmolLM3Config defaults (5.x), for keys an older config.json leaves out
 SMOLLM3_DEFAULTS: dict[str, Any] = dict(
@@ -63,12 +64,11 @@ def smollm3_refusal(cfg: ModelConfig) -> str | None:
 
 
 def smollm3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    window = cfg.attention.window
     return {
         **llama_layout_to_hf(cfg), "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
         "no_rope_layers": [int(cfg.has_positions(i)) for i in range(cfg.n_layers)],
         "no_rope_layer_interval": cfg.rope.nope_every or SMOLLM3_DEFAULTS["no_rope_layer_interval"],
-        "use_sliding_window": window is not None, "sliding_window": window, "layer_types": layer_types_to_hf(cfg),
+        **qwen_attention_to_hf(cfg),
     }
 
 
