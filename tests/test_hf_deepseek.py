@@ -193,6 +193,24 @@ def test_mtp_weights_round_trip_exactly(tmp_path):
     assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
 
 
+def test_a_loaded_mtp_layer_drafts_for_speculative_decoding(tmp_path):
+    """The MTP layer of a DeepSeek-V3 checkpoint, with its mixture-of-experts block, drafts: greedy speculation gives
+    plain greedy's tokens on a padded batch, and sampling with a seed repeats itself."""
+    from lmlab.generate import generate, left_pad
+
+    preset, fields = MTP_MODEL
+    to_hf(lm(preset, **fields), tmp_path / "out")
+    model = lmlab.from_hf(tmp_path / "out")
+    idx, mask = left_pad([[5, 9, 3, 17, 2], [11, 4], [33]])
+
+    def run(decoder, **sampling):
+        return torch.stack(list(generate(model, idx, 20, attention_mask=mask, decoder=decoder, **sampling)))
+
+    assert torch.equal(run("speculative", temperature=0), run("eager", temperature=0))
+    sampled = [run("speculative", temperature=0.8, top_k=10, seed=0) for _ in range(2)]
+    assert torch.equal(*sampled)
+
+
 def hub_like_checkpoint(path) -> None:
     """A DeepSeek-V3 checkpoint laid out as the Hub's: transformers' main weights (save_pretrained writes no MTP
     layer) plus one MTP layer ``model.layers.3.*`` holding copies of the embedding and head."""

@@ -131,6 +131,9 @@ LMLAB_CASES = {
                                                                            n_shared=1, first_dense=1)), "glm4_moe"),
     "glm4_moe_partial_rotary": ({"n_kv_heads": 2, "rope.partial": 0.5, "moe": MOE | dict(scoring="sigmoid")},
                                 "glm4_moe"),
+    # interleaved pairs within the rotated half: only those rows (and their q/k norm gains) are permuted
+    "glm4_moe_partial_interleaved": ({"qk_norm": "head", "n_kv_heads": 2, "rope.partial": 0.5,
+                                      "rope.layout": "interleaved", "moe": MOE | dict(scoring="sigmoid")}, "glm4_moe"),
 }
 
 
@@ -192,8 +195,6 @@ def test_config_from_hf_refuses_what_lmlab_cannot_express(model_type, changes, m
     (dict(attn_gate="elementwise"), "attn_gate='elementwise' has no exact transformers architecture"),
     (dict(attn_gate="headwise", qk_norm="head"), "attn_gate='headwise' has no exact transformers architecture"),
     (dict(qk_norm="full", d_model=48, n_heads=4, head_dim=8, moe=MOE), "olmoe: head_dim=8"),
-    ({"rope.partial": 0.5, "rope.layout": "interleaved", "moe": MOE | dict(scoring="sigmoid")},
-     "glm4_moe: rope.layout='interleaved' with rope.partial=0.5 (GLM-4-MoE rotates its first dimensions as pairs"),
     ({"rope.partial": 0.5}, "llama: rope.partial=0.5 (Llama rotates every dimension of each head)"),
 ])
 def test_export_refuses_what_no_family_computes(tmp_path, fields, message):

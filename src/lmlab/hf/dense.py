@@ -181,8 +181,7 @@ def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> di
     for i in range(cfg.n_layers):
         for part, n in heads.items():
             w = sd[f"blocks.{i}.attn.qk_norm.{part}.weight"]
-            half = interleaved_to_half(w, n) if cfg.rope.layout == "interleaved" else w
-            out[f"model.layers.{i}.{attn}{part}.weight"] = half
+            out[f"model.layers.{i}.{attn}{part}.weight"] = rows_to_half(cfg, w, n)
     return out
 
 
@@ -228,11 +227,11 @@ def llama_attention_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> 
     """lmlab's fused [q; k; v] under ``ours`` ("blocks.3.attn.") -> q/k/v/o under ``hf``, with q and k
     rows in the half rotary layout that transformers rotates."""
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    to_half = interleaved_to_half if cfg.rope.layout == "interleaved" else (lambda w, n: w)
     out = {}
     for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
         q, k, v = sd[f"{ours}qkv.{kind}"].split([H * hd, KV * hd, KV * hd])
-        out.update({f"{hf}q_proj.{kind}": to_half(q, H), f"{hf}k_proj.{kind}": to_half(k, KV), f"{hf}v_proj.{kind}": v})
+        out.update({f"{hf}q_proj.{kind}": rows_to_half(cfg, q, H), f"{hf}k_proj.{kind}": rows_to_half(cfg, k, KV),
+                    f"{hf}v_proj.{kind}": v})
     for kind in ("weight", "bias") if cfg.bias else ("weight",):
         out[f"{hf}o_proj.{kind}"] = sd[f"{ours}out.{kind}"]
     return out
@@ -451,6 +450,20 @@ def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     [a0 a1 ... b0 b1 ...]; this is ``permute`` in transformers' convert_llama_weights_to_hf.py."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rows_to_half(cfg: ModelConfig, w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of q or k (a weight, a bias or a per-head norm's gain; ``n_heads`` heads of them) in ``cfg``'s rotary
+    layout -> the half layout transformers rotates: with interleaved pairs, the rotated rows of each head (its
+    first ``cfg.rotary_dim``; all of them without partial rotary) permuted by :func:`interleaved_to_half`."""
+    if cfg.rope.layout != "interleaved":
+        return w
+    width, r = w.shape[0] // n_heads, cfg.rotary_dim
+    if r == width:
+        return interleaved_to_half(w, n_heads)
+    heads = w.reshape(n_heads, width, *w.shape[1:])  # (H, head_dim, ...)
+    rotated = interleaved_to_half(heads[:, :r].reshape(n_heads * r, *w.shape[1:]), n_heads)
+    return torch.cat([rotated.reshape(n_heads, r, *w.shape[1:]), heads[:, r:]], dim=1).reshape(w.shape)
 
 
 def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -444,9 +444,6 @@ def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.shared_gate": ("none", "GLM-4-MoE's shared experts are not gated"),
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
     }, qk_norm=qk_norm, supports=("partial",))
-    if why is None and cfg.rope.partial < 1.0 and cfg.rope.layout != "half":
-        why = (f"rope.layout={cfg.rope.layout!r} with rope.partial={cfg.rope.partial} (GLM-4-MoE rotates its first "
-               "dimensions as pairs (j, j + r/2); train with --model.rope.layout half)")
     if why is None and _shared_total(cfg) % width:
         why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
                f"moe_intermediate_size={width})")
