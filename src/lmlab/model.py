@@ -279,7 +279,7 @@ class Transformer(nn.Module):
         rounded to the embeddings' dtype first, as Gemma does (sqrt(2304) = 48 is exact, in bf16 sqrt(3072)
         becomes 55.5); in fp32 that is the scale itself."""
         e = self.embed(idx)  # (B, T, C)
-        return e * torch.tensor(self.embed_scale, dtype=e.dtype)
+        return e if self.embed_scale == 1.0 else e * torch.tensor(self.embed_scale, dtype=e.dtype)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
