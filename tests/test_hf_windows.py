@@ -1,5 +1,6 @@
 """Per-layer attention families both ways: Mistral, Mixtral and Qwen3-MoE (every layer slides), Qwen2 and Qwen3
-(layers from max_window_layers slide, or as layer_types says), SmolLM3 (NoPE every n-th layer, sliding windows on
+(layers from max_window_layers slide, or as layer_types says), Qwen2-MoE (every other layer below max_window_layers
+slides, or as layer_types says), SmolLM3 (NoPE every n-th layer, sliding windows on
 those); tiny random models built here, logits compared over a sequence several windows long, and the decode cache of a
 loaded model against transformers' full forward."""
 
@@ -21,6 +22,8 @@ from transformers import (  # noqa: E402
     MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -60,6 +63,15 @@ HF_MODELS.update({
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
         **LLAMA, **EXPERTS, num_experts=4, moe_intermediate_size=16, use_sliding_window=True, sliding_window=W)),
 })
+QWEN2_MOE = dict(LLAMA, **EXPERTS, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                 use_sliding_window=True, sliding_window=W)
+HF_MODELS.update({  # Qwen2MoeConfig's own rule: layers 0, 2, 4, ... below max_window_layers (here only layer 0)
+    "qwen2_moe_even_layers_below_max": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **{**QWEN2_MOE, "num_hidden_layers": 4}, max_window_layers=2)),
+    "qwen2_moe_layer_types": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **{**QWEN2_MOE, "num_hidden_layers": 3}, layer_types=["full_attention", "sliding_attention",
+                                                             "sliding_attention"])),
+})
 SMOLLM3 = dict(LLAMA, num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=None)
 HF_MODELS.update({
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**SMOLLM3, tie_word_embeddings=False)),
@@ -79,6 +91,9 @@ EXPECTED = {
                                  NO_WINDOW),
     "qwen3_layer_types": ({"attention.window": W, "attention.pattern": ("local", "global")}, NO_WINDOW),
     "qwen3_moe": ({"attention.window": W, "attention.pattern": ("local",)}, NO_WINDOW),
+    "qwen2_moe_even_layers_below_max": ({"attention.window": W, "attention.pattern": ("local", "global", "global",
+                                                                                      "global")}, NO_WINDOW),
+    "qwen2_moe_layer_types": ({"attention.window": W, "attention.pattern": ("global", "local", "local")}, NO_WINDOW),
     "smollm3": ({"rope.nope_every": 2, "attention.window": None}, {"rope.nope_every": 0}),
     "smollm3_sliding_nope_layers": ({"rope.nope_every": 2, "attention.pattern": ("global", "local"), "bias": True},
                                     NO_WINDOW),
@@ -121,7 +136,7 @@ def test_checkpoint_matches_transformers_both_ways(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["mistral", "qwen2_layer_types", "smollm3_sliding_nope_layers", "mixtral",
-                                  "qwen3_layer_types", "qwen3_moe"])
+                                  "qwen3_layer_types", "qwen3_moe", "qwen2_moe_layer_types"])
 def test_cached_decoding_of_a_sliding_checkpoint_equals_transformers_full_forward(tmp_path, case):
     hf = randomize_(HF_MODELS[case]())
     ours = lmlab.from_hf(saved(hf, tmp_path))

@@ -688,7 +688,9 @@ def test_deepseek_v3_checkpoint_loads_with_multi_head_latent_attention(tmp_path)
 @pytest.mark.parametrize(
     "model_type, changes, key",
     [
-        ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window"),
+        # transformers gives sliding layers a window of 0 (no keys at all) unless use_sliding_window is set
+        ("qwen2_moe", dict(layer_types=["sliding_attention", "full_attention", "full_attention"]),
+         "use_sliding_window"),
         ("qwen2_moe", dict(mlp_only_layers=[2]), "mlp_only_layers"),  # MoE layers 0, 1: not a pattern
         ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import ModelConfig, MoEConfig
+from ..config import AttentionConfig, ModelConfig, MoEConfig
 from .dense import (
     LLAMA_IGNORE,
     every_layer_window,
@@ -44,6 +44,8 @@ from .dense import (
     llama_weights_to_hf,
     qk_norm_to_hf,
     qk_norm_weights,
+    qwen_attention,
+    qwen_attention_to_hf,
 )
 from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
 
@@ -219,9 +221,9 @@ register("mixtral", Family(mixtral_config, mixtral_weights, LLAMA_IGNORE, Export
 QWEN2_MOE_DEFAULTS: dict[str, Any] = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
     num_key_value_heads=16, hidden_act="silu", max_position_embeddings=32768, initializer_range=0.02,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, decoder_sparse_step=1,
-    moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60,
-    norm_topk_prob=False, mlp_only_layers=None, qkv_bias=True,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+    layer_types=None, decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+    num_experts_per_tok=4, num_experts=60, norm_topk_prob=False, mlp_only_layers=None, qkv_bias=True,
 )
 
 
@@ -229,14 +231,28 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): fine-grained softmax-routed experts plus one shared
     expert whose output is gated per token by sigmoid(x·g)."""
     hf = with_defaults(hf, QWEN2_MOE_DEFAULTS)
-    if hf["use_sliding_window"]:
-        raise key_refused(hf, "use_sliding_window", "lmlab has no sliding-window attention")
+    attention = qwen2_moe_attention(hf)
     if not hf["num_experts"]:
         raise key_refused(
             hf, "num_experts", "without experts this is a dense Llama-layout model; load it as model_type 'llama'"
         )
     moe = _qwen2_moe_experts(hf, hf["num_hidden_layers"])
-    return llama_layout_config(hf, qkv_bias=bool(hf["qkv_bias"]), moe=moe)  # biases on q, k, v only
+    # biases on q, k, v only
+    return llama_layout_config(hf, qkv_bias=bool(hf["qkv_bias"]), moe=moe).replace(attention=attention)
+
+
+def qwen2_moe_attention(hf: Mapping[str, Any]) -> AttentionConfig:
+    """Qwen2-MoE's windows as transformers applies them: the layers ``layer_types`` names, or (without it, and only
+    with ``use_sliding_window``) every other layer from the first, below ``max_window_layers``, as Qwen2MoeConfig
+    derives them (Qwen2's own rule slides the layers from max_window_layers on instead)."""
+    types, slide = hf["layer_types"], bool(hf["use_sliding_window"])
+    if types is None:
+        types = ["sliding_attention" if slide and i % 2 == 0 and i < hf["max_window_layers"] else "full_attention"
+                 for i in range(hf["num_hidden_layers"])]
+    if not slide and "sliding_attention" in types:  # Qwen2MoeConfig sets sliding_window 0: those layers see no key
+        raise key_refused(hf, "use_sliding_window", "layer_types has sliding_attention layers, which transformers "
+                          "gives a window of 0 tokens without it; set use_sliding_window true (or those layers full)")
+    return qwen_attention({**hf, "layer_types": types})
 
 
 def _qwen2_moe_experts(hf: Mapping[str, Any], n_layers: int) -> MoEConfig:
@@ -298,7 +314,7 @@ def qwen2_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.scoring": ("softmax", "Qwen2-MoE's router is a softmax"),
         "moe.routed_scale": (1.0, "Qwen2-MoE does not scale the routed output"),
         "moe.shared_gate": ("sigmoid", "Qwen2-MoE gates its shared expert by sigmoid(x·g)"),
-    }) or all_experts_refusal(cfg, "Qwen2-MoE")
+    }, supports=("window",)) or all_experts_refusal(cfg, "Qwen2-MoE")
 
 
 def qwen2_moe_layers(cfg: ModelConfig) -> tuple[int, list[int]]:
@@ -320,7 +336,7 @@ def qwen2_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **llama_layout_to_hf(cfg), "qkv_bias": cfg.qkv_bias, "num_experts": moe.routed_experts,
         "num_experts_per_tok": moe.active_experts, "moe_intermediate_size": moe.expert_width(cfg.d_ff),
         "shared_expert_intermediate_size": _shared_total(cfg), "norm_topk_prob": moe.normalize_top_k,
-        "decoder_sparse_step": step, "mlp_only_layers": dense, "use_sliding_window": False,
+        "decoder_sparse_step": step, "mlp_only_layers": dense, **qwen_attention_to_hf(cfg),
         "output_router_logits": False,
     }
 
