@@ -145,6 +145,19 @@ def test_help_shows_defaults_for_every_command(capsys):
         assert code == 0 and default in " ".join(out.split()) and "(default: None)" not in out  # said in words
 
 
+def test_export_and_generate_help_name_every_registered_family(capsys):
+    """The family list in --help is written out (the registry imports torch); it must be the registry's, in its order,
+    and export and generate must both name every family."""
+    from lmlab.hf import FAMILIES
+
+    assert cli.HF_FAMILIES == tuple(FAMILIES)
+    assert all(family.export is not None for family in FAMILIES.values())  # so export's list is the same list
+    for command in ("export", "generate"):
+        code, out, _ = run(capsys, command, "--help")
+        named = set(re.findall(r"[\w-]+", out))
+        assert code == 0 and not set(FAMILIES) - named, (command, set(FAMILIES) - named)
+
+
 def help_sections(text: str) -> dict[str, str]:
     """``lmlab train --help``'s config defaults: section name -> its text (header and field lines)."""
     lines = text.split("config fields and their defaults", 1)[1].split("\nexit status:")[0].splitlines()

@@ -51,6 +51,10 @@ EXIT_CODES = """exit status:
        file, a device that cannot be used, not enough memory; nothing half-written is left behind
   130  stopped by Ctrl-C, 143 by SIGTERM, after saving a checkpoint (continue with --resume)"""
 
+# The families of lmlab.hf.FAMILIES in registration order (export's preference order), written out because the
+# registry imports torch and --help must not; tests/test_cli.py fails when the two differ.
+HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
+               "gemma3_text", "gpt_oss", "olmo2", "olmoe", "qwen3", "qwen3_moe", "smollm3")
 OVERRIDES = "config fields: any field as --SECTION.FIELD VALUE (or =VALUE), e.g. --model.n_layers 6 --optim.lr 3e-4"
 
 
@@ -332,7 +336,8 @@ def build_eval(e: argparse.ArgumentParser) -> None:
 
 def build_generate(g: argparse.ArgumentParser) -> None:
     g.description = paragraphs("Stream text from a run's checkpoint, or from a Hugging Face checkpoint "
-                       "directory (config.json, safetensors weights, tokenizer.json).", OVERRIDES)
+                       "directory (config.json, safetensors weights, tokenizer.json) of a family lmlab reads: "
+                       f"{', '.join(HF_FAMILIES)}.", OVERRIDES)
     add_run_args(g)
     g.add_argument("--prompt", action="append", default=None,
                    help="text to continue; repeat for several prompts, generated together (default: 'The ')")
@@ -364,7 +369,7 @@ def build_export(x: argparse.ArgumentParser) -> None:
                            "Write config.json, safetensors weights (sharded past --max-shard-size), "
                            "generation_config.json and the tokenizer (tokenizer.json) into --out, so that "
                            "transformers' AutoModelForCausalLM / AutoTokenizer load the model with the same logits. "
-                           "The architecture (llama, mistral, qwen2, gpt2, mixtral, qwen2_moe, glm4_moe) is the first "
+                           f"The architecture ({', '.join(HF_FAMILIES)}) is the first "
                            "that computes the model exactly; a model none computes exactly is refused, naming the "
                            "config field. The directory appears whole or not at all.")
     x.add_argument(
