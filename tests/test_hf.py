@@ -60,6 +60,15 @@ def assert_parity(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert_close(ours, ref)  # fp32 defaults: rtol 1.3e-6, atol 1e-5
 
 
+def assert_left_padded_parity(hf: torch.nn.Module, ours: torch.nn.Module, idx: torch.Tensor, pads: int = 6) -> None:
+    """With the first row of ``idx`` left-padded by ``pads`` tokens, the real tokens' logits agree."""
+    mask = torch.ones_like(idx)
+    mask[0, :pads] = 0
+    with torch.no_grad():
+        ref, got = hf(idx, attention_mask=mask).logits, ours(idx, attention_mask=mask).logits
+    assert_parity(got[mask.bool()], ref[mask.bool()])
+
+
 def hf_llama(seed: int = 0, **changes) -> LlamaForCausalLM:
     return randomize_(LlamaForCausalLM(LlamaConfig(**{**LLAMA, **changes})), seed)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_comes_back_identical, decoded_logits
 from test_export import assert_exports_and_reads_back, lm, load_hf
-from test_hf import V, assert_parity, logits, randomize_, saved, tokens
+from test_hf import V, assert_left_padded_parity, assert_parity, logits, randomize_, saved, tokens
 
 import lmlab
 from lmlab import ModelConfig, Transformer
@@ -166,3 +166,9 @@ def test_export_refuses_what_gemma3_cannot_compute(tmp_path):
                             ({"attention.scale_dim": 20}, "attention.scale_dim=20")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             to_hf(lm(None, **fields), tmp_path / "out")
+
+
+def test_left_padded_batch_matches_transformers(tmp_path):
+    hf = hf_model("local_global_scaled")
+    ours = lmlab.from_hf(saved(hf, tmp_path))
+    assert_left_padded_parity(hf, ours, tokens(T, seed=2))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_comes_back_identical, decoded_logits
 from test_export import assert_exports_and_reads_back, lm, load_hf
-from test_hf import V, assert_parity, logits, randomize_, saved, tokens
+from test_hf import V, assert_left_padded_parity, assert_parity, logits, randomize_, saved, tokens
 
 import lmlab
 from lmlab import Transformer, feedforward
@@ -163,3 +163,10 @@ def test_export_refuses_what_gpt_oss_cannot_compute(tmp_path):
             to_hf(lm("gpt-oss", **fields), tmp_path / "out", architecture="gpt_oss")
     with pytest.raises(ValueError, match="glu_variant='clamped'"):  # and the other families refuse its experts
         to_hf(lm("mixtral", glu_variant="clamped"), tmp_path / "out")
+
+
+def test_left_padded_batch_matches_transformers(tmp_path):
+    """Pads take no attention and no sink share in either library: with left padding the real tokens' logits agree."""
+    hf = hf_model("alternating_yarn")
+    ours = lmlab.from_hf(saved(hf, tmp_path))
+    assert_left_padded_parity(hf, ours, tokens(T, seed=2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_export import lm, load_hf, relative_difference
-from test_hf import LLAMA, logits, randomize_, saved, tokens
+from test_hf import LLAMA, assert_left_padded_parity, logits, randomize_, saved, tokens
 
 import lmlab
 from lmlab.hf import to_hf
@@ -153,14 +153,7 @@ def test_left_padded_batch_matches_transformers(tmp_path):
     they agree on every real token."""
     hf = randomize_(HF_MODELS["mistral"]())
     ours = lmlab.from_hf(saved(hf, tmp_path))
-    idx = tokens(T, seed=2)
-    mask = torch.ones_like(idx)
-    mask[0, :6] = 0
-    with torch.no_grad():
-        ref = hf(idx, attention_mask=mask).logits
-        got = ours(idx, attention_mask=mask).logits
-    real = mask.bool()
-    assert_parity(got[real], ref[real])
+    assert_left_padded_parity(hf, ours, tokens(T, seed=2))
 
 
 WINDOWED = {"attention.window": W, "attention.pattern": ["local", "global"]}
