@@ -390,3 +390,16 @@ def test_run_all_quick_runs_every_benchmark_on_cpu():
     assert "lmlab / plain loop, whole run:" in out and "time to the plain loop's final val loss" in out
     for phase in ("setup", "step", "eval", "save", "finite checks", "log", "sample"):  # lmlab's time, phase by phase
         assert f"\n  {phase} " in out, phase
+
+
+def test_bench_mtp_quick_reports_greedy_and_sampled_speculation():
+    """bench_mtp.py --quick trains a tiny MTP model through the CLI, then times speculative decoding against
+    eager, greedy and sampling (top-k 5): each block reports acceptance, tokens per verifying forward and speed-up."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_mtp.py"), "--quick", "--top-k", "5"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("greedy tokens after") == 2 and out.count("sampled (temperature 1, top-k 5) tokens after") == 2
+    assert out.count("tokens equal to eager: 100.0%") == 2  # greedy speculation keeps plain greedy's tokens
+    assert out.count("speed-up ") == 4 and out.count("tokens per verifying forward") == 6  # + 2 one-at-a-time rows

@@ -52,7 +52,7 @@ class SpeculationStats:
 
     rounds: int = 0  # verifying forwards of the main model
     drafted: int = 0  # draft tokens proposed to rows still generating
-    accepted: int = 0  # of those, the ones each row's own greedy tokens confirmed (before its first miss)
+    accepted: int = 0  # of those, the ones the acceptance rule confirmed (before a row's first miss)
     advanced: int = 0  # tokens the batch advanced by in those rounds (a + 1 per round)
 
     @property
