@@ -35,7 +35,7 @@ class RMSNormFunction(torch.autograd.Function):
         n, rstd = _normalize(x.float(), eps)
         ctx.save_for_backward(n, rstd, weight)
         ctx.x_dtype = x.dtype
-        return weight * n.to(x.dtype)  # as rms_normalize's no-grad path computes it
+        return weight * n.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
