@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark in benchmarks/, one after the other, each printing both libraries, the ratio and MFU;
-# on the CPU also whole training runs against a plain PyTorch loop (bench_run.py, one thread each).
+# on the CPU also one decoding step split four ways (bench_decode_step.py) and whole training runs against a
+# plain PyTorch loop (bench_run.py, one thread each).
 #
 #   benchmarks/run_all.sh                      # CPU sizes (docs/speed.md's CPU table), fp32, 2 threads
 #   benchmarks/run_all.sh --device cuda        # GPU sizes, bf16 autocast, eager and compiled
@@ -51,7 +52,10 @@ if [[ "$device" == cuda ]]; then
 fi
 run bench_loss_memory.py "${flags[@]}" ${extra[@]+"${extra[@]}"}
 run bench_generate.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extra[@]}"}
-if [[ "$device" == cpu ]]; then  # nanoGPT's CPU recipe, whole runs against a plain loop, one thread each
+if [[ "$device" == cpu ]]; then
+  # one eager decoding step split: transformers, lmlab, a straight-line step of the same weights, the matmuls alone
+  run bench_decode_step.py "${flags[@]}" ${extra[@]+"${extra[@]}"}
+  # nanoGPT's CPU recipe, whole runs against a plain loop, one thread each
   run bench_run.py ${quick[@]+"${quick[@]}"}
 fi
 echo

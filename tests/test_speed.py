@@ -382,11 +382,15 @@ def test_run_all_quick_runs_every_benchmark_on_cpu():
                           env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
-    for script in ("bench_train_step.py", "bench_moe.py", "bench_loss_memory.py", "bench_generate.py", "bench_run.py"):
+    for script in ("bench_train_step.py", "bench_moe.py", "bench_loss_memory.py", "bench_generate.py",
+                   "bench_decode_step.py", "bench_run.py"):
         assert f"=== {script}" in out and f"--- {script}" in out, script
     assert "lmlab / transformers:" in out and "MFU" in out  # both libraries, the ratio, MFU
     assert "lmlab MoE / HF Qwen2-MoE:" in out and "lmlab MoE / lmlab dense:" in out
     assert "chunked / plain peak memory:" in out
+    # the decoding step split: the straight-line step computed the same logits, then all four were timed
+    assert "logits of the three equal to within" in out and "straight-line / transformers, per step:" in out
+    assert "matmuls:" in out and "% of lmlab's step" in out
     assert "lmlab / plain loop, whole run:" in out and "time to the plain loop's final val loss" in out
     for phase in ("setup", "step", "eval", "save", "finite checks", "log", "sample"):  # lmlab's time, phase by phase
         assert f"\n  {phase} " in out, phase
