@@ -99,6 +99,15 @@ def matmuls_of(model):
     return lambda: [F.linear(x, m.weight) for x, m in zip(inputs, linears)]
 
 
+def check_steps(*steps, when: str) -> float:
+    """One more step of each (their caches grow alike); the largest |logit difference| from the first's."""
+    first, *rest = [step() for step in steps]
+    err = max((got - first).abs().max().item() for got in rest)
+    if not err < 1e-3:
+        raise SystemExit(f"at {when}, a decoding step's logits differ from transformers' by {err:.2e}")
+    return err
+
+
 def main() -> None:
     args = parse()
     setup = Setup(args)
@@ -127,17 +136,15 @@ def main() -> None:
         step_hf = lambda: hf(tok, use_cache=True, **{key: hf_cache}).logits[:, -1]  # noqa: E731
         step_ours = lambda: ours.head(ours.hidden(tok, cache)[:, -1])  # noqa: E731
         step_flat = lambda: flat(tok)  # noqa: E731
-        first = [step_hf(), step_ours(), step_flat()]
-        err = max((first[i] - first[0]).abs().max().item() for i in (1, 2))
-        if not err < 1e-3:
-            raise SystemExit(f"a decoding step's logits differ from transformers' by {err:.2e}")
+        err = check_steps(step_hf, step_ours, step_flat, when="the first step")
         timer = Alternating(setup, {"transformers": step_hf, "lmlab": step_ours, "straight-line": step_flat,
                                     "matmuls": matmuls_of(ours)}).run(args.steps, args.warmup)
+        err = max(err, check_steps(step_hf, step_ours, step_flat, when="the step after the timed rounds"))
 
     print(f"llama preset, size {args.size}: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
           f"{cfg.n_kv_heads} kv heads, vocab {cfg.vocab_size}; one token at batch 1 after a {args.prompt_len}-token "
           f"prompt, {args.steps} rounds; {setup.describe()}")
-    print(f"logits of the three equal to within {err:.1e} (largest |difference|, first step)")
+    print(f"logits of the three equal to within {err:.1e} (largest |difference|, first step and last)")
     hf_wall, hf_cpu = timer.median("transformers")
     for name in ("transformers", "lmlab", "straight-line", "matmuls"):
         wall, cpu = timer.median(name)
