@@ -102,7 +102,7 @@ def positions_decisions(rows: list[dict]) -> dict:
 
     spec = load_experiment_spec("positions")
     decided = decide_claims(spec.claims, rows, rows, positions.ENDPOINTS, init_loss=math.log(2048),
-                            untestable=positions.copy_gates(spec, rows))
+                            untestable=positions.copy_gates(spec, rows), amended=positions.lost_copying(spec, rows))
     return {d.spec.id: d for d in decided}
 
 
@@ -147,6 +147,52 @@ def test_retrieval_is_untestable_until_the_copy_model_passes_its_gate():
     d = positions_decisions(rows)["retrieval-yarn"]
     assert d.verdict == "inconclusive" and "0.450, below the gate 0.5" in d.line()
     assert positions_decisions(rows)["shaw-flat-from-clip"].verdict == "tie"  # only retrieval
+
+
+def test_retrieval_is_untestable_when_the_fine_tunes_it_compares_forgot_how_to_copy():
+    # the amendment after the results (positions.yaml): rope-copy copies, its text-only fine-tunes do not
+    rows = positions_rows("copy:rope-copy-ft-yarn", 0.3)  # a clear win for the YaRN fine-tune...
+    before = positions_decisions(rows)
+    for r in rows:
+        if r["variant"] == "rope-copy-ft-none":
+            r["copy_1x_acc"] = 0.012 + JITTER[r["seed"]] / 10  # ...over a fine-tune that copies at chance
+    after = positions_decisions(rows)
+    d = after["retrieval-yarn"]
+    assert d.verdict == "inconclusive" and d.amended and d.registered_verdict == "reproduced"
+    assert "rope-copy-ft-none's in-range copy accuracy is 0.012, below the gate 0.5" in d.line()
+    assert "under the rules as registered: **REPRODUCED**" in d.line()
+    assert d.to_json()["registered_verdict"] == "reproduced" and d.to_json()["amended"] is True
+    # decided after the results, it stays in the Holm family: no other claim's adjusted p-value moves
+    for cid, other in after.items():
+        assert other.comparison.decision.p_adjusted == pytest.approx(before[cid].comparison.decision.p_adjusted)
+    assert d.comparison.decision.p_adjusted == pytest.approx(before["retrieval-yarn"].comparison.decision.p_adjusted)
+    for r in rows:
+        if r["variant"] == "rope-copy-ft-none":
+            r["copy_1x_acc"] = 0.5  # at the gate: tested as registered
+    d = positions_decisions(rows)["retrieval-yarn"]
+    assert d.verdict == "reproduced" and not d.amended and not d.untestable
+
+
+def test_a_claim_untestable_by_its_registered_gate_leaves_the_holm_family_but_an_amended_one_does_not():
+    from lmlab.experiments import stats as experiment_stats
+    from lmlab.experiments.decide import decide_claims
+
+    spec = load_experiment_spec("positions")
+    rows = positions_rows("copy:rope-copy-ft-yarn", 0.3)
+    args = (spec.claims, rows, rows, positions.ENDPOINTS)
+    base = {d.spec.id: d for d in decide_claims(*args, init_loss=7.6)}
+    gated = {d.spec.id: d for d in decide_claims(*args, init_loss=7.6, untestable={"retrieval-yarn": "untestable: x"})}
+    late = {d.spec.id: d for d in decide_claims(*args, init_loss=7.6, amended={"retrieval-yarn": "untestable: y"})}
+    alone = gated["retrieval-yarn"].comparison.decision  # out of the family: its own p, unadjusted
+    assert alone.p_adjusted == pytest.approx(alone.p)
+    p = {k: d.comparison.decision.p for k, d in base.items()}  # the family of six as registered, and of five without it
+    holm6 = experiment_stats.holm(p)
+    holm5 = experiment_stats.holm({k: v for k, v in p.items() if k != "retrieval-yarn"})
+    for cid in p:
+        assert late[cid].comparison.decision.p_adjusted == pytest.approx(holm6[cid])
+        if cid != "retrieval-yarn":
+            assert gated[cid].comparison.decision.p_adjusted == pytest.approx(holm5[cid])
+    assert late["retrieval-yarn"].untestable == "untestable: y" and late["retrieval-yarn"].verdict == "inconclusive"
 
 
 def test_positions_report_names_the_unscaled_sinusoidal_setup_only_when_it_lost():

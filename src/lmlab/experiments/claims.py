@@ -262,6 +262,7 @@ def claims_table(results: str | Path) -> str:
             if data["schema"] == 2 and margin != "—":
                 margin += " (from the seed spread)"
             notes = [w for w, on in (("negligible", c.get("negligible")), ("untestable", c.get("untestable")),
+                                     ("amended after the results", c.get("amended")),
                                      ("re-analysed", c.get("analysis") == "re-analysed")) if on]
             small = f" ({', '.join(notes)})" if notes else ""
             lines.append(f"| {link} | {c['id']}: {c['claim']} | {label(c['verdict'])}{small} | {diff} | {margin} | "

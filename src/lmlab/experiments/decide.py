@@ -49,6 +49,14 @@ class Decision:
     comparison: stats.Comparison | None  # None when no seed measured both arms
     seeds_needed: int | None = None  # for 80% power at the measured spread (the pilot's below 2 seeds)
     untestable: str = ""
+    amended: bool = False  # ``untestable`` comes from an amendment made after the results (kept in the family)
+
+    @property
+    def registered_verdict(self) -> str:
+        """The verdict under the rules as registered: the amendment's gate left out."""
+        if (self.untestable and not self.amended) or self.comparison is None:
+            return "inconclusive"
+        return self.comparison.verdict
 
     @property
     def verdict(self) -> str:
@@ -73,6 +81,8 @@ class Decision:
         again = " *re-analysed (runs made before the registration)*" if s.analysis == "re-analysed" else ""
         tests = stats.describe(self.comparison) if self.comparison else "No seed measured every arm"
         need = f"; {self.seeds_needed} seeds would give 0.8" if self.seeds_needed else ""
+        if self.amended:
+            need += f"; under the rules as registered: {label(self.registered_verdict)}"
         return (f"- **{s.id}** — {s.claim}: {label(self.verdict)}{small}{why}{again}. {tests}{need}. "
                 f"{self.detail()}").rstrip()
 
@@ -93,7 +103,7 @@ class Decision:
             "endpoint": s.endpoint, "claimed": s.claimed, "unit": s.unit, "margin": s.margin,
             "margin_source": s.margin_source, "seeds": self.seeds, "a": self.a, "b": self.b, "effect": s.effect,
             "seeds_for_80_power": self.seeds_needed, "pilot_sd": s.pilot_sd, "pilot_source": s.pilot_source,
-            "untestable": self.untestable,
+            "untestable": self.untestable, "amended": self.amended, "registered_verdict": self.registered_verdict,
         }
 
 
@@ -128,16 +138,21 @@ def neither_learned(spec: ClaimSpec, rows: list[dict]) -> str:
 
 def decide_claims(specs: list[ClaimSpec], rows: list[dict], previous: list[dict] | None,
                   endpoints: Mapping[str, Endpoint], *, init_loss: float, alpha: float = 0.05,
-                  untestable: Mapping[str, str] | None = None) -> list[Decision]:
+                  untestable: Mapping[str, str] | None = None,
+                  amended: Mapping[str, str] | None = None) -> list[Decision]:
     """Every registered claim decided, with Holm's correction over them all. ``previous`` holds the
     rows that re-analysed claims read (runs made before the registration); ``untestable`` maps a
-    claim id to why its gate failed (an arm that never learned is found here)."""
+    claim id to why its gate failed (an arm that never learned is found here). ``amended`` maps a claim
+    id to why a gate added by an amendment after the results leaves it untestable: such a claim stays
+    in the Holm family with its p-value as registered, so an amendment cannot move another claim's
+    verdict, and its report line gives the verdict under the rules as registered beside it."""
     measured = []
     for s in specs:
         used = (previous or []) if s.analysis == "re-analysed" else rows
         seeds, a, b = values(s, used, endpoints, init_loss)
         why = (untestable or {}).get(s.id, "") or neither_learned(s, used)
         measured.append((s, seeds, a, b, why))
+    late = {s.id: (amended or {}).get(s.id, "") for s, _, _, _, why in measured if not why}
     diffs = {s.id: ([x - y for x, y in zip(a, b)] if b else list(a)) for s, _, a, b, _ in measured}
     raw = {s.id: stats.claim_pvalue(diffs[s.id], s.margin, s.claimed)  # the family: claims measured and testable
            for s, seeds, _, _, why in measured if len(seeds) > 1 and not why}
@@ -148,7 +163,8 @@ def decide_claims(specs: list[ClaimSpec], rows: list[dict], previous: list[dict]
                            power_effect=s.effect, unit=s.unit) if seeds else None)
         sd = c.decision.interval.std if c and len(seeds) > 1 else (s.pilot_sd or float("nan"))
         needed = seeds_needed(s.effect, sd, alpha)
-        out.append(Decision(s, seeds, a, b, c, needed, why or ("" if seeds else "not measured")))
+        out.append(Decision(s, seeds, a, b, c, needed, why or late.get(s.id) or ("" if seeds else "not measured"),
+                            amended=bool(late.get(s.id)) and bool(seeds)))
     return out
 
 

@@ -316,6 +316,25 @@ def copy_gates(spec, rows: list[dict]) -> dict[str, str]:
     return out
 
 
+def lost_copying(spec, rows: list[dict]) -> dict[str, str]:
+    """claim id -> why the amendment of 2 December 2026 (positions.yaml) leaves it untestable: a gated claim's
+    compared arms must copy in range too (mean copy_1x_acc at least COPY_GATE), not only the model they were
+    fine-tuned from. Every text-only fine-tune of rope-copy forgot how to copy, so their difference at 8x far
+    compared two models that copy at no distance. Decided after the results, so it leaves the claim in the
+    Holm family as registered (``decide_claims``'s ``amended``)."""
+    out = {}
+    for c in spec.claims:
+        for arm in (a for a in c.compare if c.gate and isinstance(a, str) and a in spec.configs):
+            acc = [num(r.get("copy_1x_acc")) for r in seeds_of(rows, arm).values()]
+            acc = [a for a in acc if math.isfinite(a)]
+            if acc and statistics.fmean(acc) < COPY_GATE:
+                out[c.id] = (f"untestable by the amendment after the results: {arm}'s in-range copy accuracy is "
+                             f"{statistics.fmean(acc):.3f}, below the gate {COPY_GATE:g}; it forgot how to copy in "
+                             f"its fine-tune from {spec.variant(arm).init_from}")
+                break
+    return out
+
+
 # ============================================================== tables
 def _ms(values: list[float], digits: int = 3) -> str:
     v = [x for x in values if math.isfinite(x)]
@@ -571,7 +590,8 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     previous = read_csv(out / "previous" / "results.csv")
     init_loss = (limits or {}).get("init", math.log(spec.configs["rope"].model.vocab_size))
     decisions = decide_claims(spec.claims, rows, previous, ENDPOINTS, init_loss=init_loss,
-                              alpha=(spec.registration or {}).get("alpha", 0.05), untestable=copy_gates(spec, rows))
+                              alpha=(spec.registration or {}).get("alpha", 0.05), untestable=copy_gates(spec, rows),
+                              amended=lost_copying(spec, rows))
     zs = [{**r, "variant": "rope-zs-yarn", "pp_16x": r.get("zs_yarn_pp_16x")} for r in rows if r["variant"] == "rope"]
     plots = [
         plot_lengths(rows, out, schemes + fts, L, spec.seeds),
