@@ -296,6 +296,12 @@ ENDPOINTS: dict[str, Endpoint] = {
 }
 
 
+def copy_accuracy(rows: list[dict], arm: str) -> list[float]:
+    """An arm's in-range copy accuracy (copy_1x_acc) per seed that measured it."""
+    acc = [num(r.get("copy_1x_acc")) for r in seeds_of(rows, arm).values()]
+    return [a for a in acc if math.isfinite(a)]
+
+
 def copy_gates(spec, rows: list[dict]) -> dict[str, str]:
     """claim id -> why its gate failed. A claim with a gate (retrieval) is tested only once the model its
     fine-tunes start from copies in range: that parent's mean copy_1x_acc at least COPY_GATE; a model that
@@ -306,8 +312,7 @@ def copy_gates(spec, rows: list[dict]) -> dict[str, str]:
         parent = spec.variant(arm).init_from if c.gate and isinstance(arm, str) and arm in spec.configs else None
         if parent is None:
             continue
-        acc = [num(r.get("copy_1x_acc")) for r in seeds_of(rows, parent).values()]
-        acc = [a for a in acc if math.isfinite(a)]
+        acc = copy_accuracy(rows, parent)
         if not acc:
             out[c.id] = f"untestable: {parent} has no in-range copy accuracy (copy_1x_acc)"
         elif statistics.fmean(acc) < COPY_GATE:
@@ -325,8 +330,7 @@ def lost_copying(spec, rows: list[dict]) -> dict[str, str]:
     out = {}
     for c in spec.claims:
         for arm in (a for a in c.compare if c.gate and isinstance(a, str) and a in spec.configs):
-            acc = [num(r.get("copy_1x_acc")) for r in seeds_of(rows, arm).values()]
-            acc = [a for a in acc if math.isfinite(a)]
+            acc = copy_accuracy(rows, arm)
             if acc and statistics.fmean(acc) < COPY_GATE:
                 out[c.id] = (f"untestable by the amendment after the results: {arm}'s in-range copy accuracy is "
                              f"{statistics.fmean(acc):.3f}, below the gate {COPY_GATE:g}; it forgot how to copy in "
