@@ -151,6 +151,16 @@ def test_the_report_names_the_registration_or_says_unregistered_then_lists_chang
     assert changes_section(None, block) == "" and "UNREGISTERED" not in report_header("T", "c", Spec(None), 1, [])
 
 
+def test_the_report_header_adds_the_tuning_runs_to_the_run_time():
+    rows = [{"wall_s": 1800.0}, {"wall_s": 3600.0}]
+    tuning = [{"wall_s": "900"}, {"wall_s": 900.0}]  # read back from tune.csv: numbers, or their text
+    text = report_header("T", "cmd", Spec(None), 60.0, rows, tuning=tuning)
+    assert ("The runs trained for 1.50 h in total (sum of per-run wall times, evaluation included; longest run "
+            "60.0 min), and the 2 tuning runs for 0.50 h more (2.00 h in all); the invocation that wrote this "
+            "report took 1.0 min") in text
+    assert "tuning runs" not in report_header("T", "cmd", Spec(None), 60.0, rows, tuning=[])
+
+
 # ============================================================== the commands
 def tree(root: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}

@@ -180,12 +180,12 @@ def plot_heatmaps(rows: list[dict], out: Path) -> str | None:
 
 
 # ============================================================== markdown and analysis
-def markdown(spec, rows, decisions, tune, *, command, wall_s, data, m, previous) -> str:
+def markdown(spec, rows, decisions, tune, *, command, wall_s, data, m, previous, tuning=None) -> str:
     cfg = spec.configs["dense"]
     t = cfg.train
     text = report_header(
         "Claim 3: mixture-of-experts adds capacity without a matching rise in per-token compute",
-        command, spec, wall_s, rows, data,
+        command, spec, wall_s, rows, data, tuning=tuning,
     )
     text += (
         "## What was measured\n\n" + spec.description + "\n\n"
@@ -283,7 +283,8 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
         plot_heatmaps(rows, out),
     ]
     atomic_write_text(out / "report.md", markdown(spec, rows, decisions, tune, command=command, wall_s=wall_s,
-                                                  data=data, m=m, previous=previous))
+                                                  data=data, m=m, previous=previous,
+                                                  tuning=read_csv(out / "tune.csv") if tune else None))
     write_decisions(out, "moe", decisions, {"plots": [p for p in plots if p], "tune": tune, "data": data,
                                             "seeds": spec.seeds, "multiplier": m,
                                             "registration": registration_record(spec)})

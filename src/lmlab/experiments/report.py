@@ -193,12 +193,18 @@ def data_text(data: dict | None) -> str:
     return ". ".join(parts) + ".\n\n" if parts else ""
 
 
-def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict], data: dict | None = None) -> str:
+def report_header(title: str, command: str, spec, wall_s: float, rows: list[dict], data: dict | None = None,
+                  tuning: list[dict] | None = None) -> str:
+    """The report's top: title, registration banner, command, revisions, run time, corpus, seeds and the
+    changes after registration. ``tuning``: the tuning runs' rows (tune.csv), whose run time is added."""
     train_s = sum(r.get("wall_s") or 0.0 for r in rows)
+    tune_s = sum(float(r.get("wall_s") or 0.0) for r in tuning or ())
     timing = (
         f"the runs trained for {train_s / 3600:.2f} h in total (sum of per-run wall times, evaluation included; "
-        f"longest run {max((r.get('wall_s') or 0.0 for r in rows), default=0) / 60:.1f} min); the invocation that "
-        f"wrote this report took {wall_s / 60:.1f} min (finished runs are reused)"
+        f"longest run {max((r.get('wall_s') or 0.0 for r in rows), default=0) / 60:.1f} min)"
+        + (f", and the {len(tuning)} tuning runs for {tune_s / 3600:.2f} h more ({(train_s + tune_s) / 3600:.2f} h "
+           "in all)" if tuning else "")
+        + f"; the invocation that wrote this report took {wall_s / 60:.1f} min (finished runs are reused)"
     )
     seeds = f"seeds {spec.seeds}, each setting {' and '.join(spec.seed_fields)}"
     size = "  (quick size: checks the machinery, not the claim)" if spec.is_quick else (
