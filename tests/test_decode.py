@@ -231,14 +231,14 @@ def test_compiled_decoder_equals_eager_and_compiles_without_graph_breaks(monkeyp
     backend; benchmarks/bench_generate.py prints the share of inductor's tokens equal to eager's."""
     import torch._dynamo
 
-    from lmlab import generate as gen
+    from lmlab import decoders as dec
 
     model = model_for(preset="llama", n_kv_heads=2)
     kw = dict(temperature=0.9, top_k=10, seed=3, eos_id=[60, 61])
     eager = run(model, PROMPTS, 12, decoder="eager", **kw)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    monkeypatch.setitem(gen.COMPILED, "step", torch.compile(gen.decode_step, dynamic=False, backend="aot_eager"))
+    monkeypatch.setitem(dec.COMPILED, "step", torch.compile(dec.decode_step, dynamic=False, backend="aot_eager"))
     assert torch.equal(run(model, PROMPTS, 12, decoder="compiled", **kw), eager)
     assert torch.equal(run(model, PROMPTS, 12, decoder="compiled", **kw), eager)  # same shapes: no recompile
     counters = torch._dynamo.utils.counters
@@ -252,7 +252,8 @@ def test_compiled_decoder_equals_eager_and_compiles_without_graph_breaks(monkeyp
 def test_graph_runner_warms_up_then_captures_once_and_replays(monkeypatch):
     """The CUDA-graph sequence with CPU stand-ins: two real warm-up steps, one capture that runs
     nothing, then replays; the tokens equal the eager reference. (Real capture needs CUDA.)"""
-    from lmlab import generate as gen
+    from lmlab import decoders as dec
+    from lmlab import request
 
     events = []
 
@@ -261,15 +262,15 @@ def test_graph_runner_warms_up_then_captures_once_and_replays(monkeypatch):
         return step  # a replay re-runs the recorded step on the same tensors
 
     def runner(step):
-        return gen.GraphRunner(step, warm=lambda s: (events.append("warm"), s()), capture=capture)
+        return dec.GraphRunner(step, warm=lambda s: (events.append("warm"), s()), capture=capture)
 
     monkeypatch.setattr(
-        gen,
+        dec,
         "decode_graph",
-        lambda r: gen.decode_fixed(r, lambda m, s: runner(lambda: gen.decode_step(m, s)), r.idx.shape[1] + r.n),
+        lambda r: dec.decode_fixed(r, lambda m, s: runner(lambda: dec.decode_step(m, s)), r.idx.shape[1] + r.n),
     )
-    monkeypatch.setitem(gen.DECODERS, "graph", gen.decode_graph)
-    monkeypatch.setattr(gen, "check_graphable", lambda model, device: None)
+    monkeypatch.setitem(dec.DECODERS, "graph", dec.decode_graph)
+    monkeypatch.setattr(request, "check_graphable", lambda model, device: None)  # where the request looks it up
     model = model_for(preset="llama")
     kw = dict(temperature=0.9, top_k=10, seed=3, eos_id=[60, 61])
     assert torch.equal(run(model, PROMPTS, 12, decoder="graph", **kw), run(model, PROMPTS, 12, decoder="eager", **kw))

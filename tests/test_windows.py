@@ -193,14 +193,14 @@ def test_the_window_changes_what_generation_says():
 def test_compiled_decoder_with_windows_and_sinks_equals_eager(monkeypatch):
     import torch._dynamo
 
-    from lmlab import generate as gen
+    from lmlab import decoders as dec
 
     m = model("window_sinks", **{"rope.local_base": 100.0})
     kw = dict(temperature=0.9, top_k=10, seed=3)
     prompts = [p * 2 for p in PROMPTS]
     eager = run(m, prompts, 12, decoder="eager", **kw)
     torch._dynamo.reset()
-    monkeypatch.setitem(gen.COMPILED, "step", torch.compile(gen.decode_step, dynamic=False, backend="aot_eager"))
+    monkeypatch.setitem(dec.COMPILED, "step", torch.compile(dec.decode_step, dynamic=False, backend="aot_eager"))
     assert torch.equal(run(m, prompts, 12, decoder="compiled", **kw), eager)
     torch._dynamo.reset()
 
