@@ -12,17 +12,14 @@ import lmlab
 from lmlab import ModelConfig, MoEConfig, Transformer
 from lmlab.config import MOE_PRESETS
 from lmlab.feedforward import GLU, MLP
+from lmlab.grouped_mm import grouped_mm, grouped_mm_kernel_ok, grouped_mm_split, probe_grouped_mm
 from lmlab.init import Init
 from lmlab.moe import (
     MoE,
     Routing,
     device_balance_loss,
     expert_balance_loss,
-    grouped_mm,
-    grouped_mm_kernel_ok,
-    grouped_mm_split,
     load_balance_loss,
-    probe_grouped_mm,
     z_loss,
 )
 

@@ -16,13 +16,15 @@ from torch.profiler import ProfilerActivity, profile
 from torch.testing import assert_close
 
 import lmlab
+import lmlab.grouped_mm
 import lmlab.loss
 import lmlab.moe
 from lmlab import IGNORE_INDEX, ModelConfig, MoEConfig, Transformer
 from lmlab.feedforward import ACTIVATIONS, glu, glu_reference
+from lmlab.grouped_mm import grouped_mm, grouped_mm_split
 from lmlab.init import Init
 from lmlab.loss import linear_cross_entropy, linear_cross_entropy_reference
-from lmlab.moe import MoE, grouped_mm, grouped_mm_split
+from lmlab.moe import MoE
 from lmlab.norm import rms_norm_reference, rms_normalize
 from lmlab.run.parallel.compile import compile_blocks
 
@@ -315,7 +317,7 @@ def test_grouped_matmul_kernel_and_per_group_fallback_agree_inside_the_op(monkey
     x, w = torch.randn(20, 8, generator=g), torch.randn(4, 12, 8, generator=g)
     offs = torch.tensor([5, 5, 13, 20], dtype=torch.int32)  # one empty group
     kernel = grads(lambda a, b: grouped_mm(a, b, offs), x, w)
-    monkeypatch.setattr(lmlab.moe, "probe_grouped_mm", lambda device, dtype: False)
+    monkeypatch.setattr(lmlab.grouped_mm, "probe_grouped_mm", lambda device, dtype: False)
     fallback = grads(lambda a, b: grouped_mm(a, b, offs), x, w)
     ref = grads(lambda a, b: grouped_mm_split(a, b, offs), x, w)
     for a, b, c in zip(kernel, fallback, ref):
