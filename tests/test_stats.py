@@ -1,19 +1,19 @@
-"""lmlab.experiments.stats: Student's t without scipy, paired tests, TOST, Holm, sign-flip, power, the compute
-multiplier, grid extension and verdicts. Expected values come from closed forms, tables, hand enumeration or
-seeded simulation, never from the function under test."""
+"""lmlab.experiments.stats: Student's t and the noncentral t (scipy.stats), paired tests, TOST, Holm, sign-flip,
+power, the compute multiplier, grid extension and verdicts. Expected values come from closed forms, tables, hand
+enumeration or seeded simulation, never from the function under test."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import statistics
+import sys
 
 import numpy as np
 import pytest
 
 from lmlab.experiments.stats import (
     Interval,
-    betainc,
     claim_pvalue,
     compare,
     compute_multiplier,
@@ -28,6 +28,7 @@ from lmlab.experiments.stats import (
     paired_interval,
     paired_t_test,
     power_paired,
+    scipy_module,
     seeds_for_power,
     sign_flip_test,
     t_cdf,
@@ -61,13 +62,47 @@ def test_t_quantile_other_levels_and_limits():
         t_quantile(1.0, 3)
 
 
-def test_t_cdf_and_incomplete_beta_closed_forms():
+def test_t_quantile_to_the_tables_last_digit():
+    # t_{0.975, 9} = 2.262157 and t_{0.995, 29} = 2.756386 to 6 decimals (R: qt(0.975, 9), qt(0.995, 29))
+    assert t_quantile(0.975, 9) == pytest.approx(2.262157, abs=5e-7)
+    assert t_quantile(0.995, 29) == pytest.approx(2.756386, abs=5e-7)
+    for p in (0.6, 0.9, 0.975, 0.999):  # the quantile inverts the CDF, and the CDF the quantile
+        assert t_cdf(t_quantile(p, 4), 4) == pytest.approx(p, rel=1e-12)
+
+
+def test_t_cdf_closed_forms():
     assert t_cdf(0.0, 3) == 0.5
     assert t_cdf(-2.0, 4) == pytest.approx(0.0580583, abs=1e-7)
     assert t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy
-    assert betainc(1, 1, 0.3) == pytest.approx(0.3)  # uniform
-    assert betainc(2, 3, 0.5) == pytest.approx(0.6875)  # 1 - sum_{j<2} C(4,j) 0.5^4
-    assert betainc(0.5, 0.5, 0.25) == pytest.approx(2 / math.pi * math.asin(0.5))  # arcsine law
+    for t in (-4.0, -0.5, 0.3, 2.5):
+        assert t_cdf(t, 1) == pytest.approx(_t1_cdf(t), rel=1e-12)
+        assert t_cdf(t, 2) == pytest.approx(_t2_cdf(t), rel=1e-12)
+    with pytest.raises(ValueError, match="df=0"):
+        t_cdf(1.0, 0)
+
+
+def test_without_scipy_the_statistics_name_the_extra_in_one_line(monkeypatch):
+    from lmlab.cli import exit_status
+
+    for name in ["scipy", "scipy.stats", "scipy.optimize", *(m for m in sys.modules if m.startswith("scipy."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # what a package that is not installed looks like to import
+    with pytest.raises(ValueError) as e:
+        paired_t_test([0.1, 0.2, 0.4], "greater")
+    assert "pip install 'lmlab[experiments]'" in str(e.value) and "\n" not in str(e.value)
+    assert exit_status(e.value) == (2, str(e.value))  # the command line prints it as its one-line error
+    with pytest.raises(ValueError, match=r"lmlab\[experiments\]"):
+        scipy_module("optimize")
+    # nothing needs scipy before a statistic is computed
+    assert math.isnan(paired_t_test([1.0], "greater"))  # one value: no test
+    assert holm({"a": 0.01, "b": 0.04}) == pytest.approx({"a": 0.02, "b": 0.04})
+
+
+def test_importing_lmlab_does_not_import_scipy():
+    import subprocess
+
+    code = ("import sys, lmlab, lmlab.cli, lmlab.experiments, lmlab.run.trainer; "
+            "sys.exit('scipy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_mean_and_paired_intervals():

@@ -42,80 +42,50 @@ The registered rule (:func:`decide_registered`), used by every experiment and qu
 The older :func:`decide` (95% interval excludes zero; "tie" when it lies inside a margin from
 :func:`tie_margin`) is kept for the reports written before the registered rule.
 
-scipy is not required: the t quantile is computed here from the regularized incomplete beta
-function (Numerical Recipes' continued fraction), the noncentral t by integrating the normal CDF over
-the chi distribution; both are checked against tables, closed forms and simulation in tests.
+The t and noncentral t distributions are scipy.stats' (``pip install 'lmlab[experiments]'``), imported on
+first use by :func:`scipy_module`, so ``import lmlab`` and ``lmlab train`` never need scipy.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import importlib
 import math
 import random
 import statistics
 from typing import Iterable, Literal, Mapping, Sequence
+
+from ..errors import one_line
 
 LEVEL = 0.95
 TIE_SPREADS = 2.0
 Verdict = Literal["reproduced", "opposite", "tie", "inconclusive"]
 
 
-# ============================================================== Student's t
-def _beta_cf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny, eps = 1e-300, 3e-16
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        m2 = 2 * m
-        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta function I_x(a, b)."""
-    if not 0.0 <= x <= 1.0:
-        raise ValueError(f"x={x} must be in [0, 1]")
-    if x in (0.0, 1.0):
-        return x
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _beta_cf(a, b, x) / a
-    return 1.0 - front * _beta_cf(b, a, 1.0 - x) / b
+# ============================================================== Student's t (scipy.stats)
+def scipy_module(name: str = "stats"):
+    """``scipy.<name>`` (stats, optimize, ...), imported on first use. Without scipy, a one-line ValueError
+    naming the extra that installs it, which the command line prints as its error (exit 2)."""
+    try:
+        return importlib.import_module(f"scipy.{name}")
+    except ImportError as e:
+        raise ValueError(f"the experiment statistics need scipy, which cannot be imported ({one_line(e)}); "
+                         "pip install 'lmlab[experiments]'") from None
 
 
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` degrees of freedom."""
     if df <= 0:
         raise ValueError(f"df={df} must be positive")
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
+    return float(scipy_module().t.cdf(t, df))
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The t with P(T <= t) = p (bisection on the CDF, to ~1e-12)."""
+    """The t with P(T <= t) = p."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p={p} must be in (0, 1)")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-        if hi - lo < 1e-12 * max(1.0, hi):
-            break
-    return 0.5 * (lo + hi)
+    return float(scipy_module().t.ppf(p, df))
 
 
 # ============================================================== intervals
@@ -366,37 +336,12 @@ def decide_registered(diffs: Sequence[float], margin: float, claimed: Claimed = 
 
 
 # ============================================================== power (noncentral t)
-_SIMPSON_INTERVALS = 2000
-
-
-def _normal_cdf(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-
 def nct_cdf(t: float, df: float, nc: float) -> float:
-    """P(T <= t) for the noncentral t with ``df`` degrees of freedom and noncentrality ``nc``.
-
-    T = (Z + nc) / S with S = sqrt(V / df), V ~ chi-squared(df), so P(T <= t) = E_S[Phi(t S - nc)]: the
-    expectation is integrated over the density of S (a scaled chi distribution) by composite Simpson on
-    [s_lo, s_hi], which hold all but ~1e-12 of its mass. nc = 0 gives Student's t."""
+    """P(T <= t) for the noncentral t with ``df`` degrees of freedom and noncentrality ``nc``:
+    T = (Z + nc) / sqrt(V / df), V ~ chi-squared(df). nc = 0 gives Student's t."""
     if df <= 0:
         raise ValueError(f"df={df} must be positive")
-    if math.isinf(t):
-        return 1.0 if t > 0 else 0.0
-    spread = 12.0 * math.sqrt(2.0 * df)
-    s_lo = math.sqrt(max(0.0, df - spread) / df)
-    s_hi = math.sqrt((df + spread + 60.0) / df)
-    log_c = math.log(2.0) + (df / 2.0) * math.log(df / 2.0) - math.lgamma(df / 2.0)
-
-    def f(s: float) -> float:
-        if s <= 0.0:  # the density's s^(df - 1) at 0: 1 for df = 1, else 0
-            return math.exp(log_c) * _normal_cdf(-nc) if df == 1 else 0.0
-        return math.exp(log_c + (df - 1.0) * math.log(s) - df * s * s / 2.0) * _normal_cdf(t * s - nc)
-
-    h = (s_hi - s_lo) / _SIMPSON_INTERVALS
-    total = f(s_lo) + f(s_hi)
-    total += sum((4.0 if i % 2 else 2.0) * f(s_lo + i * h) for i in range(1, _SIMPSON_INTERVALS))
-    return min(1.0, max(0.0, total * h / 3.0))
+    return float(scipy_module().nct.cdf(t, df, nc))
 
 
 Sides = Literal["one-sided", "two-sided"]
@@ -423,19 +368,14 @@ def seeds_for_power(effect: float, sd: float, target: float = 0.8, alpha: float 
                     alternative: Sides = "one-sided", max_n: int = 1000) -> int:
     """The fewest seeds (>= 2) whose paired t test reaches power ``target`` for ``effect`` at ``sd`` (the
     standard deviation of the per-seed differences, e.g. from a pilot). Power grows with n, so this
-    searches by doubling, then bisection. ValueError when even ``max_n`` seeds fall short."""
+    bisects the seed counts 2..max_n. ValueError when even ``max_n`` seeds fall short."""
     if not 0.0 < target < 1.0:
         raise ValueError(f"target power {target} must lie in (0, 1)")
     if power_paired(effect, sd, max_n, alpha, alternative) < target:
         raise ValueError(f"effect {effect} at seed sd {sd} needs more than max_n={max_n} seeds for power {target}; "
                          f"register a larger effect or raise max_n")
-    lo, hi = 1, 2  # power(lo) < target (or lo = 1, no test), power(hi) >= target once found
-    while power_paired(effect, sd, hi, alpha, alternative) < target:
-        lo, hi = hi, min(2 * hi, max_n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if power_paired(effect, sd, mid, alpha, alternative) >= target else (mid, hi)
-    return hi
+    counts = range(2, max_n + 1)
+    return counts[bisect.bisect_left(counts, target, key=lambda n: power_paired(effect, sd, n, alpha, alternative))]
 
 
 # ============================================================== compute multiplier (capacity)
