@@ -44,6 +44,7 @@ SharedGate = Literal["none", "sigmoid"]
 InitRule = Literal["normal", "xavier"]
 LayerKind = Literal["global", "local"]
 Sinks = Literal["none", "learned"]
+Parametrization = Literal["standard", "mup"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -395,6 +396,30 @@ class MTPConfig(Config):
         check_positive("mtp.loss_weight", self.loss_weight, allow_zero=True)
 
 
+_MUP = "μP: widths compared at one learning rate"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MupConfig(Config):
+    """The base shape of the maximal-update parametrization (μP; Yang et al. 2021, "Tensor Programs V",
+    arXiv:2203.03466, Table 3 and the ``mup`` package's MuReadout); ``ModelConfig.mup``, set with
+    ``parametrization="mup"``. Every width multiplier is the model's size over the base's: a hidden
+    matrix's init std and Adam learning rate scale with base fan-in / fan-in (to the 1/2 and the 1st
+    power), the logits are multiplied by base_d_model / d_model, and the attention scores use
+    sqrt(base_head_dim) / head_dim (1/head_dim, equal to 1/sqrt(head_dim) at the base). A model at its
+    base shape computes exactly what ``standard`` computes, so a rate tuned on the base transfers.
+    Left unset, each resolves to the config's own size: set them on the proxy model, then override
+    ``d_model`` (and ``d_ff``, ``n_heads``, expert widths) to grow it (``lmlab.mup``)."""
+
+    base_d_model: int | None = added(None, since=_MUP)  # the proxy model's d_model
+    base_head_dim: int | None = added(None, since=_MUP)  # the proxy model's head_dim
+
+    def validate(self) -> None:
+        for name in ("base_d_model", "base_head_dim"):
+            if getattr(self, name) is not None:
+                check_size(f"mup.{name}", getattr(self, name))
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig(Config):
     """A decoder-only Transformer language model. Defaults are a small llama-like model."""
@@ -450,6 +475,11 @@ class ModelConfig(Config):
     init: InitRule = "normal"  # normal: N(0, init_std); xavier: Xavier-normal matrices (see model.init_weights)
     init_seed: int = 0  # weights are a pure function of (config, init_seed)
     mtp: MTPConfig | None = added(None, since="issue 23: multi-token prediction")  # None = next-token only
+    # standard: every width trains with the init and rate it is given; mup: the maximal-update
+    # parametrization (``MupConfig``, ``lmlab.mup``), under which a rate tuned at ``mup``'s base shape
+    # holds at every width
+    parametrization: Parametrization = added("standard", since=_MUP)
+    mup: MupConfig | None = added(None, since=_MUP)  # μP's base shape; resolved under mup, None under standard
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -457,6 +487,10 @@ class ModelConfig(Config):
         for name, value in self._derived_sizes().items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.parametrization == "mup":  # the base shape, explicit in the saved config; it stays when widths change
+            base = self.mup or MupConfig()
+            object.__setattr__(self, "mup", MupConfig(base_d_model=base.base_d_model or self.d_model,
+                                                      base_head_dim=base.base_head_dim or self.head_dim))
         self._validate_resolved()
 
     def _derived_sizes(self) -> dict[str, Any]:
@@ -519,6 +553,7 @@ class ModelConfig(Config):
             )
         if self.mla is not None:
             self._validate_mla()
+        self._validate_parametrization()
         if self.positions != "rope" and self.rope.scaling != "none":
             raise ValueError(
                 f"rope.scaling={self.rope.scaling!r} only applies to positions='rope', not positions={self.positions!r}"
@@ -546,6 +581,24 @@ class ModelConfig(Config):
                 f"attention.sinks={attention.sinks!r} is not implemented with positions='relative'; "
                 "choose another position scheme or sinks='none'"
             )
+
+    def _validate_parametrization(self) -> None:
+        if self.parametrization == "standard":
+            if self.mup is not None:
+                raise ValueError("mup sets the base shape of parametrization='mup'; set parametrization='mup' "
+                                 "or mup=null")
+            return
+        clashes = (("init", self.init, self.init == "normal"),
+                   ("residual_scaling", self.residual_scaling, self.residual_scaling != "deepnorm"),
+                   ("mla", self.mla, self.mla is None),
+                   ("attention.scale_dim", self.attention.scale_dim, self.attention.scale_dim is None))
+        for name, value, ok in clashes:
+            if not ok:
+                raise ValueError(
+                    f"parametrization='mup' with {name}={value!r} is not implemented: μP draws every matrix from "
+                    "N(0, init_std) scaled by its fan-in, scales scores by 1/head_dim and knows no MLA ranks; "
+                    f"use parametrization='standard' or leave {name} at its default"
+                )
 
     def _validate_mla(self) -> None:
         if self.positions != "rope":
@@ -627,7 +680,10 @@ class ModelConfig(Config):
 
     @property
     def attention_scale(self) -> float:
-        """The factor of every attention score q·k: 1 / sqrt(attention.scale_dim or head_dim)."""
+        """The factor of every attention score q·k: 1 / sqrt(attention.scale_dim or head_dim); under μP
+        sqrt(base_head_dim) / head_dim, which falls as 1/head_dim (Tensor Programs V, sec. 4)."""
+        if self.parametrization == "mup":
+            return self.mup.base_head_dim**0.5 / self.head_dim
         return (self.attention.scale_dim or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int | None:

@@ -28,6 +28,7 @@ from .loss import LOSSES
 from .mla import LatentAttention
 from .moe import MoE
 from .mtp import build_mtp
+from .mup import build_readout, rescale_init
 from .norm import build_norm
 from .positions import (
     AttentionTerm,
@@ -225,6 +226,7 @@ class Transformer(nn.Module):
         # post-norm already ends every block with a norm; the others need one before the head
         self.final_norm = build_norm(cfg) if BLOCKS[cfg.norm_position].final_norm else nn.Identity()
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.readout = build_readout(cfg)  # μP's logit multiplier on the head's input; nothing under standard
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         # after the head, so that a model with MTP draws the same main weights as one without
@@ -293,14 +295,14 @@ class Transformer(nn.Module):
         h, ctx = self.hidden_and_context(idx, cache, attention_mask)  # (B, T, C)
         named = [(n, v) for moe in self.moe_layers for n, v in moe.aux_losses.items()]
         if targets is not None:  # multi-token prediction ("mtp", and its MoE layers' own) trains with targets only
-            named += self.mtp.losses(h, targets, ctx, self.embed_tokens, self.head.weight, self.loss_fn).items()
+            named += self.mtp.losses(h, targets, ctx, self.embed_tokens, self.head.weight, self.head_loss).items()
         aux_losses: dict[str, torch.Tensor] = {}
         for name, value in named:
             aux_losses[name] = aux_losses.get(name, 0.0) + value
         aux_loss = sum(aux_losses.values(), torch.zeros((), device=h.device))
         ce = loss = None
         if targets is not None:
-            ce = self.loss_fn(h, self.head.weight, targets)  # the chunked path never makes (B, T, V) logits
+            ce = self.head_loss(h, self.head.weight, targets)  # the chunked path never makes (B, T, V) logits
             loss = ce + aux_loss
         return LMOutput(h, loss, ce, aux_loss, aux_losses, head=under_autocast_of(h, self.logits_of))
 
@@ -310,12 +312,16 @@ class Transformer(nn.Module):
         sharded again once a backward ends; they are gathered for this call (a collective then:
         every process reads its logits)."""
         if getattr(self.head.weight, "placements", None) is None:  # a plain tensor: not sharded now
-            return self.head(h)
+            return self.head(self.readout(h))
         self.unshard()
         try:
-            return self.head(h)
+            return self.head(self.readout(h))
         finally:
             self.reshard()
+
+    def head_loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of the head ``weight`` on hidden states h (..., C): ``loss_fn`` of the readout's input."""
+        return self.loss_fn(self.readout(h), weight, targets)
 
     def set_loss_impl(self, impl: str) -> None:
         """Switch the loss between ``chunked`` (the default: never materializes the logits) and
@@ -454,6 +460,8 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
       output gate's W_g is an attention matrix: Xavier too); routers, MoE shared-expert gates and relative
       tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
       which decides whether post-norm's sublayers move the residual stream at all at init.
+    - ``parametrization="mup"``: the same draws, each matrix then scaled by its width ratio to the base shape
+      (``lmlab.mup``: sqrt(base fan-in / fan-in) for hidden matrices, base fan-in / fan-in for routers and gates).
     Each module whose weights need more than the defaults says how in an ``init_params(init)`` hook
     (attention, feed-forward, relative tables, experts); :func:`lmlab.init.init_module` applies the
     hooks, and the defaults everywhere else.
@@ -464,3 +472,5 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     init_module(
         model, Init(torch.Generator().manual_seed(cfg.init_seed), cfg.init_std, out_std, beta, cfg.init, embed_std)
     )
+    if cfg.parametrization == "mup":
+        rescale_init(model)

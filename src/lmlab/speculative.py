@@ -146,7 +146,7 @@ class Speculator:
         h = model.hidden(self.seq[:, :T], self.cache, None if self.real is None else self.real[:, :T])  # (B, T, C)
         self.H = h.new_zeros(h.shape[0], self.room, h.shape[2])
         self.H[:, :T] = h
-        first = self.rule.pick(model.head(h[:, -1]))[0]  # (B,)
+        first = self.rule.pick(model.logits_of(h[:, -1]))[0]  # (B,)
         self.seq[:, T] = first
         self.n = T + 1
         return first
@@ -163,7 +163,8 @@ class Speculator:
         qs = []
         for k, module in enumerate(model.mtp.layers):  # module k+1 reads x_{i+k+1} at slot i
             h = module(h, model.embed_tokens(self.seq[:, s + k + 1 : e + k + 1]), ctx, c)
-            self.seq[:, e + k + 1], q = self.rule.pick(model.head(module.norm(h[:, -1])))  # d_{k+1}, for slot n + k
+            # d_{k+1}, for slot n + k
+            self.seq[:, e + k + 1], q = self.rule.pick(model.logits_of(module.norm(h[:, -1])))
             qs.append(q)
         self.q = None if qs[0] is None else torch.stack(qs, dim=1)  # (B, D, V)
         c.advance(e - s)
@@ -175,7 +176,7 @@ class Speculator:
         n, D = self.n, self.D
         h = self.model.hidden(self.seq[:, n - 1 : n + D], self.cache)  # (B, D+1, C)
         # g[:, j]: the token for slot n + j, valid up to each row's accepted count
-        g, accepted = self.rule.verify(self.model.head(h), self.seq[:, n : n + D], self.q)  # (B, D+1), (B,)
+        g, accepted = self.rule.verify(self.model.logits_of(h), self.seq[:, n : n + D], self.q)  # (B, D+1), (B,)
         rows = generating if bool(generating.any()) else torch.ones_like(generating)
         a = int(accepted[rows].min())
         self.seq[:, n : n + a + 1] = g[:, : a + 1]
@@ -200,7 +201,7 @@ def draft_reference(model, seq: torch.Tensor, mask: torch.Tensor | None = None) 
     ext, drafts = seq, []
     for k, module in enumerate(model.mtp.layers):  # module k+1 at slot i reads x_{i+k+1}
         h = module(h, model.embed_tokens(ext[:, k + 1 : n + k]), ctx)  # (B, n-1, C)
-        drafts.append(model.head(module.norm(h[:, -1])).argmax(-1))
+        drafts.append(model.logits_of(module.norm(h[:, -1])).argmax(-1))
         ext = torch.cat([ext, drafts[-1][:, None]], dim=1)  # x_{n+k} is the draft just made
     return torch.stack(drafts, dim=1)
 

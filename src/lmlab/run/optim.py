@@ -14,26 +14,33 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from ..mup import lr_multipliers
 from .config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: weight matrices decay; norms, biases, token and position embeddings do not.
+    """AdamW groups: weight matrices decay; norms, biases, token and position embeddings do not.
 
     Decaying a gain or bias pulls it to 0, which is not a simpler function; decaying an embedding
     shrinks rare tokens' vectors just for being rare. A tied output head is the embedding. What
     counts as an embedding is the model's answer (``embedding_parameters``), the same one its
-    parameter accounting uses."""
+    parameter accounting uses.
+
+    Under μP (``lmlab.mup``) parameters whose learning rate is scaled form groups of their own, each
+    with its factor as ``lr_scale``; the trainer sets each group's rate to the schedule's times it.
+    Their weight decay is divided by the same factor, so that AdamW's decoupled shrink lr * wd is the
+    same at every width (as ``mup.MuAdamW``). Under standard parametrization there are the two groups
+    and no ``lr_scale``."""
     embeddings = {id(p) for p in model.embedding_parameters()}
-    decay: dict[str, nn.Parameter] = {}
-    no_decay: dict[str, nn.Parameter] = {}
+    scales = lr_multipliers(model)
+    groups: dict[tuple[bool, float], dict[str, nn.Parameter]] = {(True, 1.0): {}, (False, 1.0): {}}
     for name, p in model.named_parameters():  # tied parameters appear once
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or id(p) in embeddings else decay)[name] = p
-    return [
-        {"params": list(decay.values()), "names": list(decay), "weight_decay": weight_decay},
-        {"params": list(no_decay.values()), "names": list(no_decay), "weight_decay": 0.0},
-    ]
+            decays = p.ndim >= 2 and id(p) not in embeddings
+            groups.setdefault((decays, scales.get(name, 1.0)), {})[name] = p
+    return [{"params": list(params.values()), "names": list(params),
+             "weight_decay": weight_decay / scale if decays else 0.0, **({"lr_scale": scale} if scale != 1.0 else {})}
+            for (decays, scale), params in groups.items()]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -45,7 +52,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     )
 
 
-HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # the config's; lr is set from the schedule at every step
+# the config's (μP's lr_scale is the model config's); lr is set from the schedule at every step
+HYPERPARAMETERS = ("betas", "eps", "weight_decay", "lr_scale")
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -421,8 +421,9 @@ class Trainer:
     @timed("step")
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
         t = self.cfg.train
+        lr = learning_rate(step, self.cfg.optim, t.steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, self.cfg.optim, t.steps)
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # μP's per-parameter factors (run.optim.param_groups)
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for j in micro_ids:
