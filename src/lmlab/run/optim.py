@@ -93,6 +93,12 @@ def split_by_layout(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's rate to ``lr``, times the group's ``lr_scale`` where μP gave it one (:func:`param_groups`)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
 def learning_rate(step: int, cfg: OptimConfig, steps: int) -> float:
     """lr for 0-based ``step`` of a run of ``steps``: linear warmup to ``lr`` over ``warmup_steps``
     (reaching it at step warmup_steps - 1), then cosine decay reaching ``min_lr`` at the last step, steps - 1."""

@@ -65,7 +65,7 @@ from .data.binding import (
     with_data_vocab,
 )
 from .metrics import MetricsLog, exp_or_none, jsonable
-from .optim import build_optimizer, learning_rate, schedule_warning
+from .optim import build_optimizer, learning_rate, schedule_warning, set_learning_rate
 from .parallel.compile import compile_blocks, eager
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
@@ -421,9 +421,7 @@ class Trainer:
     @timed("step")
     def _train_step(self, step: int, micro_ids: list[int], n: int) -> tuple[float, float, dict[str, float]]:
         t = self.cfg.train
-        lr = learning_rate(step, self.cfg.optim, t.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # μP's per-parameter factors (run.optim.param_groups)
+        set_learning_rate(self.optimizer, learning_rate(step, self.cfg.optim, t.steps))
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for j in micro_ids:
