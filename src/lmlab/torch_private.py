@@ -38,8 +38,8 @@ PRIVATE_APIS = (
         "torch._grouped_mm",
         "grouped_mm.py: one matmul per expert over rows sorted by expert, in one kernel (MoE forward and backward), "
         "where torch.nn.functional has no grouped_mm",
-        "torch.nn.functional.grouped_mm, used first where it exists (it does from the torch releases that "
-        "CHECKED_WITH lists); the private one serves older torch",
+        "torch.nn.functional.grouped_mm, used first where torch has it (torch 2.13 does); the private one "
+        "serves older releases without it",
     ),
     PrivateAPI(
         "torch._foreach_norm",

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ...torch_private import PICKLED_LAYOUT, dcp_memory_format_encoding, dcp_storage_info
 from ..errors import CorruptFile, one_line
 
 INDEX = ".metadata"  # DCP's name for it
@@ -74,14 +75,15 @@ def allowed() -> dict[tuple[str, str], Allowed]:
     Recorded from real indexes (test_unpickler.py). Paths (StorageMeta.checkpoint_id) are read as
     pure paths: a path in a file need not exist here, and one written on Windows must read on
     Linux; Python 3.13 writes them as ``pathlib._local``."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
 
     classes = {(METADATA, c.__name__): c for c in (
         metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
         metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.StorageMeta, metadata.MetadataIndex)}
-    classes["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = filesystem._StorageInfo
-    builders = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
-                (METADATA, "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING}
+    info, encoding = dcp_storage_info(), dcp_memory_format_encoding()  # private to torch: named where they live
+    classes[info.__module__, info.__qualname__] = info
+    builders = {("torch", "Size"): torch.Size, PICKLED_LAYOUT: layout_named,
+                (encoding.__module__, encoding.__qualname__): encoding}
     for module in ("pathlib", "pathlib._local"):
         builders[module, "PosixPath"] = pathlib.PurePosixPath
         builders[module, "WindowsPath"] = pathlib.PureWindowsPath
@@ -258,9 +260,7 @@ def key(x: Any) -> bool:
 @functools.cache
 def state_types() -> tuple[type, ...]:
     """What a TensorProperties state holds besides plain values: dtypes, layouts, the memory-format enum."""
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
-
-    return torch.dtype, torch.layout, _MEM_FORMAT_ENCODING
+    return torch.dtype, torch.layout, dcp_memory_format_encoding()
 
 
 def plain(x: Any) -> bool:
@@ -318,16 +318,15 @@ def check_tensor(fqn: str, entry: Any) -> None:
 
 def check_storage(index: Any, directory: Path) -> None:
     """Every tensor chunk and every bytes entry is stored, in a file of ``directory``, within its length."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    storage = index.storage_data
+    storage, storage_info = index.storage_data, dcp_storage_info()
     need(type(storage) is dict, "its storage data is not a dict")
     lengths: dict[str, int] = {}
     for k, info in storage.items():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        need(type(k) is MetadataIndex and key(k) and type(info) is _StorageInfo
+        need(type(k) is MetadataIndex and key(k) and type(info) is storage_info
              and type(name) is str and type(offset) is int and type(length) is int and offset >= 0 and length >= 0,
              "its storage data is not DCP's")
         transforms = getattr(info, "transform_descriptors", None)

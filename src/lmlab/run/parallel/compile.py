@@ -11,12 +11,12 @@ are the same with and without it. The model code has no compile branches.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Iterator
 
 import torch
 
 from ...model import Transformer
+from ...torch_private import compiler_loaded
 
 
 def compile_blocks(model: Transformer, **options) -> None:
@@ -32,9 +32,9 @@ def eager() -> Iterator[None]:
     """Run compiled modules eagerly for the duration: generation's growing KV cache would make every
     step a new graph (and its bookkeeping is not one graph)."""
     stance = getattr(torch.compiler, "set_stance", None)
-    # torch < 2.6: no stance to set; compiled modules stay compiled. No torch._dynamo imported: nothing
+    # torch < 2.6: no stance to set; compiled modules stay compiled. Compiler never loaded: nothing
     # is compiled, and importing it to set the stance costs seconds (2-10 s on a 2-core CPU)
-    if stance is None or "torch._dynamo" not in sys.modules:
+    if stance is None or not compiler_loaded():
         yield
         return
     with stance("force_eager"):

@@ -39,6 +39,7 @@ from torch import nn
 from ...config import ModelConfig
 from ...model import Transformer
 from ...moe import Assignment, Experts, combine, dispatch, plan
+from ...torch_private import all_to_all_single_autograd, ddp_ignore
 from ..config import ParallelConfig
 from ..optim import clip_gradients
 from .group import Dist
@@ -135,9 +136,6 @@ class ShardedExperts(Experts):
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     """Rows send[j] of ``x`` (in order) go to process j; returns the rows received, by source.
     Differentiable: the backward sends the gradients the reverse way."""
-    # torch.distributed.nn.functional.all_to_all_single is deprecated in favour of this one
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
     return all_to_all_single_autograd(x.contiguous(), recv, send, group)
 
 
@@ -206,7 +204,7 @@ class Parallel:
         ignore = {id(p) for p in self.expert_params}
         if ignore:  # expert gradients are summed over replicas by sync_gradients, not averaged by DDP
             names = [name for name, p in module.named_parameters() if id(p) in ignore]
-            DDP._set_params_and_buffers_to_ignore_for_model(module, names)
+            ddp_ignore(module, names)
         ids = [self.device.index] if self.device.type == "cuda" else None
         # buffers stay in sync without broadcasts: constants, or MoE router biases that every rank
         # updates identically from all-reduced loads
