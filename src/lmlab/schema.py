@@ -182,11 +182,13 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
 
 # ---------------------------------------------------------------- base class
 def added(default: Any = dataclasses.MISSING, *, since: str, factory: Callable[[], Any] | None = None) -> Any:
-    """A config field added after runs were first keyed by their configs (``since`` says when and why):
-    ``qk_norm: QKNorm = added("none", since="issue 23")``. While it holds its default it is left out of
-    :meth:`Config.identity_dict`, so a sweep's finished runs, hashed before the field existed, stay the
-    same runs; set to anything else, it is part of the identity like any field. Every field absent from
-    ``tests/fixtures/config_fields.json`` (the fields of the first hashed runs) must be declared this way."""
+    """A config field added after runs were first keyed by their configs (``since`` says when and why, for
+    a reader: it is metadata, never part of an identity):
+    ``qk_norm: QKNorm = added("none", since="QK-norm (families: Qwen3, OLMo 2)")``. While it holds its
+    default it is left out of :meth:`Config.identity_dict`, so a sweep's finished runs, hashed before the
+    field existed, stay the same runs; set to anything else, it is part of the identity like any field.
+    Every field absent from ``tests/fixtures/config_fields.json`` (the fields of the first hashed runs)
+    must be declared this way."""
     meta = {"added": since}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)

@@ -50,7 +50,8 @@ METHODS = {"pi": "linear", "ntk": "ntk", "yarn": "yarn"}  # report name -> rope.
 FT_METHODS = ("none", "pi", "yarn")
 DISPLAY = {"none": "no scaling", "pi": "PI", "ntk": "NTK", "yarn": "YaRN"}
 # of a fine-tune's steps: with its last, 8 points (12, 25, 50, 100, 150, 200, 300, 400 of 400), a curve
-# rather than one endpoint, whose early points show an effect that a long fine-tune washes out (issue 21)
+# rather than one endpoint, whose early points show an effect that a long fine-tune washes out (as YaRN's
+# did in the first positions runs: extension_gap)
 SNAPSHOT_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 COPY_K = 16  # copy-probe segment length: train.repeats.length of the rope-copy variants
 # Probes per distance, from the spread of the per-probe mean log-prob (COPY_SD): the standard error is
@@ -281,7 +282,8 @@ def extension_gap(r: dict) -> float:
     """Beyond-range minus in-range loss at 8x, averaged over every measured point of a fine-tune (its
     snapshots and its end; NaN unless all were measured). A scaled fine-tune's gap minus the unscaled
     one's is the extension effect over the whole fine-tune, not at one endpoint: in the first run,
-    YaRN's effect was -0.05 nats after 25 steps and gone by 400 (issue 21)."""
+    YaRN's effect was -0.05 nats after 25 steps and gone by 400 (found by the review that led to the
+    registered rerun)."""
     snaps = list((r.get("snapshots") or {}).values())
     gaps = [num(s.get("beyond_8x")) - num(s.get("in_8x")) for s in snaps]
     return statistics.fmean(gaps) if gaps and all(math.isfinite(g) for g in gaps) else float("nan")

@@ -87,14 +87,14 @@ class RepeatsConfig(Section):
     # of the positions experiment's vocabulary the copying circuit did not form in 3000 steps (its
     # output must learn an identity over every id); a small alphabet, like the digits of a passkey
     # (Mohtashami & Jaggi 2023, the retrieval test of Peng et al.'s YaRN), is learned in hundreds
-    alphabet: int | None = added(None, since="issue 21: the copy pilot")
+    alphabet: int | None = added(None, since="the positions rerun's copy pilots p2-p4 (positions.yaml)")
     # uniform: the distance uniform over [length, T + 1 - length], then the offset; ends: the first copy
     # at the window's start and the second ending at its last input (distance T - length), where the
     # copy probe puts them (positions.copy_metrics), a passkey at a fixed depth. At the positions size
     # no copier formed at uniform distances in 500-600 steps; at the ends it did (in-range copy accuracy
     # 0.57 at step 400, 0.92 at 500): a head that looks a fixed distance back needs no induction circuit
     # (a previous-token head, then a content match), so it forms sooner
-    place: RepeatPlace = added("uniform", since="issue 21: the copy pilot")
+    place: RepeatPlace = added("uniform", since="the positions rerun's copy pilot p4 (positions.yaml)")
 
     def validate(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
