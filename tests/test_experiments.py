@@ -232,6 +232,12 @@ EXPECTED = {
                     "copy_8x_far_logp_se", "copy_8x_near_acc"],
         "plots": ["loss_by_length.png", "per_position.png", "rope_extension_per_position.png", "finetune_steps.png"],
     },
+    "mup": {  # every width at every rate of the grid, in both parametrizations; the grid may extend past an edge
+        "rows": [f"{p}-{w}-{lr}" for p in ("standard", "mup") for w in ("w64", "w128", "w256", "w512")
+                 for lr in ("lr5e-4", "lr1e-3", "lr2e-3", "lr4e-3", "lr8e-3", "lr1.6e-2", "lr3.2e-2")],
+        "columns": ["param", "width", "lr"],
+        "plots": ["loss_vs_rate.png", "optimum_vs_width.png"],
+    },
     "moe": {
         "rows": ["dense", "fg-m4", "fg-m4-shared", "dense-2x", "dense-common", "fg-m4-shared-common"],
         "columns": ["max_load_val"],
@@ -252,8 +258,9 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
         rows = list(csv.DictReader(f))
     names = list(dict.fromkeys(r["variant"] for r in rows))
     assert names[: len(want["rows"])] == want["rows"]
-    if name == "norm":  # levels added past an edge of the rate grid, for some arms
-        assert all(re.fullmatch(r"[a-z-]+-w(0|100)-lr[0-9.e-]+", n) for n in names[len(want["rows"]):])
+    if name in ("norm", "mup"):  # levels added past an edge of the rate grid, for some arms
+        added = {"norm": r"[a-z-]+-w(0|100)-lr[0-9.e-]+", "mup": r"(standard|mup)-w[0-9]+-lr[0-9.e-]+"}[name]
+        assert all(re.fullmatch(added, n) for n in names[len(want["rows"]):])
     else:
         assert names == want["rows"]
     assert {r["seed"] for r in rows} == {"0", "1"}  # seed s = init seed s and data order s
@@ -294,6 +301,10 @@ def test_quick_experiment_makes_its_files(name, tmp_path):
         assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {"dense", "fg-m4", "fg-m4-shared"}
         data = json.loads((out / "verdict.json").read_text())
         assert data["registration"]["id"] and "multiplier" in data
+    if name == "mup":  # each seed's best rate per width, read from its curve, is kept beside the verdicts
+        optima = json.loads((out / "verdict.json").read_text())["optima"]
+        assert {(o["param"], o["d_model"]) for o in optima} == {(p, w) for p in ("standard", "mup")
+                                                                for w in (16, 32, 48, 64)}
     if name == "positions":
         learned = next(r for r in rows if r["variant"] == "learned")
         assert learned["loss_2x"] == "n/a — learned table ends at 16" and float(learned["loss_1x"]) > 0

@@ -240,3 +240,29 @@ def test_widest_ratio_is_exact():
     cfg = proxy("llama", parametrization="mup").override({"d_model": 512})
     down = mup.scalings(Transformer(cfg))["blocks.0.ffn.down.weight"]
     assert down.ratio == pytest.approx(192 / 1408) and math.isclose(down.lr, down.ratio)
+
+
+# ---------------------------------------------------------------- the transfer experiment's endpoints
+def test_the_best_rate_of_a_curve_is_the_parabola_vertex():
+    from lmlab.experiments.mup import optimum
+
+    parabola = [(2.0**x, (x + 6.3) ** 2 + 3.0) for x in range(-10, -3)]  # minimum at log2(rate) = -6.3
+    assert optimum(parabola) == (pytest.approx(-6.3), False)
+    assert optimum(parabola[4:]) == (-6.0, True)  # the lowest loss at the grid's lower end: flagged
+    skewed = [(2.0**-8, 5.0), (2.0**-7, 4.0), (2.0**-6, 4.9)]
+    x, edge = optimum(skewed)
+    assert -7.0 < x < -6.5 and not edge  # leans toward the lower neighbour, clipped between the neighbours
+
+
+def test_optimum_shift_counts_grid_steps_per_seed():
+    from lmlab.experiments.mup import abs_optimum_shift, optimum_shift
+
+    def rows(seed, width, best):
+        return [{"seed": seed, "d_model": width, "lr_value": 2.0**x, "status": "ok",
+                 "final_val_loss": (x - best) ** 2 + 3.0} for x in range(-10, -2)]
+
+    arm = rows(0, 64, -5.0) + rows(0, 512, -8.0) + rows(0, 128, -6.0) + rows(1, 64, -5.0) + rows(1, 512, -4.5)
+    assert optimum_shift(arm, 7.6) == {0: pytest.approx(-3.0), 1: pytest.approx(0.5)}
+    assert abs_optimum_shift(arm, 7.6) == {0: pytest.approx(3.0), 1: pytest.approx(0.5)}
+    diverged = [dict(r, status="diverged") if r["lr_value"] == 2.0**-8 else r for r in rows(2, 512, -8.0)]
+    assert optimum_shift(rows(2, 64, -5.0) + diverged, 7.6)[2] != pytest.approx(-3.0)  # counted as ln vocab

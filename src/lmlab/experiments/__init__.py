@@ -12,6 +12,7 @@
     norm.py        claim 1: pre-norm vs post-norm vs DeepNorm over init, depth and warmup
     positions.py   claim 2: six position schemes at 1x-16x the training length; rope context extension
     moe.py         claim 3: dense vs Switch, GShard, DeepSeekMoE at equal active parameters; balancing
+    mup.py         learning-rate transfer across width: μP against standard parametrization
 
 An experiment is a sweep spec (``<name>.yaml`` beside its module) plus a module with its extra
 measurements (sweep ``Hooks``) and ``analyze``, which splits into a pure verdict function over
@@ -33,13 +34,13 @@ from pathlib import Path
 
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.data.meta import DataMeta
-from . import claims, corpus, decide, moe, norm, positions, stats
+from . import claims, corpus, decide, moe, mup, norm, positions, stats
 from .registration import Registration, spec_status
 from .spec import SweepSpec
 from .sweep import Outcome, load_spec, sweep_outcome
 from .sweep.engine import data_identity
 
-EXPERIMENTS = {"norm": norm, "positions": positions, "moe": moe}
+EXPERIMENTS = {"norm": norm, "positions": positions, "moe": moe, "mup": mup}
 
 
 def spec_path(name: str) -> Path:
