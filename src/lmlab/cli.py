@@ -10,6 +10,7 @@
     lmlab generate runs/default --prompts-file prompts.txt --stop $'\\n\\n' --temperature 0   # bash: a blank line
     lmlab sweep ablation.yaml --out sweeps/ablation --seeds 3
     lmlab experiment norm --out results/norm
+    lmlab ladder example --out ladders/example --quick   # arms x model sizes: fitted laws, compute multiplier
     lmlab consolidate runs/fsdp --checkpoint all   # a sharded run's checkpoints as single safetensors files
     lmlab tb runs/default                          # TensorBoard events rebuilt from metrics.jsonl
 
@@ -819,6 +820,28 @@ def cmd_experiment(args: argparse.Namespace, overrides: dict, argv: list[str]) -
     return 0
 
 
+def cmd_ladder(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
+    from .experiments.ladder import ladder_registration, resolve_spec, run_ladder
+    from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel
+    from .run.checkpoint.lock import locked
+
+    check_parallel(args.jobs, args.threads)
+    set_threads(args.threads)
+    command = " ".join(["lmlab", *argv])
+    # before the lock: a refused start leaves the file system as it was
+    registration = ladder_registration(resolve_spec(args.spec), quick=args.quick, draft=args.draft)
+    print(registration.text(), flush=True)
+    try:
+        with locked(args.out, "ladder directory"):
+            report = run_ladder(args.spec, args.out, quick=args.quick, profile=args.profile, seeds=args.seeds,
+                                command=command, jobs=args.jobs, threads=args.threads, draft=args.draft,
+                                registration=registration)
+    except (SweepInterrupted, SweepFailed) as e:
+        return sweep_stopped(e)
+    print(f"wrote {report}")
+    return 0
+
+
 def build_sweep(s: argparse.ArgumentParser) -> None:
     """``sweep``: many runs on an equal budget."""
     s.description = module_doc("experiments/sweep/__init__.py").split("Out directory")[0].split("\n\n", 1)[1]
@@ -844,8 +867,9 @@ def module_doc(path: str) -> str:
 
 
 def experiment_names() -> list[str]:
-    """The shipped experiments (the keys of lmlab.experiments.EXPERIMENTS): one spec YAML each beside them."""
-    return sorted(p.stem for p in (PACKAGE / "experiments").glob("*.yaml"))
+    """The shipped experiments (the keys of lmlab.experiments.EXPERIMENTS): one spec YAML each beside them
+    (``ladder-*.yaml`` there are ladder specs, run by ``lmlab ladder``)."""
+    return sorted(p.stem for p in (PACKAGE / "experiments").glob("*.yaml") if not p.stem.startswith("ladder-"))
 
 
 def build_experiment(e: argparse.ArgumentParser) -> None:
@@ -869,6 +893,32 @@ def build_experiment(e: argparse.ArgumentParser) -> None:
     )
     add_threads_arg(e, per_process=True)
     e.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+
+
+def build_ladder(lad: argparse.ArgumentParser) -> None:
+    lad.description = paragraphs(
+        "Train arms x rungs x seeds, a rung being a model size and a token budget, through the sweep engine "
+        "(resumable, --jobs), then fit each arm's loss-vs-compute law L(C) = E + A C^-alpha with bootstrap "
+        "intervals over seeds, and write report.md: the paired difference between arms at each rung, the laws "
+        "with a held-out check on the largest rung, the FLOPs and wall-clock multipliers of one arm over another "
+        "at each rung, and their trend with compute. The spec format is in "
+        "src/lmlab/experiments/ladder/__init__.py.",
+        "A main run (not --quick) needs a registered spec (committed, unchanged, with a registration: id) "
+        "unless --draft; the report then says UNREGISTERED.")
+    lad.add_argument("spec", metavar="SPEC",
+                     help="ladder spec YAML, or the name of a shipped one (" + ", ".join(
+                         sorted(p.stem[len("ladder-"):] for p in (PACKAGE / "experiments").glob("ladder-*.yaml")))
+                     + ")")
+    lad.add_argument("--out", required=True, help="output directory")
+    lad.add_argument("--quick", action="store_true", help="the spec's quick profile: checks the machinery")
+    lad.add_argument("--profile", default=None, help="a named size from the spec's profiles (e.g. gpu)")
+    lad.add_argument("--draft", action="store_true",
+                     help="run main runs from a spec that is not registered; the report is marked UNREGISTERED")
+    lad.add_argument("--seeds", type=int, default=None, help="seeds per cell, 0..N-1; the spec's when not given")
+    lad.add_argument(
+        "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
+    )
+    add_threads_arg(lad, per_process=True)
 
 
 def build_consolidate(c: argparse.ArgumentParser) -> None:
@@ -961,6 +1011,8 @@ COMMANDS = {c.name: c for c in (
     Command("sweep", "train variants of a run config on an equal budget and tabulate them", build_sweep, cmd_sweep),
     Command("experiment", "reproduce one of the design's claims: norm, positions or moe", build_experiment,
             cmd_experiment),
+    Command("ladder", "compare arms over a ladder of model sizes: fitted laws and the compute multiplier",
+            build_ladder, cmd_ladder),
     Command("consolidate", "turn a sharded (FSDP / expert-parallel) run's checkpoints into safetensors files",
             build_consolidate, cmd_consolidate),
     Command("compare", "compare runs: a table with bits per byte, loss curves with seed bands", build_compare,
