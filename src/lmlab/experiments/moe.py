@@ -9,11 +9,14 @@ through the curve log, max/mean load during training.
 
 The claims, their arms, endpoints and margins are registered in moe.yaml before the runs; this
 module supplies the endpoints they name (``ENDPOINTS``), the compute multiplier, the plots and the
-report. ``decide.decide_claims`` applies the registered rules.
+report. ``decide.decide_claims`` applies the registered rules. Added after registration: the compute
+multiplier over every seed on dense's fitted law (``all_seeds_multiplier``, the ladder's analysis),
+beside the registered one, which leaves out the seeds outside dense's two end points.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -25,6 +28,7 @@ from ..run.checkpoint.atomic import atomic_write_text
 from . import stats
 from .claims import capped
 from .decide import decide_claims, registration_text, write_decisions
+from .ladder import law
 from .registration import registration_record
 from .report import band_plot, figure, markdown_table, read_csv, report_header, save
 from .sweep import Hooks as SweepHooks
@@ -111,6 +115,150 @@ def multiplier_text(m: dict[str, Any] | None) -> str:
             "(equal active parameters), so the token multiplier is also the FLOPs multiplier.\n")
 
 
+# ============================================================== the multiplier over every seed (added later)
+ALL_SEEDS_RESAMPLES = 999
+
+
+def dense_points(one: list[list[tuple]], two: list[list[tuple]]) -> list[tuple[float, float, float]]:
+    """One seed's dense loss curve for the law: each (tokens, loss, wall_s) evaluation of the 1x run, then those
+    of the 2x run beyond the 1x run's last token count (at each count, the run whose schedule ends soonest
+    after it, so the closest to an annealed loss the runs measured)."""
+    last = max((t for t, _, _ in one), default=0)
+    return sorted(one) + sorted(p for p in two if p[0] > last)
+
+
+def _curves(out: Path, arm: str, seeds: list[int]) -> dict[int, list[tuple[float, float, float]]]:
+    loss = seed_curves(out, arm, seeds, x="tokens")
+    wall = seed_curves(out, arm, seeds, x="wall_s")
+    return {s: [(t, v, w) for (t, v), (w, _) in zip(c, cw)] for s, c, cw in zip(seeds, loss, wall)}
+
+
+def all_seeds_multiplier(out: Path, rows: list[dict], init_loss: float, registered: dict | None,
+                         n_resamples: int = ALL_SEEDS_RESAMPLES) -> dict[str, Any] | None:
+    """The compute multiplier of m=4 + shared over dense with every seed counted: dense's law
+    L(C) = E + A (C/C0)^-alpha fitted to every evaluation point of every dense seed (``dense_points``), read
+    at m=4 + shared's mean final loss over all its seeds (``ladder.law.analyze``: percentile bootstrap
+    over seeds, paired). Also each seed on its own dense law, the law on the registered reading's seeds
+    alone, and how far a mid-schedule point lies above an annealed one (the bias of fitting curve points)."""
+    dense, moe_arm = MULTIPLIER[0], MULTIPLIER[2]
+    moe_rows = {r["seed"]: r for r in rows if r["variant"] == moe_arm}
+    fpt = {v: next((r["flops_per_token"] for r in rows if r["variant"] == v), None) for v in (dense, moe_arm)}
+    seeds = sorted(set(moe_rows) & {r["seed"] for r in rows if r["variant"] == dense}
+                   & {r["seed"] for r in rows if r["variant"] == MULTIPLIER[1]})
+    if not seeds or None in fpt.values():
+        return None
+    one, two = _curves(out, dense, seeds), _curves(out, MULTIPLIER[1], seeds)
+    curves = {s: dense_points(one[s], two[s]) for s in seeds}
+    points = [law.Point(dense, f"{t / 1e6:.2f}M", s, t * fpt[dense], v, w) for s in seeds for t, v, w in curves[s]]
+    moe_loss = {s: capped(moe_rows[s], init_loss) for s in seeds}
+    points += [law.Point(moe_arm, "final", s, moe_rows[s]["tokens"] * fpt[moe_arm], moe_loss[s], moe_rows[s]["wall_s"])
+               for s in seeds]
+    try:
+        a = law.analyze(points, [(moe_arm, dense)], n_resamples=n_resamples)
+    except ValueError as e:  # too few points on dense's curves to fit a law
+        return {"seeds": seeds, "error": str(e)}
+    r, fit = a.pairs[0].rungs[0], a.arms[dense]
+    moe_tokens = moe_rows[seeds[0]]["tokens"]
+    per_token = fpt[moe_arm] / fpt[dense]  # the tokens multiplier is the FLOPs one times this
+
+    def ratio_on_own_law(s: int) -> float:
+        try:
+            own = law.fit_law([t for t, _, _ in curves[s]], [v for _, v, _ in curves[s]], moe_tokens)
+        except ValueError:  # a curve with fewer than 3 points
+            return math.nan
+        return own.compute_for(moe_loss[s]) / moe_tokens
+
+    crossed = [s for s, st in zip(registered["seeds"], registered["status"]) if st == "crossed"] if registered else []
+    on_crossed = (law.analyze([p for p in points if p.seed in crossed], [(moe_arm, dense)], n_resamples=0)
+                  .pairs[0].rungs[0].flops.value * per_token if len(crossed) >= 2 else None)
+    end = {s: one[s][-1] for s in seeds}  # the 1x run's end of schedule; the 2x run at the same tokens is mid-schedule
+    mid = [next(v for t, v, _ in two[s] if t == end[s][0]) - end[s][1] for s in seeds
+           if any(t == end[s][0] for t, _, _ in two[s])]
+    return {
+        "seeds": seeds, "points": len(points) - len(seeds), "moe_loss": r.loss, "moe_tokens": moe_tokens,
+        "flops_per_token": fpt, "tokens": _scaled(r.flops, per_token), "flops": _scaled(r.flops), "status": r.status,
+        "wall": _scaled(r.wall) if r.wall else None, "wall_status": r.wall_status,
+        "law": {"E": dataclasses.asdict(fit.E), "A": dataclasses.asdict(fit.A), "alpha": dataclasses.asdict(fit.alpha),
+                "c0": a.c0, "at_bound": fit.law.at_bound, "lo": fit.law.lo, "hi": fit.law.hi},
+        "heldout": dataclasses.asdict(fit.heldout) if fit.heldout else None,
+        "per_seed": {s: ratio_on_own_law(s) for s in seeds}, "crossed_seeds": crossed,
+        "law_on_crossed_seeds": on_crossed, "mid_schedule_excess": statistics.fmean(mid) if mid else None,
+        "n_resamples": a.n_resamples,
+    }
+
+
+def _scaled(e: law.Estimate, k: float = 1.0) -> dict[str, float]:
+    return {"value": e.value * k, "lo": e.lo * k, "hi": e.hi * k, "unreachable": e.unreachable}
+
+
+def _times(e: dict[str, float]) -> str:
+    return (f"{e['value']:.2f}x [{e['lo']:.2f}, {e['hi']:.2f}]"
+            + (f" ({e['unreachable']:.0%} of resamples unreachable)" if e["unreachable"] else ""))
+
+
+def all_seeds_text(m: dict[str, Any] | None, registered: dict[str, Any] | None) -> str:
+    """The report's paragraph: the all-seeds multiplier beside the registered one, and why they differ."""
+    if m is None:
+        return ""
+    head = "**Over every seed, on a fitted law (an analysis added after registration; no verdict rests on it).** "
+    if "error" in m:
+        return head + f"Not measured: {m['error']}.\n"
+    t, f, law_ = m["tokens"], m["flops"], m["law"]
+    status = dict(zip(registered["seeds"], registered["status"])) if registered else {}
+    dropped = [s for s, st in status.items() if st != "crossed"]
+    why = {"before_first": "ended above dense's 1x loss (a multiplier below 1)",
+           "never": "ended below dense's 2x loss (a multiplier above 2)"}
+    kinds = sorted({status[s] for s in dropped})
+    left_out = "; ".join(f"seeds {[s for s in dropped if status[s] == k]}, where m=4 + shared {why[k]}" for k in kinds)
+    lean = {("before_first",): ", so its mean reads high", ("never",): ", so its mean reads low"}.get(tuple(kinds), "")
+    reg = (f"{registered['mean']:.2f}x [{registered['ci95'][0]:.2f}, {registered['ci95'][1]:.2f}] over "
+           f"{len(status) - len(dropped)} seeds") if registered and len(status) > len(dropped) else "not measured"
+    own = m["per_seed"]
+    fpt = m["flops_per_token"]
+    e_text = (f"E = {law_['E']['value']:.3f} [{law_['E']['lo']:.3f}, {law_['E']['hi']:.3f}]"
+              + (" (at its bound 0: these token counts do not identify the asymptote)" if law_["E"]["value"] == 0
+                 else ""))
+    text = (
+        head + (f"The registered reading above averages only the seeds whose dense curve crosses m=4 + shared's "
+                f"final loss between dense's 1x and 2x end points; it left out {left_out}{lean}. " if dropped else "")
+        + f"Here dense's law L(C) = E + A·(C/C0)^-α is fitted to all {m['points']} evaluation points of its "
+        f"{len(m['seeds'])} seeds (each seed's 1x run from {m['law']['lo'] / fpt['dense'] / 1e6:.2f}M tokens to its "
+        "end, and its 2x run's points beyond that), and read at m=4 + shared's mean final loss over all "
+        f"{len(m['seeds'])} seeds ({m['moe_loss']:.3f}); intervals are 95% percentile bootstrap intervals over "
+        f"seeds ({m['n_resamples']} resamples, paired, the law refitted each time; `ladder/law.py`). Dense needs "
+        f"**{_times(t)} the tokens** of m=4 + shared ({m['status']}), against the registered {reg}. "
+        f"In training FLOPs it is {_times(f)}: "
+        f"m=4 + shared costs {fpt['fg-m4-shared'] / fpt['dense'] - 1:.1%} more FLOPs per token than dense "
+        f"({fpt['fg-m4-shared'] / 1e6:.2f}M against {fpt['dense'] / 1e6:.2f}M; the registered text counts them "
+        "equal). "
+        + (f"In wall-clock time on the machine that ran them (dense's law fitted to the wall time at each "
+           f"point), {_times(m['wall'])} ({m['wall_status']}); the tokens/s column above gives each arm's speed on "
+           "this CPU. " if m.get("wall") else "")
+        + f"Dense's law: {e_text}, A = {law_['A']['value']:.3f}, α = {law_['alpha']['value']:.3f} "
+        f"[{law_['alpha']['lo']:.3f}, {law_['alpha']['hi']:.3f}] at C0 = {law_['c0']:.3g} FLOPs. "
+        + (f"Held out: fitted without the points at {m['heldout']['rung']} tokens (dense-2x's end), it predicts "
+           f"{m['heldout']['predicted']['value']:.3f} there against the measured "
+           f"{m['heldout']['measured']['value']:.3f} (error {m['heldout']['error']['value']:+.3f} "
+           f"[{m['heldout']['error']['lo']:+.3f}, {m['heldout']['error']['hi']:+.3f}]). " if m.get("heldout") else "")
+        + "\n\nWhy the two differ. "
+        + (f"On the registered reading's {len(m['crossed_seeds'])} seeds alone the law gives "
+           f"{m['law_on_crossed_seeds']:.2f}x, so the method (the law instead of interpolating between two end "
+           f"points) moves the figure by {m['law_on_crossed_seeds'] - registered['mean']:+.2f} and counting every "
+           f"seed by {t['value'] - m['law_on_crossed_seeds']:+.2f}. "
+           if m.get("law_on_crossed_seeds") and registered and math.isfinite(registered["mean"]) else "")
+        + "Each seed read on its own dense law (tokens): " + ", ".join(
+            f"{s}: {own[s]:.2f}x" + ("*" if s in dropped else "") for s in m["seeds"])
+        + ("; * marks the seeds the registered reading left out. " if dropped else ". ")
+        + "A caveat on the fit: points before the end of a cosine schedule lie above the loss a run annealed at "
+        "that length would reach"
+        + (f" (at {m['moe_tokens'] / 1e6:.2f}M tokens the 2x run's mid-schedule loss is "
+           f"{m['mid_schedule_excess']:+.3f} nats above the 1x run's end)" if m.get("mid_schedule_excess") else "")
+        + ", so the law overstates the tokens dense needs between end points and this multiplier leans high, "
+        "not low.\n"
+    )
+    return text
+
+
 # ============================================================== tables and plots
 def arm_table(rows: list[dict], spec, init_loss: float) -> list[dict]:
     out = []
@@ -180,7 +328,7 @@ def plot_heatmaps(rows: list[dict], out: Path) -> str | None:
 
 
 # ============================================================== markdown and analysis
-def markdown(spec, rows, decisions, tune, *, command, wall_s, data, m, previous, tuning=None) -> str:
+def markdown(spec, rows, decisions, tune, *, command, wall_s, data, m, previous, tuning=None, m_all=None) -> str:
     cfg = spec.configs["dense"]
     t = cfg.train
     text = report_header(
@@ -203,7 +351,8 @@ def markdown(spec, rows, decisions, tune, *, command, wall_s, data, m, previous,
         + "\n![val loss vs tokens](val_loss_vs_tokens.png)\n\n![val loss vs wall time](val_loss_vs_wall_time.png)\n\n"
         + ("![expert load](expert_load_heatmaps.png)\n\n" if any(r.get("expert_load") for r in rows) else "")
         + "### Compute multiplier\n\n" + multiplier_text(m) + "\n"
-        "## Verdicts\n\n" + "\n".join(d.line() for d in decisions) + "\n\n"
+        + (all_seeds_text(m_all, m) + "\n" if m_all else "")
+        + "## Verdicts\n\n" + "\n".join(d.line() for d in decisions) + "\n\n"
         + (f"The re-analysed claims read the {len(previous)} runs in [previous/](previous/README.md) (5 seeds, "
            "each arm at a rate from one-seed tuning runs a quarter as long), under the rules registered here; "
            "their load plots are [previous/expert_load_heatmaps.png](previous/expert_load_heatmaps.png) and "
@@ -276,6 +425,7 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
     decisions = decide_claims(spec.claims, rows, previous, ENDPOINTS, init_loss=init_loss,
                               alpha=(spec.registration or {}).get("alpha", 0.05))
     m = multiplier(rows, init_loss)
+    m_all = all_seeds_multiplier(out, rows, init_loss, m)
     arms = [v.name for v in spec.variants if not v.name.endswith("-common")]
     plots = [
         plot_curves(out, spec, arms, "tokens", "val_loss_vs_tokens.png"),
@@ -283,9 +433,9 @@ def analyze(spec, out: Path, rows: list[dict], *, command: str, wall_s: float, d
         plot_heatmaps(rows, out),
     ]
     atomic_write_text(out / "report.md", markdown(spec, rows, decisions, tune, command=command, wall_s=wall_s,
-                                                  data=data, m=m, previous=previous,
+                                                  data=data, m=m, previous=previous, m_all=m_all,
                                                   tuning=read_csv(out / "tune.csv") if tune else None))
     write_decisions(out, "moe", decisions, {"plots": [p for p in plots if p], "tune": tune, "data": data,
-                                            "seeds": spec.seeds, "multiplier": m,
+                                            "seeds": spec.seeds, "multiplier": m, "multiplier_all_seeds": m_all,
                                             "registration": registration_record(spec)})
     return out / "report.md"
