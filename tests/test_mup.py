@@ -266,3 +266,24 @@ def test_optimum_shift_counts_grid_steps_per_seed():
     assert abs_optimum_shift(arm, 7.6) == {0: pytest.approx(3.0), 1: pytest.approx(0.5)}
     diverged = [dict(r, status="diverged") if r["lr_value"] == 2.0**-8 else r for r in rows(2, 512, -8.0)]
     assert optimum_shift(rows(2, 64, -5.0) + diverged, 7.6)[2] != pytest.approx(-3.0)  # counted as ln vocab
+
+
+@pytest.mark.parametrize("decoder", ["eager", "static"])
+def test_generation_reads_the_readout(decoder):
+    """Every decoder's logits pass through μP's readout multiplier (model.logits_of): each call of the head
+    during generation follows a call of the readout, and greedy decoding equals the argmax of the full
+    forward's logits. (A decoder calling the head directly would sample from logits 4x too large here.)"""
+    from lmlab.generate import generate
+
+    model = Transformer(proxy("llama", parametrization="mup").override({"d_model": 256})).eval()
+    calls = {"head": 0, "readout": 0}
+    for name in calls:
+        getattr(model, name).register_forward_hook(lambda m, i, o, name=name: calls.__setitem__(name, calls[name] + 1))
+    prompt = tokens(1, 5, vocab=128)
+    out = torch.stack(list(generate(model, prompt, 6, temperature=0.0, decoder=decoder)), dim=1)  # (1, 6)
+    assert calls["head"] >= 6 and calls["readout"] == calls["head"], calls
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq[:, 5:])

@@ -90,12 +90,12 @@ def decode_eager(r: Request) -> Iterator[torch.Tensor]:
     model, (B, T) = r.model, r.idx.shape
     with r.ctx():
         cache = model.new_cache(B, T + r.n, dtype=r.cache_dtype)  # preallocated once for the whole run
-        logits = model.head(model.hidden(r.idx, cache, r.mask)[:, -1])  # prefill: (B, V) for the last position
+        logits = model.logits_of(model.hidden(r.idx, cache, r.mask)[:, -1])  # prefill: (B, V) for the last position
         done = torch.zeros(B, dtype=torch.bool, device=r.idx.device)
     for t in range(r.n):
         with r.ctx():
             if t > 0:
-                logits = model.head(model.hidden(tok[:, None], cache)[:, -1])  # noqa: F821 (B, V): last step's tok
+                logits = model.logits_of(model.hidden(tok[:, None], cache)[:, -1])  # noqa: F821 (B, V): last step's tok
             if r.noise is not None:
                 r.noise.begin(t)
             tok, done = r.choose(logits, t, done)  # (B,)
@@ -124,7 +124,7 @@ class StepState:
 
 def decode_step(model, s: StepState) -> None:
     """One token for every row, all in place: the step that is compiled and captured."""
-    logits = model.head(model.hidden(s.tok[:, None], s.cache)[:, -1])  # (B, V)
+    logits = model.logits_of(model.hidden(s.tok[:, None], s.cache)[:, -1])  # (B, V)
     noise = None if s.noise is None else s.noise.buf.index_select(0, s.t % s.noise.chunk)[0]  # (B, K)
     tok = s.pick(logits, noise)  # (B,)
     if s.eos is not None:
@@ -143,7 +143,7 @@ def decode_fixed(r: Request, run_for: Callable[[torch.nn.Module, StepState], Cal
     model, B = r.model, r.idx.shape[0]
     with r.ctx():
         cache = model.new_cache(B, cache_len, dtype=r.cache_dtype)
-        logits = model.head(model.hidden(r.idx, cache, r.mask)[:, -1])  # the prefill stays eager
+        logits = model.logits_of(model.hidden(r.idx, cache, r.mask)[:, -1])  # the prefill stays eager
         if r.noise is not None:
             r.noise.begin(0)
         first, done = r.choose(logits, 0, torch.zeros(B, dtype=torch.bool, device=r.idx.device))

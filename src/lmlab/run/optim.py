@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..mup import lr_multipliers
+from ..torch_private import foreach_mul_, foreach_norm
 from .config import OptimConfig
 
 
@@ -130,6 +131,6 @@ def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> float
     plain = all(type(g) is torch.Tensor for g in grads) and len({(g.device, g.dtype) for g in grads}) == 1
     if not plain:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # as clip_grad_norm_ computes it
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    norm = torch.linalg.vector_norm(torch.stack(foreach_norm(grads)))  # as clip_grad_norm_ computes it
+    foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)
