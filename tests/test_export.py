@@ -31,7 +31,11 @@ def lm(preset: str | None = None, *, seed: int = 0, **fields) -> Transformer:
     nested = {k: v for k, v in fields.items() if "." in k}
     flat = {**BASE, **{k: v for k, v in fields.items() if "." not in k}}
     cfg = ModelConfig.from_preset(preset, **flat) if preset else ModelConfig(**flat)
-    model = Transformer(cfg.override(nested) if nested else cfg).eval()
+    return randomized(Transformer(cfg.override(nested) if nested else cfg).eval(), seed)
+
+
+def randomized(model: Transformer, seed: int = 0) -> Transformer:
+    """``model`` with the random weights of :func:`lm`, in place."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -396,6 +400,70 @@ def test_variants_without_an_exact_architecture_are_refused_by_name(tmp_path, ca
         to_hf(model, tmp_path / "out", architecture=architecture)
     assert message in str(err.value) and "\n" not in str(err.value)
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary directory left
+
+
+def test_a_tensor_the_architecture_never_reads_is_refused_by_name(tmp_path, monkeypatch):
+    """Export accounts for every tensor, the mirror of import's unexpected tensors: an architecture that declared
+    the attention output gate without writing it (as the deny-list's missing rows once let llama export one, its
+    logits off by 0.071) is refused naming the gate tensors it has no place for, and writes nothing."""
+    import dataclasses
+
+    family = lmlab.hf.FAMILIES["llama"]
+    careless = dataclasses.replace(family.export, computes={**family.export.computes, "attn_gate": ("headwise",)})
+    monkeypatch.setitem(lmlab.hf.FAMILIES, "llama", dataclasses.replace(family, export=careless))
+    model = lm(attn_gate="headwise")
+    gates = r"\[blocks\.0\.attn\.gate\.proj\.weight, blocks\.1\.attn\.gate\.proj\.weight\]"
+    with pytest.raises(ValueError, match=rf"^cannot export as 'llama': it has no place for 2 tensors of this model, "
+                                         rf"{gates}; exporting without them would change the model$"):
+        to_hf(model, tmp_path / "out")
+    with pytest.raises(ValueError, match="has no place for 2 tensors"):
+        hf_tensors(model)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_head_untied_since_is_not_written_as_the_embedding(tmp_path):
+    """The tied head is the one tensor export derives (from the embedding it shares); a config that says tied
+    with a head that is a tensor of its own is refused naming it, not exported with the embedding as its head."""
+    model = lm(tie_embeddings=True)
+    to_hf(model, tmp_path / "tied")
+    model.head.weight = torch.nn.Parameter(model.embed.weight.detach() + 0.1)
+    with pytest.raises(ValueError, match=r"it has no place for 1 tensor of this model, \[head\.weight\]"):
+        to_hf(model, tmp_path / "untied")
+    assert not (tmp_path / "untied").exists()
+
+
+def test_every_field_an_architecture_declares_is_a_field_with_those_choices():
+    """Export.computes, EVERY_ARCHITECTURE and LACKS name real fields (dotted), with values of their type: a
+    misspelt name would leave the field refused everywhere, a misspelt value that choice."""
+    import dataclasses
+    import typing
+
+    from lmlab.hf.registry import ANY, EVERY_ARCHITECTURE, LACKS
+    from lmlab.schema import Config
+
+    def fields(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            if isinstance(inner[0], type) and issubclass(inner[0], Config):
+                yield prefix + f.name, None
+                yield from fields(inner[0], f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name, hint
+
+    hints = dict(fields(ModelConfig))
+    declared = [("every architecture", EVERY_ARCHITECTURE), ("LACKS", dict.fromkeys(LACKS, ANY))]
+    declared += [(name, f.export.computes) for name, f in lmlab.hf.FAMILIES.items() if f.export is not None]
+    for owner, computes in declared:
+        for path, values in computes.items():
+            assert path in hints, f"{owner}: {path} is not a ModelConfig field"
+            if values is ANY:
+                continue
+            hint = hints[path]
+            if typing.get_origin(hint) is tuple:  # attention.pattern: each item one of the choices
+                hint = typing.get_args(hint)[0]
+            choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else (False, True)
+            assert set(values) <= set(choices), f"{owner}: {path} has no choice {set(values) - set(choices)}"
 
 
 def test_a_trained_selection_bias_without_a_place_is_refused(tmp_path):

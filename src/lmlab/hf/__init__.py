@@ -26,10 +26,14 @@ Families: a registry keyed by config.json's ``model_type``
   :func:`llama_weights` (with a pluggable per-layer ``ffn`` part), :func:`llama_attention`,
   :func:`llama_glu`.
 - ``ignore``: regular expressions of HF names that are not weights (buffers older versions saved).
-- ``export``: an :class:`Export` where lmlab also writes the family: ``refuse(cfg)`` (why this
-  architecture cannot compute ``cfg`` exactly, naming the field and value, or None),
-  ``config(cfg)`` (config.json's keys) and ``weights(cfg, state_dict)`` (tensors under the names
-  ``save_pretrained`` writes); ``mtp=True`` where it holds multi-token prediction (DeepSeek-V3).
+- ``export``: an :class:`Export` where lmlab also writes the family: ``computes`` (the config
+  values it computes beyond the defaults, field -> values or ANY; any other value is refused, so a
+  choice added to the config is refused until a family declares it), ``refuse(cfg)`` (why this
+  architecture cannot compute ``cfg`` exactly where the values it computes do not go together, naming
+  the field and value, or None), ``config(cfg)`` (config.json's keys) and ``weights(cfg, state_dict)``
+  (tensors under the names ``save_pretrained`` writes; every tensor of the state dict must be read
+  or derived, or :func:`to_hf` refuses naming it, the mirror of unexpected tensors on import);
+  ``mtp=True`` where it holds multi-token prediction (DeepSeek-V3).
   :func:`to_hf` takes the first registered family that can hold the model, so the choice follows
   what the config needs, never a model's name.
 - ``with_tensors(cfg, hf, names)`` (optional): the config completed by what the checkpoint's tensor
@@ -68,7 +72,7 @@ from ..model import Transformer
 from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
-from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, register
+from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, name_list, register
 
 __all__ = [
     "Export", "Exported", "FAMILIES", "Family", "HFTensors", "choose_architecture", "config_from_hf",
@@ -143,8 +147,8 @@ def detect_model_type(cfg: ModelConfig, hf_tensors: Tensors) -> str:
 
 
 def _problems(t: HFTensors) -> str:
-    parts = [f"missing tensors {_names(t.missing)}"] if t.missing else []
-    parts += [f"unexpected tensors {_names(t.unexpected)}"] if t.unexpected else []
+    parts = [f"missing tensors {name_list(t.missing)}"] if t.missing else []
+    parts += [f"unexpected tensors {name_list(t.unexpected)}"] if t.unexpected else []
     return "; ".join(parts)
 
 
@@ -242,7 +246,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         tensors.update(_load_shard(file))
     absent = sorted(set(weight_map) - set(tensors))
     if absent:
-        raise ValueError(f"{str(index)!r} lists tensors that its shards do not hold: {_names(absent)}")
+        raise ValueError(f"{str(index)!r} lists tensors that its shards do not hold: {name_list(absent)}")
     return tensors
 
 
@@ -286,13 +290,9 @@ def _check_shapes(model: Transformer, sd: Tensors, path: Path) -> None:
     expected = model.state_dict()
     absent = sorted(set(expected) - set(sd))
     if absent:
-        raise ValueError(f"converting {str(path)!r} produced no value for {_names(absent)} (a converter bug)")
+        raise ValueError(f"converting {str(path)!r} produced no value for {name_list(absent)} (a converter bug)")
     wrong = [f"{k}: {tuple(sd[k].shape)} in the checkpoint, {tuple(v.shape)} from config.json"
              for k, v in expected.items() if sd[k].shape != v.shape]
     if wrong:
         raise ValueError(f"checkpoint {str(path)!r} disagrees with its config.json on shapes: {'; '.join(wrong[:5])}")
 
-
-def _names(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return f"[{shown}, ... {len(names) - limit} more]" if len(names) > limit else f"[{shown}]"

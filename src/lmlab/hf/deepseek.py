@@ -37,16 +37,17 @@ import torch
 from ..config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from ..mtp import checkpoint_prefixes
 from .dense import half_to_interleaved, llama_glu, llama_glu_to_hf
-from .moe import DEEPSEEK_V3_DEFAULTS, deepseek_v3_moe, glm4_moe_groups, moe_to_hf, moe_weights
+from .moe import DEEPSEEK_ROUTING, DEEPSEEK_V3_DEFAULTS, deepseek_v3_moe, glm4_moe_groups, moe_to_hf, moe_weights
 from .registry import (
     ACTIVATION_NAMES,
+    ANY,
+    ROTARY,
     Export,
     Family,
     HFTensors,
     Tensors,
     activation_from_hf,
     key_refused,
-    layers_refusal,
     model_config,
     refusal,
     register,
@@ -257,7 +258,7 @@ def deepseek_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any,
         "bias": (False, f"{name} has no biases"), "qkv_bias": (False, f"{name} has no biases"),
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"), "ffn": ("glu", f"{name}'s feed-forward is SwiGLU"),
         "norm_position": ("pre", f"{name} normalizes each sublayer's input"),
-    }) or rope_refusal(cfg) or layers_refusal(cfg, name)
+    }) or rope_refusal(cfg)
     if why is None and cfg.moe is not None:
         why = refusal(cfg, {"moe.every": (1, f"every {name} layer after the first dense ones is a mixture"),
                             "moe.shared_gate": ("none", f"{name}'s shared experts are not gated"), **needs})
@@ -426,12 +427,15 @@ def deepseek_v3_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.
 
 
 DEEPSEEK_IGNORE = (r"\.rotary_emb\.inv_freq$",)
+# what DeepSeek-V2 and V3 compute: latent attention of any size, rotary, any activation, DeepSeek's routing
+DEEPSEEK: Mapping[str, Any] = {**ROTARY, "activation": tuple(ACTIVATION_NAMES), "mla": ANY, **DEEPSEEK_ROUTING}
 
 register("deepseek_v2", Family(deepseek_v2_config, deepseek_weights, DEEPSEEK_IGNORE, Export(
     "DeepseekV2ForCausalLM", moe=None, refuse=deepseek_v2_refusal, config=deepseek_v2_to_hf,
-    weights=deepseek_v2_weights_to_hf,
+    weights=deepseek_v2_weights_to_hf, name="DeepSeek-V2", computes={**DEEPSEEK, "moe.scoring": ("softmax",)},
 )))
 register("deepseek_v3", Family(deepseek_v3_config, deepseek_weights, DEEPSEEK_IGNORE, Export(
     "DeepseekV3ForCausalLM", moe=None, refuse=deepseek_v3_refusal, config=deepseek_v3_to_hf,
-    weights=deepseek_v3_weights_to_hf, mtp=True,
+    weights=deepseek_v3_weights_to_hf, mtp=True, name="DeepSeek-V3",
+    computes={**DEEPSEEK, "moe.scoring": ("sigmoid",), "moe.normalize_top_k": ANY, "mtp.depth": ANY},
 ), with_tensors=deepseek_v3_with_mtp))

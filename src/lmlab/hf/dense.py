@@ -7,13 +7,15 @@ conversions between the two rotary layouts of q/k projection rows."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..config import AttentionConfig, ModelConfig
 from .registry import (
     ACTIVATION_NAMES,
+    ANY,
+    ROTARY,
     Export,
     Family,
     HFTensors,
@@ -21,7 +23,6 @@ from .registry import (
     activation_from_hf,
     attention_from_hf,
     layer_types_to_hf,
-    layers_refusal,
     model_config,
     refusal,
     register,
@@ -186,14 +187,17 @@ def qk_norm_to_hf(cfg: ModelConfig, sd: Tensors, attn: str = "self_attn.") -> di
 
 
 # ---- the other direction: lmlab -> the Llama layout
+# what every Llama-layout architecture computes (its Export.computes add their own): the rotary of any layout and
+# scaling, and every activation config.json names
+LLAMA_LAYOUT: Mapping[str, Any] = {**ROTARY, "activation": tuple(ACTIVATION_NAMES)}
+WINDOWS: Mapping[str, Any] = {"attention.pattern": ("global", "local")}  # sliding-window layers, from layer_types
+
+
 def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "pre",
-                         qk_norm: str = "none", supports: Iterable[str] = ()) -> str | None:
+                         qk_norm: str = "none") -> str | None:
     """What a Llama-layout architecture ``name`` cannot compute: its norm placement (pre-norm unless
-    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward, standard
-    (not latent) attention, and the per-layer choices of ``supports`` (see
-    :func:`~lmlab.hf.registry.layers_refusal`)."""
-    if cfg.mla is not None:
-        return f"mla set ({name} has no multi-head latent attention; deepseek_v2 and deepseek_v3 have)"
+    given), its query/key norm (none unless given), RMSNorm, rotary, gated feed-forward. (Values of
+    other fields it does not compute are refused by its ``Export.computes``.)"""
     placements = {"pre": "normalizes each sublayer's input", "reordered": "normalizes each sublayer's output"}
     qk_norms = {"none": "has no query/key norm", "head": "normalizes queries and keys per head",
                 "full": "normalizes the whole query and key projections"}
@@ -203,7 +207,7 @@ def llama_layout_refusal(cfg: ModelConfig, name: str, *, norm_position: str = "p
         "norm": ("rmsnorm", f"{name} normalizes with RMSNorm"),
         "positions": ("rope", f"{name} uses rotary positions"),
         "ffn": ("glu", f"{name}'s feed-forward is gated, W2 (act(Wg x) * W1 x)"),
-    }) or rope_refusal(cfg) or layers_refusal(cfg, name, supports)
+    }) or rope_refusal(cfg)
 
 
 def llama_layout_to_hf(cfg: ModelConfig, **extra_rope: Any) -> dict[str, Any]:
@@ -287,7 +291,7 @@ def llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def mistral_refusal(cfg: ModelConfig) -> str | None:
     return every_layer_window_refusal(cfg, "Mistral") or refusal(cfg, {
         "bias": (False, "Mistral has no biases"), "qkv_bias": (False, "Mistral has no biases"),
-    }) or llama_layout_refusal(cfg, "Mistral", supports=("window",))
+    }) or llama_layout_refusal(cfg, "Mistral")
 
 
 def mistral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -296,9 +300,11 @@ def mistral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 register("llama", Family(llama_config, llama_weights, LLAMA_IGNORE, Export(
     "LlamaForCausalLM", moe=False, refuse=llama_refusal, config=llama_to_hf, weights=llama_weights_to_hf,
+    name="Llama", computes={**LLAMA_LAYOUT, "bias": (False, True)},
 )))
 register("mistral", Family(mistral_config, llama_weights, LLAMA_IGNORE, Export(
     "MistralForCausalLM", moe=False, refuse=mistral_refusal, config=mistral_to_hf, weights=llama_weights_to_hf,
+    name="Mistral", computes={**LLAMA_LAYOUT, **WINDOWS},
 )))
 
 # transformers' Qwen2Config defaults (5.x), for keys an older config.json leaves out.
@@ -319,7 +325,7 @@ def qwen2_config(hf: Mapping[str, Any]) -> ModelConfig:
 def qwen2_refusal(cfg: ModelConfig) -> str | None:
     return refusal(cfg, {
         "qkv_bias": (True, "Qwen2 has biases on q, k and v"), "bias": (False, "Qwen2 has biases on q, k and v only"),
-    }) or llama_layout_refusal(cfg, "Qwen2", supports=("window",))
+    }) or llama_layout_refusal(cfg, "Qwen2")
 
 
 def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -328,6 +334,7 @@ def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE, Export(
     "Qwen2ForCausalLM", moe=False, refuse=qwen2_refusal, config=qwen2_to_hf, weights=llama_weights_to_hf,
+    name="Qwen2", computes={**LLAMA_LAYOUT, **WINDOWS, "qkv_bias": (True,)},
 )))
 
 
@@ -387,14 +394,12 @@ def gpt2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | Non
 
 
 def gpt2_refusal(cfg: ModelConfig) -> str | None:
-    if cfg.mla is not None:
-        return "mla set (GPT-2 has no multi-head latent attention)"
     if cfg.n_kv_heads != cfg.n_heads or cfg.head_dim * cfg.n_heads != cfg.d_model:
         return (
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim} (GPT-2 has n_heads={cfg.n_heads} heads of "
             f"d_model / n_heads for queries, keys and values alike)"
         )
-    return layers_refusal(cfg, "GPT-2") or refusal(cfg, {
+    return refusal(cfg, {
         "norm_position": ("pre", "GPT-2 normalizes each sublayer's input"),
         "qk_norm": ("none", "GPT-2 has no query/key norm"),
         "norm": ("layernorm", "GPT-2 normalizes with LayerNorm"),
@@ -438,7 +443,9 @@ def gpt2_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]
 
 # causal-mask buffers that checkpoints written before transformers 4.x's non-persistent buffers hold
 register("gpt2", Family(gpt2_config, gpt2_weights, (r"(^|\.)h\.\d+\.attn\.(masked_)?bias$",), Export(
-    "GPT2LMHeadModel", moe=False, refuse=gpt2_refusal, config=gpt2_to_hf, weights=gpt2_weights_to_hf,
+    "GPT2LMHeadModel", moe=False, refuse=gpt2_refusal, config=gpt2_to_hf, weights=gpt2_weights_to_hf, name="GPT-2",
+    computes={"norm": ("layernorm",), "positions": ("learned",), "ffn": ("mlp",), "activation": tuple(ACTIVATION_NAMES),
+              "bias": (True,), "rope": ANY},  # rope: without rotary positions, its settings act nowhere
 )))
 
 

@@ -7,9 +7,12 @@ The target architecture is chosen by what the config needs, from the export side
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
 qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gemma3_text, gpt_oss, olmo2, olmoe, qwen3, qwen3_moe, smollm3), or
 named with
-``architecture=``. Nothing approximate is ever written: a model that no transformers architecture
-computes exactly is refused with a ValueError that names the field and its value. Dropout and
-balancing coefficients act only in training and are not part of what is checked.
+``architecture=``. Nothing approximate is ever written, and export is by allow-list, the mirror of
+import: each architecture declares the config values it computes beyond the defaults
+(``Export.computes``; dropout, initialization and balancing coefficients act only in training and
+every architecture takes them), so a value none declares is refused, naming the field and its value,
+whatever the list of choices grows to; and every tensor of the model's state dict is written or
+derived (the tied head), or the export is refused naming the tensors it has no place for.
 
 The directory appears whole or not at all: everything is computed and checked first, the files
 are written into a hidden temporary directory next to ``out``, fsynced, and renamed into place.
@@ -33,25 +36,10 @@ import torch
 from ..config import ModelConfig
 from ..files import default_file_mode, fsync_dir
 from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
-from .registry import FAMILIES, Export, Tensors
+from .registry import FAMILIES, Export, StateDict, Tensors, computed, departures, described, name_list
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
 DEFAULT_SHARD_SIZE = "5GB"  # transformers 4.x's default; every version reads the index beside the shards
-
-# (field, value that no exported architecture computes, why): checked before any architecture
-NO_EQUIVALENT: tuple[tuple[str, Any, str], ...] = (
-    ("residual_scaling", "deepnorm", "DeepNorm up-scales the residual before each post-norm (Wang et al. 2022)"),
-    ("norm_position", "post", "post-norm; no transformers decoder lmlab writes normalizes the residual stream itself"),
-    ("positions", "sinusoidal", "fixed sinusoidal positions added to the embeddings"),
-    ("positions", "relative", "Shaw et al. relative positions (learned key and value terms)"),
-    ("positions", "alibi", "ALiBi attention biases"),
-    ("positions", "none", "no position information at all"),
-    ("attn_gate", "elementwise", "a sigmoid gate on the attention output (Qwen3-Next's, whose other layers are "
-                                 "linear attention, is not written)"),
-    ("attn_gate", "headwise", "a per-head sigmoid gate on the attention output"),
-    ("moe.second_expert", "random", "GShard's randomly dispatched second expert"),
-)
-
 
 @dataclasses.dataclass
 class Exported:
@@ -69,18 +57,15 @@ def exports() -> dict[str, Export]:
 
 
 def universal_refusal(cfg: ModelConfig) -> str | None:
-    """A design choice that no transformers architecture computes, whatever the rest of the config."""
-    for field, value, why in NO_EQUIVALENT:
-        actual = cfg
-        for part in field.split("."):
-            actual = getattr(actual, part, None)
-        if actual == value:
-            return f"{field}={value!r} has no exact transformers architecture: {why}"
-    if cfg.moe is not None and cfg.moe.capacity_factor is not None:
-        return (
-            f"moe.capacity_factor={cfg.moe.capacity_factor} has no exact transformers architecture: expert capacity "
-            "drops tokens (Switch, GShard), and transformers' mixture-of-experts layers are dropless"
-        )
+    """The values of ``cfg`` that no architecture lmlab writes computes (none lists them in its ``computes``),
+    whatever the rest of the config: post-norm, positions other than rotary and learned, expert capacity, a
+    choice added to the config since, ..."""
+    targets = exports().values()
+    alone = [described(path, value) for path, value, default in departures(cfg)
+             if not any(computed(path, value, default, target.computes) for target in targets)]
+    if alone:
+        return (f"{' and '.join(alone)} {'has' if len(alone) == 1 else 'have'} no exact transformers architecture: "
+                f"no architecture lmlab writes computes {'it' if len(alone) == 1 else 'them'}")
     return mtp_refusal(cfg)
 
 
@@ -89,7 +74,7 @@ def mtp_refusal(cfg: ModelConfig) -> str | None:
     written as another, the main model would export exactly and the MTP weights would be lost."""
     if cfg.mtp is None:
         return None
-    holders = {name: target.refuse(cfg) for name, target in exports().items() if target.mtp}
+    holders = {name: target.refusal(cfg) for name, target in exports().items() if target.mtp}
     if any(why is None for why in holders.values()):
         return None
     reasons = "; ".join(f"{name} holds them but cannot compute this model: {why}" for name, why in holders.items())
@@ -108,7 +93,7 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
         if architecture not in targets:
             raise ValueError(f"architecture={architecture!r} is not one lmlab writes; choose one of {sorted(targets)}")
         target = targets[architecture]
-        why = _kind_mismatch(cfg, target) or _mtp_mismatch(cfg, target) or target.refuse(cfg)
+        why = _kind_mismatch(cfg, target) or _mtp_mismatch(cfg, target) or target.refusal(cfg)
         if why:
             raise ValueError(f"cannot export as {architecture!r}: {why}")
         return architecture, target
@@ -117,7 +102,7 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
     for name, target in targets.items():
         if target.moe is not None and target.moe != (cfg.moe is not None) or _mtp_mismatch(cfg, target):
             continue
-        why = target.refuse(cfg)
+        why = target.refusal(cfg)
         if why is None:
             return name, target
         reasons.append(f"{name}: {why}")
@@ -146,7 +131,7 @@ def one_field_fixes(cfg: ModelConfig, target: Export, why: str) -> list[tuple[st
             changed = cfg.override({field: value})
         except ValueError:
             continue
-        if target.refuse(changed) is None and not universal_refusal(changed):
+        if target.refusal(changed) is None and not universal_refusal(changed):
             fixes.append((field, str(value).lower() if isinstance(value, bool) else str(value)))
     return fixes
 
@@ -185,8 +170,31 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None, *, bos_id: int 
 def hf_tensors(model: torch.nn.Module, architecture: str | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under ``architecture``'s names (views of the model's tensors)."""
     cfg = model_config(model)
-    _, target = choose_architecture(cfg, architecture)
-    return target.weights(cfg, model.state_dict())
+    return placed(cfg, *choose_architecture(cfg, architecture), model.state_dict())
+
+
+def placed(cfg: ModelConfig, model_type: str, target: Export, state_dict: Tensors) -> dict[str, torch.Tensor]:
+    """``target``'s tensors for ``state_dict``, each of whose tensors its ``weights`` must read or :func:`derived`
+    name: one it never reads would be dropped (a gate, a bias, a table of a variant it does not compute), and is
+    refused with the others, by name, as import names every unexpected tensor."""
+    sd = StateDict(state_dict)
+    tensors = target.weights(cfg, sd)
+    unplaced = sd.unread(derived(cfg, state_dict))
+    if unplaced:
+        raise ValueError(f"cannot export as {model_type!r}: it has no place for {len(unplaced)} tensor"
+                         f"{'s' if len(unplaced) > 1 else ''} of this model, {name_list(unplaced)}; exporting without "
+                         "them would change the model")
+    return tensors
+
+
+def derived(cfg: ModelConfig, state_dict: Tensors) -> list[str]:
+    """The tensors of ``state_dict`` that are another's value, written as that one: the tied head, which
+    ``state_dict()`` lists beside the embedding it shares (architectures with tie_word_embeddings write the
+    embedding alone). Only where the two are the same memory: a head untied since is a tensor of its own."""
+    head, embed = state_dict.get("head.weight"), state_dict.get("embed.weight")
+    tied = (cfg.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape
+            and head.data_ptr() == embed.data_ptr())
+    return ["head.weight"] if tied else []
 
 
 def model_config(model: torch.nn.Module) -> ModelConfig:
@@ -217,7 +225,7 @@ def to_hf(
     cfg = model_config(model)
     out = Path(out)
     model_type, target = choose_architecture(cfg, architecture)
-    tensors = target.weights(cfg, model.state_dict())
+    tensors = placed(cfg, model_type, target, model.state_dict())
     stored = _resolve_dtype(dtype, tensors)
     limit = parse_size(max_shard_size)
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)

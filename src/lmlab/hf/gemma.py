@@ -29,6 +29,8 @@ import torch
 from ..config import ModelConfig
 from .dense import (
     LLAMA_IGNORE,
+    LLAMA_LAYOUT,
+    WINDOWS,
     llama_layout_config,
     llama_layout_refusal,
     llama_layout_to_hf,
@@ -38,6 +40,7 @@ from .dense import (
     qk_norm_weights,
 )
 from .registry import (
+    ANY,
     Export,
     Family,
     HFTensors,
@@ -132,8 +135,7 @@ def gemma3_refusal(cfg: ModelConfig) -> str | None:
     return refusal(cfg, {
         "bias": (False, "Gemma 3 has no biases"), "qkv_bias": (False, "Gemma 3 has no biases"),
         "embed_scale": ("sqrt_d", "Gemma 3 multiplies its embeddings by sqrt(hidden_size)"),
-    }) or llama_layout_refusal(cfg, "Gemma 3", norm_position="sandwich", qk_norm="head",
-                               supports=("window", "local_base", "embed_scale", "scale_dim", "norm_gain"))
+    }) or llama_layout_refusal(cfg, "Gemma 3", norm_position="sandwich", qk_norm="head")
 
 
 def gemma3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -164,4 +166,8 @@ def gemma3_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tenso
 
 register("gemma3_text", Family(gemma3_config, gemma3_weights, LLAMA_IGNORE, Export(
     "Gemma3ForCausalLM", moe=False, refuse=gemma3_refusal, config=gemma3_to_hf, weights=gemma3_weights_to_hf,
+    name="Gemma 3", computes={
+        **LLAMA_LAYOUT, **WINDOWS, "norm_position": ("sandwich",), "qk_norm": ("head",), "embed_scale": ("sqrt_d",),
+        "norm_gain": ("plain", "offset"), "attention.scale_dim": ANY, "rope.local_base": ANY,
+    },
 )))

@@ -28,13 +28,15 @@ from ..config import ModelConfig, MoEConfig
 from ..feedforward import GLU_LIMIT, QUICK_GELU_A
 from .dense import (
     LLAMA_IGNORE,
+    LLAMA_LAYOUT,
+    WINDOWS,
     llama_layout_config,
     llama_layout_refusal,
     llama_layout_to_hf,
     llama_weights,
     llama_weights_to_hf,
 )
-from .moe import all_experts_refusal
+from .moe import ALL_EXPERTS, all_experts_refusal
 from .registry import (
     Export,
     Family,
@@ -135,8 +137,7 @@ def gpt_oss_refusal(cfg: ModelConfig) -> str | None:
         "moe.n_shared": (0, "gpt-oss has no shared experts"),
         "moe.every": (1, "every gpt-oss layer is a mixture"),
         "moe.first_dense": (0, "every gpt-oss layer is a mixture"),
-    }) or llama_layout_refusal(cfg, "gpt-oss", supports=("window", "sinks", "clamped", "router_bias")) \
-        or all_experts_refusal(cfg, "gpt-oss")
+    }) or llama_layout_refusal(cfg, "gpt-oss") or all_experts_refusal(cfg, "gpt-oss")
 
 
 def gpt_oss_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -175,4 +176,9 @@ def gpt_oss_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tens
 
 register("gpt_oss", Family(gpt_oss_config, gpt_oss_weights, LLAMA_IGNORE, Export(
     "GptOssForCausalLM", moe=True, refuse=gpt_oss_refusal, config=gpt_oss_to_hf, weights=gpt_oss_weights_to_hf,
+    name="gpt-oss", computes={
+        **LLAMA_LAYOUT, **WINDOWS, **ALL_EXPERTS, "bias": (True,), "activation": ("quick_gelu",),
+        "glu_variant": ("clamped",), "attention.sinks": ("learned",), "moe.router_bias": (True,),
+        "moe.normalize_top_k": (True,),
+    },
 )))

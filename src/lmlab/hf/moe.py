@@ -33,6 +33,8 @@ import torch
 from ..config import AttentionConfig, ModelConfig, MoEConfig
 from .dense import (
     LLAMA_IGNORE,
+    LLAMA_LAYOUT,
+    WINDOWS,
     every_layer_window,
     every_layer_window_refusal,
     llama_glu,
@@ -47,7 +49,7 @@ from .dense import (
     qwen_attention,
     qwen_attention_to_hf,
 )
-from .registry import Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
+from .registry import ANY, Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
 
 
 # ============================================================== shared pieces
@@ -126,13 +128,26 @@ def moe_to_hf(
 
 def moe_refusal(cfg: ModelConfig, name: str, needs: Mapping[str, tuple[Any, str]], **layout: Any) -> str | None:
     """What a Llama-layout MoE architecture ``name`` cannot compute: biases (no transformers MoE
-    has expert biases), the layout (``layout``: its norm placement, query/key norm and per-layer
-    ``supports``, as :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
+    has expert biases), the layout (``layout``: its norm placement and query/key norm, as
+    :func:`llama_layout_refusal` takes them), then the family's own router and layer ``needs``."""
     return (
         refusal(cfg, {"bias": (False, f"{name} has no biases outside attention")})
         or llama_layout_refusal(cfg, name, **layout)
         or refusal(cfg, needs)
     )
+
+
+# what every mixture-of-experts architecture computes: the experts' number, width and segmentation, and the top-k
+MOE_SIZES: Mapping[str, Any] = dict.fromkeys(("moe.n_experts", "moe.top_k", "moe.granularity", "moe.d_expert"), ANY)
+# ... and one whose router ranks all experts at once: its groups, which (group-limited routing refused by
+# all_experts_refusal) act only in the device balance loss
+ALL_EXPERTS: Mapping[str, Any] = {**MOE_SIZES, "moe.n_groups": ANY, "moe.topk_groups": ANY,
+                                  "moe.group_score": ("max", "top2")}
+# DeepSeek-V3's router and shared experts, as GLM-4-MoE and DeepSeek hold them (their refusals check the rest)
+DEEPSEEK_ROUTING: Mapping[str, Any] = {
+    **MOE_SIZES, **dict.fromkeys(("moe.n_shared", "moe.shared_d_ff", "moe.routed_scale", "moe.first_dense",
+                                  "moe.n_groups", "moe.topk_groups"), ANY), "moe.group_score": ("max", "top2"),
+}
 
 
 def all_experts_refusal(cfg: ModelConfig, name: str) -> str | None:
@@ -188,7 +203,7 @@ def mixtral_refusal(cfg: ModelConfig) -> str | None:
         "moe.n_shared": (0, "Mixtral has no shared experts"),
         "moe.every": (1, "every Mixtral layer is a mixture"),
         "moe.first_dense": (0, "every Mixtral layer is a mixture"),
-    }, supports=("window",)) or all_experts_refusal(cfg, "Mixtral") or every_layer_window_refusal(cfg, "Mixtral")
+    }) or all_experts_refusal(cfg, "Mixtral") or every_layer_window_refusal(cfg, "Mixtral")
 
 
 def mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -213,6 +228,7 @@ def mixtral_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tens
 
 register("mixtral", Family(mixtral_config, mixtral_weights, LLAMA_IGNORE, Export(
     "MixtralForCausalLM", moe=True, refuse=mixtral_refusal, config=mixtral_to_hf, weights=mixtral_weights_to_hf,
+    name="Mixtral", computes={**LLAMA_LAYOUT, **WINDOWS, **ALL_EXPERTS, "moe.normalize_top_k": (True,)},
 )))
 
 
@@ -314,7 +330,7 @@ def qwen2_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.scoring": ("softmax", "Qwen2-MoE's router is a softmax"),
         "moe.routed_scale": (1.0, "Qwen2-MoE does not scale the routed output"),
         "moe.shared_gate": ("sigmoid", "Qwen2-MoE gates its shared expert by sigmoid(x·g)"),
-    }, supports=("window",)) or all_experts_refusal(cfg, "Qwen2-MoE")
+    }) or all_experts_refusal(cfg, "Qwen2-MoE")
 
 
 def qwen2_moe_layers(cfg: ModelConfig) -> tuple[int, list[int]]:
@@ -356,6 +372,11 @@ def qwen2_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Te
 
 register("qwen2_moe", Family(qwen2_moe_config, qwen2_moe_weights, LLAMA_IGNORE, Export(
     "Qwen2MoeForCausalLM", moe=True, refuse=qwen2_moe_refusal, config=qwen2_moe_to_hf, weights=qwen2_moe_weights_to_hf,
+    name="Qwen2-MoE", computes={
+        **LLAMA_LAYOUT, **WINDOWS, **ALL_EXPERTS, "qkv_bias": ANY, "moe.shared_gate": ("sigmoid",),
+        **dict.fromkeys(("moe.n_shared", "moe.shared_d_ff", "moe.normalize_top_k", "moe.every", "moe.first_dense"),
+                        ANY),
+    },
 )))
 
 
@@ -459,7 +480,7 @@ def glm4_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.scoring": ("sigmoid", "GLM-4-MoE scores experts with a sigmoid"),
         "moe.shared_gate": ("none", "GLM-4-MoE's shared experts are not gated"),
         "moe.every": (1, "every GLM-4-MoE layer after the first dense ones is a mixture"),
-    }, qk_norm=qk_norm, supports=("partial",))
+    }, qk_norm=qk_norm)
     if why is None and _shared_total(cfg) % width:
         why = (f"moe.shared_d_ff={moe.shared_d_ff} (GLM-4-MoE's shared experts are whole experts of "
                f"moe_intermediate_size={width})")
@@ -521,4 +542,8 @@ def glm4_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Ten
 
 register("glm4_moe", Family(glm4_moe_config, glm4_moe_weights, LLAMA_IGNORE, Export(
     "Glm4MoeForCausalLM", moe=True, refuse=glm4_moe_refusal, config=glm4_moe_to_hf, weights=glm4_moe_weights_to_hf,
+    name="GLM-4-MoE", computes={
+        **LLAMA_LAYOUT, **DEEPSEEK_ROUTING, "qkv_bias": ANY, "qk_norm": ("none", "head"), "rope.partial": ANY,
+        "moe.scoring": ("sigmoid",), "moe.normalize_top_k": ANY,
+    },
 )))

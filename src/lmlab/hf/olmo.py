@@ -16,6 +16,7 @@ from ..config import ModelConfig, MoEConfig
 from .dense import (
     LLAMA_DEFAULTS,
     LLAMA_IGNORE,
+    LLAMA_LAYOUT,
     llama_layout_config,
     llama_layout_refusal,
     llama_layout_to_hf,
@@ -24,8 +25,9 @@ from .dense import (
     qk_norm_to_hf,
     qk_norm_weights,
 )
-from .moe import all_experts_refusal, moe_refusal, moe_to_hf, moe_weights
+from .moe import ALL_EXPERTS, all_experts_refusal, moe_refusal, moe_to_hf, moe_weights
 from .registry import (
+    ANY,
     Export,
     Family,
     HFTensors,
@@ -79,6 +81,7 @@ def olmo2_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor
 
 register("olmo2", Family(olmo2_config, olmo2_weights, LLAMA_IGNORE, Export(
     "Olmo2ForCausalLM", moe=False, refuse=olmo2_refusal, config=olmo2_to_hf, weights=olmo2_weights_to_hf,
+    name="OLMo 2", computes={**LLAMA_LAYOUT, "norm_position": ("reordered",), "qk_norm": ("full",)},
 )))
 
 
@@ -151,4 +154,5 @@ def olmoe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor
 
 register("olmoe", Family(olmoe_config, olmoe_weights, LLAMA_IGNORE, Export(
     "OlmoeForCausalLM", moe=True, refuse=olmoe_refusal, config=olmoe_to_hf, weights=olmoe_weights_to_hf,
+    name="OLMoE", computes={**LLAMA_LAYOUT, **ALL_EXPERTS, "qk_norm": ("full",), "moe.normalize_top_k": ANY},
 )))

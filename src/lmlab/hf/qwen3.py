@@ -17,6 +17,8 @@ from ..config import AttentionConfig, ModelConfig, MoEConfig
 from .dense import (
     LLAMA_DEFAULTS,
     LLAMA_IGNORE,
+    LLAMA_LAYOUT,
+    WINDOWS,
     every_layer_window,
     every_layer_window_refusal,
     llama_glu,
@@ -31,8 +33,17 @@ from .dense import (
     qwen_attention,
     qwen_attention_to_hf,
 )
-from .moe import all_experts_refusal, every_and_first_dense, moe_refusal, moe_to_hf, moe_weights, qwen2_moe_layers
+from .moe import (
+    ALL_EXPERTS,
+    all_experts_refusal,
+    every_and_first_dense,
+    moe_refusal,
+    moe_to_hf,
+    moe_weights,
+    qwen2_moe_layers,
+)
 from .registry import (
+    ANY,
     Export,
     Family,
     HFTensors,
@@ -93,7 +104,7 @@ def qwen3_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | No
 def qwen3_refusal(cfg: ModelConfig) -> str | None:
     return refusal(cfg, {
         "bias": (False, "Qwen3 has no biases outside attention"), "qkv_bias": (False, "Qwen3 has no q, k, v biases"),
-    }) or llama_layout_refusal(cfg, "Qwen3", qk_norm="head", supports=("window",))
+    }) or llama_layout_refusal(cfg, "Qwen3", qk_norm="head")
 
 
 def qwen3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -106,6 +117,7 @@ def qwen3_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor
 
 register("qwen3", Family(qwen3_config, qwen3_weights, LLAMA_IGNORE, Export(
     "Qwen3ForCausalLM", moe=False, refuse=qwen3_refusal, config=qwen3_to_hf, weights=qwen3_weights_to_hf,
+    name="Qwen3", computes={**LLAMA_LAYOUT, **WINDOWS, "qk_norm": ("head",)},
 )))
 
 
@@ -161,7 +173,7 @@ def qwen3_moe_refusal(cfg: ModelConfig) -> str | None:
         "moe.scoring": ("softmax", "Qwen3-MoE's router is a softmax"),
         "moe.routed_scale": (1.0, "Qwen3-MoE does not scale the routed output"),
         "moe.n_shared": (0, "Qwen3-MoE has no shared experts"),
-    }, qk_norm="head", supports=("window",)) or all_experts_refusal(cfg, "Qwen3-MoE") or every_layer_window_refusal(
+    }, qk_norm="head") or all_experts_refusal(cfg, "Qwen3-MoE") or every_layer_window_refusal(
         cfg, "Qwen3-MoE")
 
 
@@ -188,5 +200,8 @@ def qwen3_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Te
 
 register("qwen3_moe", Family(qwen3_moe_config, qwen3_moe_weights, LLAMA_IGNORE, Export(
     "Qwen3MoeForCausalLM", moe=True, refuse=qwen3_moe_refusal, config=qwen3_moe_to_hf,
-    weights=qwen3_moe_weights_to_hf,
+    weights=qwen3_moe_weights_to_hf, name="Qwen3-MoE", computes={
+        **LLAMA_LAYOUT, **WINDOWS, **ALL_EXPERTS, "qk_norm": ("head",),
+        **dict.fromkeys(("moe.normalize_top_k", "moe.every", "moe.first_dense"), ANY),
+    },
 )))

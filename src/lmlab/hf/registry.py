@@ -6,6 +6,12 @@ state dict, read through :class:`HFTensors` so that every missing and unexpected
 reported at once; and, for families lmlab also writes, its :class:`Export` side: which lmlab
 configs it holds exactly, and their config.json and tensors. The helpers below are shared by
 the families of ``dense.py`` and ``moe.py``, in both directions.
+
+Export is by allow-list, the mirror of import: an architecture declares in ``Export.computes`` the
+config values it computes beyond the defaults, and any other value is refused (:func:`not_computed`);
+its weights function reads the lmlab state dict through :class:`StateDict`, and a tensor it never
+reads is one the export would drop, so ``to_hf`` refuses it by name. A new choice or tensor is
+refused until some family says it computes it.
 """
 
 from __future__ import annotations
@@ -13,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from ..config import AttentionConfig, ModelConfig, RopeConfig
-from ..schema import suggest
+from ..schema import Config, suggest
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -58,15 +64,50 @@ class HFTensors:
         return sorted(set(self.tensors) - self.taken)
 
 
+class StateDict(Mapping[str, torch.Tensor]):
+    """An lmlab state dict as an export's ``weights`` reads it (the mirror of :class:`HFTensors`):
+    records every name read, so that the names never read, tensors the architecture has no place
+    for, can be refused together. Read tensors by name; iterating would read them all."""
+
+    def __init__(self, tensors: Tensors):
+        self.tensors = tensors
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.tensors[name]
+        self.read.add(name)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def unread(self, derived: Iterable[str] = ()) -> list[str]:
+        """The names neither read nor ``derived`` (another tensor's value, written as that one)."""
+        return sorted(set(self.tensors) - self.read - set(derived))
+
+
+def name_list(names: Sequence[str], limit: int = 8) -> str:
+    """``[a, b, ... 3 more]``: tensor names for a one-line message."""
+    shown = ", ".join(names[:limit])
+    return f"[{shown}, ... {len(names) - limit} more]" if len(names) > limit else f"[{shown}]"
+
+
 @dataclasses.dataclass(frozen=True)
 class Export:
     """How lmlab models leave as one ``model_type`` (see :mod:`lmlab.hf.export`).
 
-    ``refuse(cfg)`` says why this architecture cannot compute ``cfg``'s model exactly, naming the
-    field and its value (None: it can); ``config(cfg)`` gives config.json's architecture keys;
-    ``weights(cfg, state_dict)`` gives the tensors under the names ``save_pretrained`` writes,
-    raising ValueError for a weight the architecture has no place for. ``mtp``: its checkpoints hold
-    multi-token prediction modules (DeepSeek-V3's); every other architecture refuses a model with ``mtp``."""
+    ``computes``: the config values this architecture computes beyond the defaults (see
+    :func:`not_computed`), read off what ``config`` and ``weights`` write; every other value is
+    refused. ``refuse(cfg)`` says why it cannot compute ``cfg``'s model exactly where the values are
+    allowed one by one but not together, naming the field and its value (None: it can);
+    ``config(cfg)`` gives config.json's architecture keys; ``weights(cfg, state_dict)`` gives the
+    tensors under the names ``save_pretrained`` writes, reading the state dict by name (a tensor it
+    never reads is refused by ``to_hf``), raising ValueError for a value the architecture has no place
+    for. ``mtp``: its checkpoints hold multi-token prediction modules (DeepSeek-V3's); every other
+    architecture refuses a model with ``mtp``. ``name``: how messages call it ("Llama")."""
 
     architecture: str  # the transformers class, config.json's "architectures"
     moe: bool | None  # holds mixture-of-experts models (else dense ones); None: both
@@ -74,6 +115,13 @@ class Export:
     config: Callable[[ModelConfig], dict[str, Any]]
     weights: Callable[[ModelConfig, Tensors], dict[str, torch.Tensor]]
     mtp: bool = False
+    name: str = ""
+    computes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def refusal(self, cfg: ModelConfig) -> str | None:
+        """Why this architecture cannot compute ``cfg``: its own ``refuse``, then the first value it does not
+        compute."""
+        return self.refuse(cfg) or not_computed(cfg, self.name or self.architecture, self.computes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +154,112 @@ def family_for(model_type: Any) -> Family:
             f"{suggest(str(model_type), names)}; supported model types: {', '.join(names)}"
         )
     return FAMILIES[model_type]
+
+
+# ============================================================== what an architecture computes
+class _Any:
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Any = _Any()  # in Export.computes: every value of the field (of a nested config: of every field in it)
+
+# What every architecture lmlab writes computes, whatever the value: the sizes and the norms' epsilon, which every
+# config writer writes, and the tied head, which the weights' accounting checks is the embedding; sizes that act
+# only through another field's choice (a window in the local layers of attention.pattern, relative_clip with
+# positions='relative'); and what acts only in training: dropout, the initialization (residual_scaling='gpt2'
+# scales the initial output projections, nothing else), the balancing terms (the selection bias one trains is a
+# tensor, which the weights write or refuse) and the MTP loss weight.
+EVERY_ARCHITECTURE: Mapping[str, Any] = {
+    **dict.fromkeys(("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
+                     "norm_eps", "tie_embeddings", "attention.window", "relative_clip"), ANY),
+    **dict.fromkeys(("dropout", "init_std", "init", "init_seed", "moe.load_balance_coef", "moe.z_loss_coef",
+                     "moe.expert_balance_coef", "moe.device_balance_coef", "moe.bias_update_rate", "mtp.loss_weight"),
+                    ANY),
+    "residual_scaling": ("none", "gpt2"),
+}
+
+# what an architecture that does not name a field in its computes lacks, for messages; a field without a line
+# here is described by its default ("computes only 'none'")
+LACKS: Mapping[str, str] = {
+    "mla": "has no multi-head latent attention", "moe": "has no mixture-of-experts layers",
+    "mtp": "holds no multi-token prediction modules", "attn_gate": "has no gate on the attention output",
+    "embed_scale": "does not scale its embeddings", "norm_gain": "stores each RMSNorm's gain itself",
+    "attention.scale_dim": "scales attention scores by 1/sqrt(head_dim)",
+    "glu_variant": "gates its feed-forward unclamped", "moe.router_bias": "has no bias on the router logits",
+    "attention.pattern": "has no sliding-window layers", "attention.sinks": "has no attention sinks",
+    "rope.partial": "rotates every dimension of each head", "rope.nope_every": "has no NoPE layers",
+    "rope.local_base": "rotates every layer with one base",
+}
+
+
+def departures(cfg: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted field, value, default) for every field of ``cfg`` whose value is not its default, nested configs
+    walked: one set where the default is None (moe, mla, mtp) departs itself, and its fields are compared with
+    that class's defaults. A default of None that the config resolves from other fields (qkv_bias from bias,
+    head_dim from d_model / n_heads) is the value it resolves to."""
+    found: list[tuple[str, Any, Any]] = []
+
+    def walk(node: Config, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            path, value = prefix + f.name, getattr(node, f.name)
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            if isinstance(value, Config):
+                if default is None:
+                    found.append((path, value, None))
+                walk(value, f"{path}.")
+            elif value != default and not (default is None and _resolved(cfg, path) == value):
+                found.append((path, value, default))
+
+    walk(cfg, "")
+    return found
+
+
+def _resolved(cfg: ModelConfig, path: str) -> Any:
+    """What field ``path`` of ``cfg`` resolves to when set to None (a private sentinel where None is not valid)."""
+    try:
+        node: Any = cfg.override({path: None})
+    except ValueError:
+        return _Any()
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def computed(path: str, value: Any, default: Any, computes: Mapping[str, Any]) -> bool:
+    """Whether an architecture whose ``Export.computes`` is ``computes`` computes field ``path`` (dotted) holding
+    ``value``: a value ``computes`` or :data:`EVERY_ARCHITECTURE` lists for it (each item, for a tuple such as
+    attention.pattern), or any value where one of them says ANY for it or a config it is in. A field neither names
+    computes its default only; a nested config is computed where a field in it is named."""
+    allowed = {**EVERY_ARCHITECTURE, **computes}
+    parts = path.split(".")
+    if any(allowed.get(".".join(parts[:i])) is ANY for i in range(1, len(parts) + 1)):
+        return True
+    if isinstance(value, Config):
+        return path in allowed or any(k.startswith(f"{path}.") for k in allowed)
+    choices = allowed.get(path, default if isinstance(default, tuple) else (default,))
+    return all(v in choices for v in value) if isinstance(value, tuple) else value in choices
+
+
+def described(path: str, value: Any) -> str:
+    """``field=value`` as messages write it: a nested config as ``field set``, a tuple as a list."""
+    if isinstance(value, Config):
+        return f"{path} set"
+    return f"{path}={list(value) if isinstance(value, tuple) else value!r}"
+
+
+def not_computed(cfg: ModelConfig, name: str, computes: Mapping[str, Any]) -> str | None:
+    """The first value of ``cfg`` that architecture ``name`` does not compute (see :func:`computed`), as
+    "field=value (why)", or None. A field or a choice added to the config departs from what every architecture
+    declares, so it is refused everywhere until one says it computes it."""
+    for path, value, default in departures(cfg):
+        if not computed(path, value, default, computes):
+            if path in computes:
+                why = f"computes only {' or '.join(map(repr, computes[path]))}"
+            else:
+                why = LACKS.get(path) or f"computes only {list(default) if isinstance(default, tuple) else default!r}"
+            return f"{described(path, value)} ({name} {why})"
+    return None
 
 
 # ============================================================== helpers the families share
@@ -242,6 +396,16 @@ def rope_to_hf(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": parameters, **extra}
 
 
+# what :func:`rope_to_hf` and the q/k rows' conversion to the half layout write: every rotary architecture's computes
+ROTARY: Mapping[str, Any] = {
+    "rope.layout": ("half", "interleaved"),
+    "rope.scaling": ("none", "linear", "ntk", "dynamic", "yarn", "llama3"),
+    **dict.fromkeys(("rope.base", "rope.factor", "rope.original_max_seq_len", "rope.beta_fast", "rope.beta_slow",
+                     "rope.attention_factor", "rope.mscale", "rope.mscale_all_dim", "rope.truncate",
+                     "rope.low_freq_factor", "rope.high_freq_factor"), ANY),
+}
+
+
 def rope_refusal(cfg: ModelConfig) -> str | None:
     """What of ``cfg.rope`` transformers' rotary embeddings cannot compute (the layout is converted
     by permuting q/k rows, so both layouts export)."""
@@ -289,36 +453,6 @@ def attention_from_hf(layer_types: Sequence[Any] | None, window: Any, n_layers: 
 def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
     """config.json's ``layer_types``: every layer's kind, written out (the inverse of :func:`attention_from_hf`)."""
     return [LAYER_TYPES[cfg.attention.kind(i)] for i in range(cfg.n_layers)]
-
-
-def layers_refusal(cfg: ModelConfig, name: str, supports: Iterable[str] = ()) -> str | None:
-    """The first per-layer attention or position choice of ``cfg``, or refinement of the block, that
-    architecture ``name`` lacks; ``supports`` names those it has: "window" (sliding layers, any pattern),
-    "sinks", "partial" (partial rotary), "nope" (NoPE layers), "local_base" (local layers' own rotary base),
-    "embed_scale" (embeddings times sqrt(d_model)), "scale_dim" (scores over sqrt(attention.scale_dim)),
-    "norm_gain" (RMSNorm gains stored as 1 + w), "clamped" (``glu_variant``), "router_bias" (``moe.router_bias``).
-    Every family's refusal asks this."""
-    attention, rope, ok = cfg.attention, cfg.rope, set(supports)
-    checks = [
-        ("embed_scale", cfg.embed_scale != "none", f"embed_scale={cfg.embed_scale!r}", "does not scale its embeddings"),
-        ("scale_dim", attention.scale_dim is not None, f"attention.scale_dim={attention.scale_dim}",
-         "scales attention scores by 1/sqrt(head_dim)"),
-        ("norm_gain", cfg.norm_gain != "plain", f"norm_gain={cfg.norm_gain!r}", "stores each RMSNorm's gain itself"),
-        ("clamped", cfg.glu_variant != "plain", f"glu_variant={cfg.glu_variant!r}", "gates its feed-forward unclamped"),
-        ("router_bias", cfg.moe is not None and cfg.moe.router_bias, "moe.router_bias=True",
-         "has no bias on the router logits"),
-        ("window", "local" in attention.pattern, f"attention.pattern={list(attention.pattern)}",
-         "has no sliding-window layers"),
-        ("sinks", attention.sinks != "none", f"attention.sinks={attention.sinks!r}", "has no attention sinks"),
-        ("partial", rope.partial != 1.0, f"rope.partial={rope.partial}", "rotates every dimension of each head"),
-        ("nope", rope.nope_every != 0, f"rope.nope_every={rope.nope_every}", "has no NoPE layers"),
-        ("local_base", rope.local_base is not None, f"rope.local_base={rope.local_base}",
-         "rotates every layer with one base"),
-    ]
-    for feature, used, field, why in checks:
-        if used and feature not in ok:
-            return f"{field} ({name} {why})"
-    return None
 
 
 def key_refused(hf: Mapping[str, Any], key: str, why: str) -> ValueError:

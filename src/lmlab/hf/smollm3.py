@@ -9,6 +9,8 @@ from ..config import ModelConfig
 from .dense import (
     LLAMA_DEFAULTS,
     LLAMA_IGNORE,
+    LLAMA_LAYOUT,
+    WINDOWS,
     llama_config,
     llama_layout_refusal,
     llama_layout_to_hf,
@@ -16,7 +18,7 @@ from .dense import (
     llama_weights_to_hf,
     qwen_attention_to_hf,
 )
-from .registry import Export, Family, attention_from_hf, register, with_defaults
+from .registry import ANY, Export, Family, attention_from_hf, register, with_defaults
 
 # transformers' SmolLM3Config defaults (5.x), for keys an older config.json leaves out
 SMOLLM3_DEFAULTS: dict[str, Any] = dict(
@@ -60,7 +62,7 @@ def smollm3_config(hf: Mapping[str, Any]) -> ModelConfig:
 def smollm3_refusal(cfg: ModelConfig) -> str | None:
     if cfg.bias != cfg.qkv_bias:
         return f"qkv_bias={cfg.qkv_bias} with bias={cfg.bias} (SmolLM3's attention_bias covers q, k, v and the output)"
-    return llama_layout_refusal(cfg, "SmolLM3", supports=("window", "nope"))
+    return llama_layout_refusal(cfg, "SmolLM3")
 
 
 def smollm3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -74,4 +76,5 @@ def smollm3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 register("smollm3", Family(smollm3_config, llama_weights, LLAMA_IGNORE, Export(
     "SmolLM3ForCausalLM", moe=False, refuse=smollm3_refusal, config=smollm3_to_hf, weights=llama_weights_to_hf,
+    name="SmolLM3", computes={**LLAMA_LAYOUT, **WINDOWS, "bias": (False, True), "rope.nope_every": ANY},
 )))
