@@ -19,17 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_variants import AttentionArgs, variant_of
 from .config import ModelConfig
 from .init import Init, init_module
-from .norm import build_rms_norm
+from .norm import RMS_NORMS
 from .positions import AttentionTerm, Context, causal_context, padded_context
 
 
 class KVCache:
-    """Preallocated keys and values for incremental decoding: (L, B, KV, max_len, hd) each. Under
-    multi-head latent attention (``mla.py``) what a layer stores per token is its compressed latent
-    (L, B, 1, max_len, kv_lora_rank) in ``k`` and its shared rotary key (L, B, 1, max_len,
-    qk_rope_head_dim) in ``v``: ``ModelConfig.cache_widths`` says which.
+    """Preallocated keys and values for incremental decoding: (L, B, KV, max_len, hd) each. The
+    attention variant says what a layer stores per token (``AttentionVariant.cache_widths``): under
+    multi-head latent attention (``mla.py``) its compressed latent (L, B, 1, max_len, kv_lora_rank)
+    in ``k`` and its shared rotary key (L, B, 1, max_len, qk_rope_head_dim) in ``v``.
 
     Keys are stored after rotation, so rotary angles are never recomputed; relative and ALiBi
     terms are recomputed from positions for all cached keys. ``length`` is the number of slots
@@ -50,7 +51,7 @@ class KVCache:
                  layers: range | None = None):
         layers = layers if layers is not None else range(cfg.n_layers)
         self.first_layer = layers.start
-        heads, key_width, value_width = cfg.cache_widths
+        heads, key_width, value_width = variant_of(cfg).cache_widths(cfg)
         self.k = torch.zeros(len(layers), batch_size, heads, max_len, key_width, device=device, dtype=dtype)
         self.v = torch.zeros(len(layers), batch_size, heads, max_len, value_width, device=device, dtype=dtype)
         self.layer_kv = [(self.k[i], self.v[i]) for i in range(len(layers))]  # (B, heads, max_len, width) views
@@ -243,9 +244,10 @@ class HeadQKNorm(NoQKNorm):
 
     normalizes = True
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, args: AttentionArgs):
         super().__init__()
-        self.q_norm, self.k_norm = build_rms_norm(cfg, cfg.head_dim), build_rms_norm(cfg, cfg.head_dim)
+        norm = RMS_NORMS[args.norm_gain]
+        self.q_norm, self.k_norm = norm(args.head_dim, args.norm_eps), norm(args.head_dim, args.norm_eps)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, T, H, hd), k (B, T, KV, hd), normalized over hd."""
@@ -258,17 +260,18 @@ class FullQKNorm(NoQKNorm):
 
     normalizes = True
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, args: AttentionArgs):
         super().__init__()
-        self.q_norm = build_rms_norm(cfg, cfg.n_heads * cfg.head_dim)
-        self.k_norm = build_rms_norm(cfg, cfg.n_kv_heads * cfg.head_dim)
+        norm = RMS_NORMS[args.norm_gain]
+        self.q_norm = norm(args.n_heads * args.head_dim, args.norm_eps)
+        self.k_norm = norm(args.n_kv_heads * args.head_dim, args.norm_eps)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, T, H, hd), k (B, T, KV, hd), each normalized over its last two axes together."""
         return self.q_norm(q.flatten(-2)).view(q.shape), self.k_norm(k.flatten(-2)).view(k.shape)
 
 
-QK_NORMS = {"none": lambda cfg: NoQKNorm(), "head": HeadQKNorm, "full": FullQKNorm}
+QK_NORMS = {"none": lambda args: NoQKNorm(), "head": HeadQKNorm, "full": FullQKNorm}
 
 
 # ============================================================== output gates (ModelConfig.attn_gate)
@@ -285,10 +288,10 @@ class OutputGate(nn.Module):
     per head (``per_head`` = 1) (Qiu et al. 2025, arXiv:2505.06708, eq. 5; their best: elementwise, after
     SDPA). Qwen3-Next's gate is the elementwise one, its W_g rows interleaved with q_proj's per head."""
 
-    def __init__(self, cfg: ModelConfig, per_head: int):
+    def __init__(self, args: AttentionArgs, per_head: int):
         super().__init__()
         self.per_head = per_head
-        self.proj = nn.Linear(cfg.d_model, cfg.n_heads * per_head, bias=cfg.qkv_bias)  # part of the query side
+        self.proj = nn.Linear(args.d_model, args.n_heads * per_head, bias=args.qkv_bias)  # part of the query side
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         B, T, H, _ = y.shape
@@ -297,29 +300,35 @@ class OutputGate(nn.Module):
 
 
 GATES = {
-    "none": lambda cfg: NoGate(),
-    "elementwise": lambda cfg: OutputGate(cfg, cfg.head_dim),
-    "headwise": lambda cfg: OutputGate(cfg, 1),
+    "none": lambda args: NoGate(),
+    "elementwise": lambda args: OutputGate(args, args.head_dim),
+    "headwise": lambda args: OutputGate(args, 1),
 }
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+    """The ``standard`` attention variant: n_heads queries over n_kv_heads keys and values (multi-head,
+    grouped-query, multi-query), built from its own config (``AttentionArgs``). A variant that changes
+    only the score subclasses it and overrides :meth:`scores` (the explicit path then computes it)."""
+
+    fused = True  # scaled_dot_product_attention computes these scores; False: only the explicit path does
+
+    def __init__(self, args: AttentionArgs, layer: int, term: AttentionTerm):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.scale = cfg.attention_scale  # 1 / sqrt(head_dim), or of attention.scale_dim
-        self.dropout = cfg.dropout
-        qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, qkv_dim, bias=cfg.qkv_bias)  # [q; k; v], one matmul
-        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
-        self.qk_norm = QK_NORMS[cfg.qk_norm](cfg)
-        self.gate = GATES[cfg.attn_gate](cfg)
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.scale = args.scale  # 1 / sqrt(head_dim), or of attention.scale_dim, or μP's
+        self.dropout = args.dropout
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.qkv = nn.Linear(args.d_model, qkv_dim, bias=args.qkv_bias)  # [q; k; v], one matmul
+        self.out = nn.Linear(args.n_heads * args.head_dim, args.d_model, bias=args.out_bias)
+        self.qk_norm = QK_NORMS[args.qk_norm](args)
+        self.gate = GATES[args.gate](args)
         self.term = term  # the position scheme's part in attention
         # a learned logit per head that joins every softmax's denominator (gpt-oss); None = plain softmax
-        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention.sinks == "learned" else None
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.sinks == "learned" else None
         self.softmax = softmax_plain if self.sinks is None else self.softmax_with_sinks
-        self.set_impl("sdpa" if term.sdpa_ok else "explicit")
+        self.set_impl("sdpa" if term.sdpa_ok and self.fused else "explicit")
         # rotary (half layout) heads come from one autograd Function, the rest from a split; normalized
         # queries and keys from a split, normalized, then rotated
         if self.qk_norm.normalizes:
@@ -337,6 +346,9 @@ class Attention(nn.Module):
                 f"attention impl='sdpa' cannot compute {type(self.term).__name__} (it adds a term to the "
                 "attention output, which the fused kernel has no input for); use impl='explicit'"
             )
+        if impl == "sdpa" and not self.fused:
+            raise ValueError(f"attention impl='sdpa' cannot compute {type(self).__name__}'s scores (the fused kernel "
+                             "computes q·k); use impl='explicit'")
         self.attend = paths[impl]
         self.impl = impl
 
@@ -427,7 +439,7 @@ class Attention(nn.Module):
     def attend_explicit(self, q, k, v, ctx: Context) -> torch.Tensor:
         """The reference: softmax(q k^T / sqrt(d) + bias) v + value term, written out."""
         k, v = expand_kv(k, self.n_heads), expand_kv(v, self.n_heads)  # (B, H, S, hd)
-        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, S)
+        scores = self.scores(q, k)  # (B, H, T, S)
         bias = self.term.score_bias(q, ctx)
         if bias is not None:
             scores = scores + bias
@@ -439,6 +451,10 @@ class Attention(nn.Module):
         y = probs @ v  # (B, H, T, hd)
         extra = self.term.value_term(probs, ctx)
         return y if extra is None else y + extra
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, hd), k (B, H, S, hd) -> scores (B, H, T, S): q·k times the scale."""
+        return (q @ k.transpose(-2, -1)) * self.scale
 
     def softmax_with_sinks(self, scores: torch.Tensor) -> torch.Tensor:
         """softmax over [scores, sink_h] per row of (B, H, T, S) scores, the sink's column dropped: the

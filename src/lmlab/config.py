@@ -12,8 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Any, Literal
 
+from .attention_variants import (
+    ATTENTION_VARIANTS,
+    MLAConfig,
+    check_sections,
+    check_variant_name,
+    implied_variant,
+    variant_name,
+    variant_of,
+)
 from .schema import (
     Config,
     added,
@@ -292,48 +302,6 @@ class MoEConfig(Config):
         return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
 
 
-_MLA = "issue 23: multi-head latent attention"
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class MLAConfig(Config):
-    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1; DeepSeek-V3 the same);
-    ``ModelConfig.mla``.
-
-    Keys and values of every head are up-projected from one compressed latent c_t = W_DKV x_t of
-    ``kv_lora_rank`` values per token (eq. 9-11), so the decode cache holds that latent, not keys and
-    values. Rotary positions cannot act on keys made from a cached latent (the rotation would sit
-    between W_UK and the query), so each head's query and key get ``qk_rope_head_dim`` extra
-    "decoupled" dimensions that rotate, the key's shared by all heads and computed from x_t directly
-    (eq. 14-19). Queries are compressed the same way through ``q_lora_rank`` (eq. 12-13; None =
-    a full-rank query projection, as DeepSeek-V2-Lite). Each latent is RMS-normalized before its
-    up-projection, as the released models do.
-    """
-
-    # every field is new with ModelConfig.mla (issue 23), so each is declared with ``added``
-    q_lora_rank: int | None = added(None, since=_MLA)  # d_c' of the query latent; None: one (d_model, H * qk) W_Q
-    kv_lora_rank: int = added(128, since=_MLA)  # d_c: the cached latent per token; 4 d_h as V2/V3's 512 (sec. 2.1.4)
-    qk_nope_head_dim: int = added(32, since=_MLA)  # d_h: the part of each head's query and key that is not rotated
-    qk_rope_head_dim: int = added(16, since=_MLA)  # d_h^R: the decoupled rotary part (V2/V3: d_h / 2)
-    v_head_dim: int = added(32, since=_MLA)  # each head's value width
-
-    @property
-    def qk_head_dim(self) -> int:
-        """The width of each head's query and key: the unrotated part and the rotary part."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def validate(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            check_size(f"mla.{name}", getattr(self, name))
-        if self.q_lora_rank is not None:
-            check_size("mla.q_lora_rank", self.q_lora_rank)
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even: rotary turns pairs of dimensions; "
-                f"choose {self.qk_rope_head_dim + 1}"
-            )
-
-
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class AttentionConfig(Config):
     """Which keys each layer's queries see, and where the rest of their attention may go; ``ModelConfig.attention``.
@@ -347,7 +315,10 @@ class AttentionConfig(Config):
 
     ``sinks``: ``learned`` adds a learned logit per head to every softmax's denominator, a key that
     takes attention and gives nothing back, so a head may attend to nothing (gpt-oss; Xiao et al.
-    2023, arXiv:2309.17453, found models make one of the first token)."""
+    2023, arXiv:2309.17453, found models make one of the first token).
+
+    ``variant``: which attention computes the scores, a name of ``attention_variants.ATTENTION_VARIANTS``
+    (``standard``, ``mla``); unset, the one the model config's sections imply (``mla`` where ``mla`` is set)."""
 
     # W tokens a local layer's query sees, itself included; None = no local layers
     window: int | None = added(None, since="issue 23")
@@ -355,8 +326,12 @@ class AttentionConfig(Config):
     sinks: Sinks = added("none", since="issue 23")
     # scores are q·k / sqrt(scale_dim); None = head_dim (Vaswani et al. 2017). Gemma 3's query_pre_attn_scalar
     scale_dim: int | None = added(None, since="issue 23: Gemma 3")
+    # a name of ATTENTION_VARIANTS; None (and a name the sections already imply): as ModelConfig's sections say
+    variant: str | None = added(None, since="issue 39: attention variants by name")
 
     def validate(self) -> None:
+        if self.variant is not None:
+            check_variant_name(self.variant)
         if self.scale_dim is not None:
             check_size("attention.scale_dim", self.scale_dim)
         if not self.pattern:
@@ -462,8 +437,8 @@ class ModelConfig(Config):
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
     attention: AttentionConfig = added(since="issue 23", factory=AttentionConfig)  # windows per layer, sinks
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
-    # None = standard attention; else multi-head latent attention (DeepSeek-V2)
-    mla: MLAConfig | None = added(None, since=_MLA)
+    # the section of attention.variant 'mla', multi-head latent attention (DeepSeek-V2); set, it implies that variant
+    mla: MLAConfig | None = added(None, since="issue 23: multi-head latent attention")
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)
@@ -483,6 +458,7 @@ class ModelConfig(Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._resolve_variant()
         # resolve derived sizes so the saved config is explicit
         for name, value in self._derived_sizes().items():
             if getattr(self, name) is None:
@@ -492,6 +468,20 @@ class ModelConfig(Config):
             object.__setattr__(self, "mup", MupConfig(base_d_model=base.base_d_model or self.d_model,
                                                       base_head_dim=base.base_head_dim or self.head_dim))
         self._validate_resolved()
+
+    def _resolve_variant(self) -> None:
+        """A variant named in attention.variant gets its sections, each with its defaults where unset; a name the
+        sections already imply is stored unset, as configs written before the field say it: one model, one config."""
+        name = self.attention.variant
+        if name is None:
+            return
+        hints = typing.get_type_hints(type(self))
+        for section in ATTENTION_VARIANTS[name].sections:
+            if getattr(self, section) is None:
+                section_class = next(a for a in typing.get_args(hints[section]) if a is not type(None))
+                object.__setattr__(self, section, section_class())
+        if implied_variant(self) == name:
+            object.__setattr__(self, "attention", dataclasses.replace(self.attention, variant=None))
 
     def _derived_sizes(self) -> dict[str, Any]:
         """What n_kv_heads, head_dim, d_ff and qkv_bias resolve to when left as None."""
@@ -551,8 +541,6 @@ class ModelConfig(Config):
                 f"norm_gain={self.norm_gain!r} is a parametrization of RMSNorm's gain; set norm='rmsnorm' or "
                 "norm_gain='plain'"
             )
-        if self.mla is not None:
-            self._validate_mla()
         self._validate_parametrization()
         if self.positions != "rope" and self.rope.scaling != "none":
             raise ValueError(
@@ -571,11 +559,6 @@ class ModelConfig(Config):
                 f"rope.local_base={rope.local_base} is the base of local layers, and attention.pattern has none; "
                 "put 'local' in attention.pattern or leave rope.local_base unset"
             )
-        if self.mla is not None and (attention != AttentionConfig() or rope.partial != 1.0 or rope.nope_every):
-            raise ValueError(
-                "mla with attention windows, sinks, rope.partial or rope.nope_every is not implemented; "
-                "leave those at their defaults with mla set"
-            )
         if attention.sinks != "none" and self.positions == "relative":
             raise ValueError(
                 f"attention.sinks={attention.sinks!r} is not implemented with positions='relative'; "
@@ -590,40 +573,19 @@ class ModelConfig(Config):
             return
         clashes = (("init", self.init, self.init == "normal"),
                    ("residual_scaling", self.residual_scaling, self.residual_scaling != "deepnorm"),
-                   ("mla", self.mla, self.mla is None),
+                   ("attention.variant", self.attention_variant, variant_of(self).supports_mup),
                    ("attention.scale_dim", self.attention.scale_dim, self.attention.scale_dim is None))
         for name, value, ok in clashes:
             if not ok:
                 raise ValueError(
                     f"parametrization='mup' with {name}={value!r} is not implemented: μP draws every matrix from "
-                    "N(0, init_std) scaled by its fan-in, scales scores by 1/head_dim and knows no MLA ranks; "
-                    f"use parametrization='standard' or leave {name} at its default"
+                    "N(0, init_std) scaled by its fan-in, scales scores by 1/head_dim and knows standard attention's "
+                    f"shapes only; use parametrization='standard' or leave {name} at its default"
                 )
-
-    def _validate_mla(self) -> None:
-        if self.positions != "rope":
-            raise ValueError(
-                f"mla needs positions='rope' (its decoupled query/key dimensions are rotary), not "
-                f"positions={self.positions!r}; set positions='rope' or mla=None"
-            )
-        for name in ("qk_norm", "attn_gate"):
-            if getattr(self, name) != "none":
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is an option of standard attention, not of mla (whose latents "
-                    f"have their own RMSNorms); set {name}='none' or mla=None"
-                )
-        if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} does not apply with mla: every head's keys and values come from one "
-                "cached latent; leave n_kv_heads unset (= n_heads)"
-            )
 
     def _validate_resolved(self) -> None:
-        if self.mla is None and self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"positions='rope' needs an even head_dim, got head_dim={self.head_dim} "
-                f"(d_model={self.d_model}, n_heads={self.n_heads}); change n_heads or head_dim"
-            )
+        check_sections(self)
+        variant_of(self).check(self)
         if self.positions == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(
                 f"rope.partial={self.rope.partial} rotates {self.rotary_dim} of head_dim={self.head_dim} dimensions, "
@@ -657,26 +619,26 @@ class ModelConfig(Config):
         return self.moe is not None and self.moe.applies_to(layer)
 
     @property
+    def attention_variant(self) -> str:
+        """The attention variant's name: ``attention.variant``, or the one the sections imply (``mla`` where
+        ``mla`` is set, else ``standard``). Its facts: ``attention_variants.variant_of(cfg)``."""
+        return variant_name(self)
+
+    @property
     def rotary_dim(self) -> int:
         """The dimensions of each query and key head that rotary turns: int(rope.partial * width), as
-        transformers, of head_dim or, under ``mla``, its decoupled ``qk_rope_head_dim``."""
-        return int((self.head_dim if self.mla is None else self.mla.qk_rope_head_dim) * self.rope.partial)
+        transformers, of the width the variant rotates (head_dim; MLA's decoupled ``qk_rope_head_dim``)."""
+        return int(variant_of(self).rotary_width(self) * self.rope.partial)
 
     @property
     def attention_widths(self) -> tuple[int, int]:
-        """(query/key width, value width) of each head: (head_dim, head_dim), or MLA's own."""
-        if self.mla is None:
-            return self.head_dim, self.head_dim
-        return self.mla.qk_head_dim, self.mla.v_head_dim
+        """(query/key width, value width) of each head, as the variant says."""
+        return variant_of(self).widths(self)
 
     @property
     def cache_widths(self) -> tuple[int, int, int]:
-        """What the decode cache holds per token and layer, as (heads, key width, value width): n_kv_heads
-        keys and values of head_dim; under ``mla`` one compressed latent of kv_lora_rank and the shared
-        rotary key of qk_rope_head_dim (DeepSeek-V2 sec. 2.1.2-2.1.3)."""
-        if self.mla is None:
-            return self.n_kv_heads, self.head_dim, self.head_dim
-        return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+        """(heads, key width, value width) the decode cache holds per token and layer, as the variant says."""
+        return variant_of(self).cache_widths(self)
 
     @property
     def attention_scale(self) -> float:

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .attention_variants import variant_of
 from .config import ModelConfig
 
 GIB = 2**30
@@ -73,13 +74,9 @@ def gib(n: float) -> str:
 # ============================================================== counting
 def parameter_floor(cfg: ModelConfig) -> int:
     """Fewer parameters than ``cfg``'s model has, by arithmetic alone: the token embedding and every
-    layer's query and output projections."""
-    if cfg.mla is not None:  # the output projection and the latent's up-projection to keys and values
-        m = cfg.mla
-        attention = cfg.n_heads * (m.v_head_dim * cfg.d_model + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim))
-    else:
-        attention = 2 * cfg.d_model * cfg.n_heads * cfg.head_dim
-    return cfg.vocab_size * cfg.d_model + cfg.n_layers * attention
+    layer's attention floor (its variant's ``parameter_floor``: the query and output projections, or MLA's
+    output and latent up-projections)."""
+    return cfg.vocab_size * cfg.d_model + cfg.n_layers * variant_of(cfg).parameter_floor(cfg)
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -127,10 +124,10 @@ def rotary_table_bytes(cfg: ModelConfig, positions: int) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch_size: int, length: int, bytes_per_value: int = 4) -> int:
-    """Keys and values of every layer for ``batch_size`` rows of ``length`` tokens (``attention.KVCache``);
-    under MLA the compressed latent and the shared rotary key instead (``ModelConfig.cache_widths``)."""
-    heads, key_width, value_width = cfg.cache_widths
-    return cfg.n_layers * batch_size * heads * length * (key_width + value_width) * bytes_per_value
+    """Keys and values of every layer for ``batch_size`` rows of ``length`` tokens (``attention.KVCache``), as
+    the attention variant lays them out (``cache_values``): under MLA the compressed latent and the shared rotary
+    key instead."""
+    return cfg.n_layers * batch_size * length * variant_of(cfg).cache_values(cfg) * bytes_per_value
 
 
 def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, parameters: int | None = None,

@@ -7,7 +7,8 @@
 
 What a token leaves in the decode cache is what its keys and values are made from: the normalized
 latent c (kv_lora_rank values) and the rotated k_rope (qk_rope_head_dim values), in place of
-2 x n_heads x head_dim keys and values (``ModelConfig.cache_widths``).
+2 x n_heads x head_dim keys and values (``attention_variants.LatentVariant``, which holds the variant's
+facts: its section ``MLAConfig``, widths, cache layout, score scale).
 
 Two ways to compute the same attention, tested equal:
   - expanded (the reference; also the cheaper one in training and prefill, where every key is new):
@@ -22,14 +23,12 @@ Checkpoints follow ``transformers``' DeepseekV2/V3 attention (``hf/deepseek.py``
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import KVCache, StaticKVCache
-from .config import ModelConfig
+from .attention_variants import LatentAttentionArgs, softmax_scale, yarn_mscale  # noqa: F401  (lmlab.mla.softmax_scale too)
 from .init import Init, init_module
 from .norm import RMSNorm
 from .positions import AttentionTerm, Context
@@ -37,22 +36,6 @@ from .positions import AttentionTerm, Context
 # The latents' RMSNorms use 1e-6 whatever the model's norm_eps: DeepSeek's released code (and
 # transformers' port) builds them with the RMSNorm default.
 LATENT_NORM_EPS = 1e-6
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """DeepSeek-V2's YaRN temperature term m = 0.1 mscale ln(s) + 1 (app. B), 1 without extension."""
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
-def softmax_scale(cfg: ModelConfig) -> float:
-    """1 / sqrt(d_nope + d_rope), times m(mscale_all_dim)^2 under YaRN: DeepSeek's YaRN scales the
-    rotary tables by m(mscale) / m(mscale_all_dim) (``positions._yarn``) and every score by
-    m(mscale_all_dim)^2, as transformers' DeepseekV2/V3 attention does."""
-    scale = cfg.mla.qk_head_dim**-0.5
-    rope = cfg.rope
-    if rope.scaling == "yarn" and rope.mscale_all_dim:
-        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
-    return scale
 
 
 class LowRankProjection(nn.Module):
@@ -77,24 +60,24 @@ def softmax_probs(scores: torch.Tensor, ctx: Context, dropout: float, training: 
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention; chosen in place of :class:`~lmlab.attention.Attention` when
-    ``cfg.mla`` is set. Same interface: ``forward(x, ctx, cache)``, ``set_impl``, ``term``."""
+    """Multi-head latent attention, the ``mla`` variant, built from its own config (``LatentAttentionArgs``).
+    The interface of :class:`~lmlab.attention.Attention`: ``forward(x, ctx, cache)``, ``set_impl``, ``term``."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+    def __init__(self, args: LatentAttentionArgs, layer: int, term: AttentionTerm):
         super().__init__()
-        m = cfg.mla
-        self.layer, self.n_heads, self.dropout = layer, cfg.n_heads, cfg.dropout
+        m = args.mla
+        self.layer, self.n_heads, self.dropout = layer, args.n_heads, args.dropout
         self.widths = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank)
-        H, D = cfg.n_heads, cfg.d_model
+        H, D = args.n_heads, args.d_model
         if m.q_lora_rank is None:  # DeepSeek-V2-Lite: a full-rank query projection
-            self.q = nn.Linear(D, H * m.qk_head_dim, bias=cfg.qkv_bias)
+            self.q = nn.Linear(D, H * m.qk_head_dim, bias=args.qkv_bias)
         else:
-            self.q = LowRankProjection(D, m.q_lora_rank, H * m.qk_head_dim, cfg.qkv_bias)
-        self.kv_down = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=cfg.qkv_bias)  # [W_DKV; W_KR]
+            self.q = LowRankProjection(D, m.q_lora_rank, H * m.qk_head_dim, args.qkv_bias)
+        self.kv_down = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=args.qkv_bias)  # [W_DKV; W_KR]
         self.kv_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_up = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)  # [W_UK; W_UV]
-        self.out = nn.Linear(H * m.v_head_dim, D, bias=cfg.bias)
-        self.scale = softmax_scale(cfg)
+        self.out = nn.Linear(H * m.v_head_dim, D, bias=args.out_bias)
+        self.scale = args.scale  # softmax_scale: 1 / sqrt(n + r), with DeepSeek's YaRN temperature
         self.term = term  # the rotary term: turns q_rope and k_rope
         self.set_impl("sdpa")
 

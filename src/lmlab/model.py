@@ -4,8 +4,8 @@
                                                                     └─ MTP modules × D (mtp.py; training loss, drafts)
 
 Every choice is made here at construction from the config, through the registries of
-``norm.py``, ``positions.py``, ``feedforward.py`` and this file's ``BLOCKS``; forward passes
-contain no config branching.
+``norm.py``, ``positions.py``, ``feedforward.py`` and this file's ``BLOCKS`` and ``ATTENTIONS``;
+forward passes contain no config branching.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, KVCache, StaticKVCache
+from .attention_variants import variant_of
 from .config import ModelConfig
 from .feedforward import FFNS
 from .init import Init, init_module
@@ -117,6 +118,9 @@ class ReorderedNormBlock(Block):
 
 
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
+# attention.variant -> the module that computes it, built from the config its variant makes (module_config); the
+# variant's facts (widths, cache layout, accounting, what it supports) are attention_variants.ATTENTION_VARIANTS'
+ATTENTIONS = {"standard": Attention, "mla": LatentAttention}
 
 
 class LayerContexts:
@@ -152,9 +156,13 @@ class LayerContexts:
 
 
 def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Module:
-    """The attention sublayer of block ``layer``: standard multi-head (grouped-query) attention, or
-    multi-head latent attention where ``cfg.mla`` is set."""
-    return Attention(cfg, layer, term) if cfg.mla is None else LatentAttention(cfg, layer, term)
+    """The attention sublayer of block ``layer``: the module of ``cfg``'s attention variant, given only its own
+    config."""
+    name = cfg.attention_variant
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention.variant={name!r} is registered in attention_variants.ATTENTION_VARIANTS but has "
+                         "no module in lmlab.model.ATTENTIONS; register the nn.Module that computes it there")
+    return ATTENTIONS[name](variant_of(cfg).module_config(cfg), layer, term)
 
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -401,14 +409,14 @@ class Transformer(nn.Module):
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 N + 12 L H d_head T (PaLM, Chowdhery et al. 2022, app. B),
         where N counts active matmul weights: the output head included, ``embedding_parameters()`` not.
-        With query/key and value widths that differ (MLA), 12 d_head is 6 (d_qk + d_v). D multi-token
-        prediction modules add their blocks to L and use the head D more times."""
+        The attention variant counts its layers' scores (``score_flops``): with query/key and value widths
+        that differ (MLA), 12 d_head is 6 (d_qk + d_v). D multi-token prediction modules add their blocks
+        to L and use the head D more times."""
         cfg, T, D = self.config, seq_len or self.config.max_seq_len, self.mtp.depth
         n = self.num_params()["active"] - sum(p.numel() for p in self.embedding_parameters())
         n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
         n += D * self.head.weight.numel()  # each MTP module reads the shared head once more
-        d_qk, d_v = cfg.attention_widths
-        return 6.0 * n + 6.0 * (cfg.n_layers + D) * cfg.n_heads * (d_qk + d_v) * T
+        return 6.0 * n + (cfg.n_layers + D) * variant_of(cfg).score_flops(cfg, T)
 
 
 class SequenceClassifier(nn.Module):
