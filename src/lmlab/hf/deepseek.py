@@ -238,8 +238,9 @@ def mtp_weights(cfg: ModelConfig, t: HFTensors, embed: torch.Tensor | None,
 def deepseek_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
     """DeepSeek-V2 and V3 checkpoints (one mapping: their names agree; V3's routers add a correction bias),
     with V3's MTP layers where ``cfg.mtp`` is set."""
-    if cfg.mla is None:  # e.g. detect_model_type trying this family on a config without MLA
-        raise ValueError("a DeepSeek checkpoint needs a config with mla set")
+    if cfg.attention_variant != "mla":  # e.g. detect_model_type trying this family on a config without MLA
+        raise ValueError(f"a DeepSeek checkpoint needs attention.variant='mla' (multi-head latent attention), "
+                         f"not {cfg.attention_variant!r}")
     mtp_tensors(cfg, t)
     sd = {"embed.weight": t.take("model.embed_tokens.weight")}
     for i in range(cfg.n_layers):
