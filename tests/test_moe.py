@@ -11,7 +11,7 @@ import torch
 import lmlab
 from lmlab import ModelConfig, MoEConfig, Transformer
 from lmlab.config import MOE_PRESETS
-from lmlab.feedforward import GLU, MLP
+from lmlab.feedforward import GLU, MLP, feedforward_args
 from lmlab.grouped_mm import grouped_mm, grouped_mm_kernel_ok, grouped_mm_split, probe_grouped_mm
 from lmlab.init import Init
 from lmlab.moe import (
@@ -200,7 +200,7 @@ def test_parity_deepseek_v3_block():
 def test_identical_experts_with_all_chosen_equal_the_dense_ffn(ffn, activation, routing, bias):
     layer = make_moe(dict(n_experts=4, top_k=4, **routing), ffn=ffn, activation=activation, bias=bias)
     cfg = ModelConfig(d_model=D, n_heads=4, d_ff=48, ffn=ffn, activation=activation, bias=bias)
-    dense = {"glu": GLU, "mlp": MLP}[ffn](cfg)
+    dense = {"glu": GLU, "mlp": MLP}[ffn](feedforward_args(cfg))
     ex = layer.experts
     with torch.no_grad():
         for e in range(4):

@@ -3,6 +3,7 @@ gated linear unit (Shazeer 2020, https://arxiv.org/abs/2002.05202; SwiGLU = glu 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -106,15 +107,32 @@ def clamped_glu(z: torch.Tensor, activation: str) -> torch.Tensor:
 GLUS = {"plain": glu, "clamped": clamped_glu}  # ModelConfig.glu_variant -> the gated unit
 
 
+# ============================================================== the dense feed-forwards (ModelConfig.ffn)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeedForwardArgs:
+    """A dense feed-forward's own config, resolved from the model's by :func:`feedforward_args`."""
+
+    d_model: int
+    d_ff: int  # the hidden width
+    bias: bool
+    activation: str  # a name of ACTIVATIONS
+    glu_variant: str  # a name of GLUS (the gated unit only)
+
+
+def feedforward_args(cfg: ModelConfig) -> FeedForwardArgs:
+    """What the dense feed-forward of ``cfg`` is built from, and nothing else of the model config."""
+    return FeedForwardArgs(d_model=cfg.d_model, d_ff=cfg.d_ff, bias=cfg.bias, activation=cfg.activation,
+                           glu_variant=cfg.glu_variant)
+
+
 class MLP(nn.Module):
     """down(act(up(x)))"""
 
-    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
+    def __init__(self, args: FeedForwardArgs):
         super().__init__()
-        d_ff = d_ff or cfg.d_ff
-        self.up = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
-        self.down = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)
-        self.act = ACTIVATIONS[cfg.activation]
+        self.up = nn.Linear(args.d_model, args.d_ff, bias=args.bias)
+        self.down = nn.Linear(args.d_ff, args.d_model, bias=args.bias)
+        self.act = ACTIVATIONS[args.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(self.up(x)))
@@ -130,13 +148,13 @@ class MLP(nn.Module):
 class GLU(nn.Module):
     """down(act(gate(x)) * up(x)); gate and up are one fused matmul, stored as [gate; up]."""
 
-    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
+    def __init__(self, args: FeedForwardArgs):
         super().__init__()
-        self.d_ff = d_ff or cfg.d_ff
-        self.gate_up = nn.Linear(cfg.d_model, 2 * self.d_ff, bias=cfg.bias)
-        self.down = nn.Linear(self.d_ff, cfg.d_model, bias=cfg.bias)
-        self.activation = cfg.activation
-        self.glu = GLUS[cfg.glu_variant]
+        self.d_ff = args.d_ff
+        self.gate_up = nn.Linear(args.d_model, 2 * self.d_ff, bias=args.bias)
+        self.down = nn.Linear(self.d_ff, args.d_model, bias=args.bias)
+        self.activation = args.activation
+        self.glu = GLUS[args.glu_variant]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.glu(self.gate_up(x), self.activation))

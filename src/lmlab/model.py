@@ -23,7 +23,7 @@ from torch import nn
 from .attention import Attention, KVCache, StaticKVCache
 from .attention_variants import variant_of
 from .config import ModelConfig
-from .feedforward import FFNS
+from .feedforward import FFNS, feedforward_args
 from .init import Init, init_module
 from .loss import LOSSES
 from .mla import LatentAttention
@@ -167,7 +167,7 @@ def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Mod
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
     """The feed-forward sublayer of block ``layer``: dense, or mixture-of-experts where configured."""
-    return MoE(cfg) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](cfg)
+    return MoE(cfg) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](feedforward_args(cfg))
 
 
 def deepnorm_alpha(n_layers: int) -> float:
