@@ -140,7 +140,7 @@ def test_help_shows_defaults_for_every_command(capsys):
     assert "vocab_size=256 d_model=128" in sections["model"] and "steps=1500" in sections["train"]
     code, out, _ = run(capsys, "--help")
     assert code == 0 and all(c in out for c in ("prepare", "train", "eval", "generate", "sweep", "experiment"))
-    for command, default in [("sweep", "(default: 1)"), ("experiment", "{moe,norm,positions}")]:
+    for command, default in [("sweep", "(default: 1)"), ("experiment", "{moe,mup,norm,positions}")]:
         code, out, _ = run(capsys, command, "--help")
         assert code == 0 and default in " ".join(out.split()) and "(default: None)" not in out  # said in words
 
@@ -172,7 +172,7 @@ def help_sections(text: str) -> dict[str, str]:
 
 
 def test_train_help_names_presets_and_every_default_by_section(capsys):
-    from lmlab.config import PRESETS, MLAConfig, MoEConfig, MTPConfig
+    from lmlab.config import PRESETS, MLAConfig, MoEConfig, MTPConfig, MupConfig
     from lmlab.run.config import RepeatsConfig, RunConfig, flatten
 
     code, out, _ = run(capsys, "train", "--help")
@@ -185,7 +185,8 @@ def test_train_help_names_presets_and_every_default_by_section(capsys):
     assert cfg.model.moe is None and "model.moe.* is off" not in out and "moe.* is off" in sections["model"]
     assert cfg.train.repeats is None and "repeats.* is off" in sections["train"]  # planted repeats: off too
     defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict(),
-                                           "mla": MLAConfig().to_dict(), "mtp": MTPConfig().to_dict()},
+                                           "mla": MLAConfig().to_dict(), "mtp": MTPConfig().to_dict(),
+                                           "mup": MupConfig().to_dict()},
                 "train": {**cfg.train.to_dict(), "repeats": RepeatsConfig().to_dict()}}
     for name, values in defaults.items():
         shown = " " + " ".join(sections[name].split()) + " "

@@ -245,6 +245,9 @@ class ScriptedModel(nn.Module):
     def new_cache(self, batch, max_len, dtype=None):
         return None
 
+    def logits_of(self, h):  # as Transformer.logits_of: the decoders read logits through it
+        return self.head(h)
+
     def hidden(self, idx, cache=None, attention_mask=None):
         B, T = idx.shape
         h = torch.zeros(B, T, self.config.vocab_size)

@@ -1009,7 +1009,7 @@ COMMANDS = {c.name: c for c in (
             model_section),
     Command("export", "write a run's checkpoint as a Hugging Face transformers checkpoint", build_export, cmd_export),
     Command("sweep", "train variants of a run config on an equal budget and tabulate them", build_sweep, cmd_sweep),
-    Command("experiment", "reproduce one of the design's claims: norm, positions or moe", build_experiment,
+    Command("experiment", "reproduce one of the design's claims (norm, positions, moe) or μP's rate transfer (mup)", build_experiment,
             cmd_experiment),
     Command("ladder", "compare arms over a ladder of model sizes: fitted laws and the compute multiplier",
             build_ladder, cmd_ladder),

@@ -35,6 +35,7 @@ from pathlib import Path
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.data.meta import DataMeta
 from . import claims, corpus, decide, moe, mup, norm, positions, stats
+from .ladder import law
 from .registration import Registration, spec_status
 from .spec import SweepSpec
 from .sweep import Outcome, load_spec, sweep_outcome
@@ -62,7 +63,8 @@ def experiment_registration(name: str, *, spec_file: str | Path | None = None, q
     is written, for a main run (not ``quick``) of a spec that is not registered, unless ``draft``."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
-    related = [EXPERIMENTS[name].__file__, stats.__file__, claims.__file__, decide.__file__]
+    related = [EXPERIMENTS[name].__file__, stats.__file__, claims.__file__, decide.__file__,
+               *([law.__file__] if name == "moe" else [])]  # moe reads its all-seeds multiplier on the ladder's law
     status = dataclasses.replace(spec_status(spec_file or spec_path(name), related), draft=draft)
     status.refuse_unless(quick or draft)
     return status
