@@ -27,7 +27,7 @@ ModelConfig = Any
 
 
 # ============================================================== multi-head latent attention's section
-_MLA = "issue 23: multi-head latent attention"
+_MLA = "multi-head latent attention: DeepSeek-V2/V3"
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -45,7 +45,7 @@ class MLAConfig(Config):
     up-projection, as the released models do.
     """
 
-    # every field is new with ModelConfig.mla (issue 23), so each is declared with ``added``
+    # every field is new with ModelConfig.mla (added after the first hashed runs), so each is declared with ``added``
     q_lora_rank: int | None = added(None, since=_MLA)  # d_c' of the query latent; None: one (d_model, H * qk) W_Q
     kv_lora_rank: int = added(128, since=_MLA)  # d_c: the cached latent per token; 4 d_h as V2/V3's 512 (sec. 2.1.4)
     qk_nope_head_dim: int = added(32, since=_MLA)  # d_h: the part of each head's query and key that is not rotated

@@ -93,11 +93,11 @@ class RopeConfig(Config):
     high_freq_factor: float = 4.0  # llama3
     # ---- which dimensions and layers rotate
     # rotate the first int(partial * head_dim) dims of each head (GPT-NeoX rotary_pct, Phi)
-    partial: float = added(1.0, since="issue 23")
+    partial: float = added(1.0, since="partial rotary: GPT-NeoX, Phi")
     # n > 0: layers l with (l + 1) % n == 0 have no positions (NoPE; SmolLM3, Llama 4)
-    nope_every: int = added(0, since="issue 23")
+    nope_every: int = added(0, since="NoPE layers: SmolLM3")
     # local layers (ModelConfig.attention) rotate with this base, unscaled (Gemma 3); None = as the others
-    local_base: float | None = added(None, since="issue 23")
+    local_base: float | None = added(None, since="local layers' rotary base: Gemma 3")
 
     def validate(self) -> None:
         check_positive("rope.base", self.base)
@@ -175,7 +175,7 @@ class MoEConfig(Config):
     device_balance_coef: float = 0.0  # DeepSeekMoE eq. 15-17, with n_groups devices
     bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
     # a learned bias on the router logits, x·centroid + b: it shifts both the choice and the weights (gpt-oss)
-    router_bias: bool = added(False, since="issue 23: gpt-oss")
+    router_bias: bool = added(False, since="gpt-oss")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -321,13 +321,13 @@ class AttentionConfig(Config):
     (``standard``, ``mla``); unset, the one the model config's sections imply (``mla`` where ``mla`` is set)."""
 
     # W tokens a local layer's query sees, itself included; None = no local layers
-    window: int | None = added(None, since="issue 23")
-    pattern: tuple[LayerKind, ...] = added(("global",), since="issue 23")  # repeated over the layers
-    sinks: Sinks = added("none", since="issue 23")
+    window: int | None = added(None, since="sliding windows: Mistral, gpt-oss, Gemma 3")
+    pattern: tuple[LayerKind, ...] = added(("global",), since="sliding windows")  # repeated over the layers
+    sinks: Sinks = added("none", since="attention sinks: gpt-oss")
     # scores are q·k / sqrt(scale_dim); None = head_dim (Vaswani et al. 2017). Gemma 3's query_pre_attn_scalar
-    scale_dim: int | None = added(None, since="issue 23: Gemma 3")
+    scale_dim: int | None = added(None, since="Gemma 3's query_pre_attn_scalar")
     # a name of ATTENTION_VARIANTS; None (and a name the sections already imply): as ModelConfig's sections say
-    variant: str | None = added(None, since="issue 39: attention variants by name")
+    variant: str | None = added(None, since="attention variants by name")
 
     def validate(self) -> None:
         if self.variant is not None:
@@ -363,8 +363,8 @@ class MTPConfig(Config):
     for self-speculative decoding (``generate(..., decoder="speculative")``)."""
 
     # ``added``: fields of a section that is off (None) by default, so no run hashed before them changes
-    depth: int = added(1, since="issue 23: multi-token prediction")  # D: DeepSeek-V3 trains with 1
-    loss_weight: float = added(0.3, since="issue 23: multi-token prediction")  # lambda: V3's first 10T tokens, then 0.1
+    depth: int = added(1, since="multi-token prediction: DeepSeek-V3")  # D: DeepSeek-V3 trains with 1
+    loss_weight: float = added(0.3, since="multi-token prediction")  # lambda: V3's first 10T tokens, then 0.1
 
     def validate(self) -> None:
         check_size("mtp.depth", self.depth)
@@ -414,7 +414,7 @@ class ModelConfig(Config):
     # how an RMSNorm stores its gain g: plain, g itself (initialized to 1); offset, w with g = 1 + w, initialized
     # to 0 (Gemma), so weight decay pulls the gain towards 1 rather than 0. Every RMSNorm of the blocks, the
     # final norm and the q/k norms
-    norm_gain: NormGain = added("plain", since="issue 23: Gemma's RMSNorm")
+    norm_gain: NormGain = added("plain", since="Gemma's RMSNorm gain")
     # pre: x + f(norm(x)); post: norm(x + f(x)) (Vaswani et al. 2017); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
     # reordered: x + norm(f(x)) (OLMo 2, arXiv:2501.00656 sec. 3.1)
     norm_position: NormPosition = "pre"
@@ -422,23 +422,23 @@ class ModelConfig(Config):
     ffn: FFN = "glu"  # mlp: W2 act(W1 x); glu: W2 (act(Wg x) * W1 x) (Shazeer 2020)
     activation: Activation = "silu"  # glu + silu = SwiGLU; quick_gelu: x sigmoid(1.702 x) (Hendrycks & Gimpel 2016)
     # plain: act(gate) * up; clamped: act(min(gate, 7)) * (clamp(up, -7, 7) + 1), gpt-oss's experts (with quick_gelu)
-    glu_variant: GLUVariant = added("plain", since="issue 23: gpt-oss")
+    glu_variant: GLUVariant = added("plain", since="gpt-oss")
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
     # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
     # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
-    qk_norm: QKNorm = added("none", since="issue 23: QK-norm")
+    qk_norm: QKNorm = added("none", since="QK-norm: Qwen3, OLMo 2, Gemma 3")
     # sigmoid gate on the attention output before its projection, from the block's attention input:
     # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
-    attn_gate: AttnGate = added("none", since="issue 23: gated attention")
+    attn_gate: AttnGate = added("none", since="gated attention: Qiu et al. 2025")
 
     # ---- component details
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     relative_clip: int = 16  # Shaw et al. 2018: offsets beyond k share one representation
-    attention: AttentionConfig = added(since="issue 23", factory=AttentionConfig)  # windows per layer, sinks
+    attention: AttentionConfig = added(since="windows and sinks", factory=AttentionConfig)  # windows per layer, sinks
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
     # the section of attention.variant 'mla', multi-head latent attention (DeepSeek-V2); set, it implies that variant
-    mla: MLAConfig | None = added(None, since="issue 23: multi-head latent attention")
+    mla: MLAConfig | None = added(None, since="multi-head latent attention: DeepSeek-V2/V3")
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)
@@ -449,7 +449,7 @@ class ModelConfig(Config):
     init_std: float = 0.02
     init: InitRule = "normal"  # normal: N(0, init_std); xavier: Xavier-normal matrices (see model.init_weights)
     init_seed: int = 0  # weights are a pure function of (config, init_seed)
-    mtp: MTPConfig | None = added(None, since="issue 23: multi-token prediction")  # None = next-token only
+    mtp: MTPConfig | None = added(None, since="multi-token prediction: DeepSeek-V3")  # None = next-token only
     # standard: every width trains with the init and rate it is given; mup: the maximal-update
     # parametrization (``MupConfig``, ``lmlab.mup``), under which a rate tuned at ``mup``'s base shape
     # holds at every width
