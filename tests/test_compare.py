@@ -153,3 +153,122 @@ def test_help_loads_neither_torch_nor_matplotlib():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "bits per byte" in proc.stdout, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "0 []"
+
+
+# ============================================================== issue 44: runs found once, read honestly, named safely
+CONFIG = "model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
+
+
+def fake_run(path, records=None, config=CONFIG):
+    """A run directory as compare reads it, without training: config.yaml and metrics.jsonl."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(config)
+    records = records if records is not None else [
+        {"step": 1, "loss": 3.0, "tokens": 128, "tokens_per_s": 100.0}, {"step": 1, "val_loss": 3.1},
+        {"step": 2, "loss": 2.9, "tokens": 256, "tokens_per_s": 100.0}, {"step": 2, "val_loss": 2.8}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_a_run_reached_through_links_is_listed_once(tmp_path):
+    """A link to a run and a link loop below a directory listed the run once per name it could be
+    reached by (up to ~40 for a loop): seed bands then counted the copies as seeds."""
+    runs = tmp_path / "runs"
+    fake_run(runs / "a")
+    (runs / "b").symlink_to(runs / "a")
+    (runs / "nest").mkdir()
+    (runs / "nest" / "loop").symlink_to(runs)
+    paths, failed = compare.find_runs([str(runs), str(runs / "a"), str(tmp_path / "r*")])
+    assert paths == [runs / "a"] and failed == []
+
+
+def test_finding_1200_runs_is_linear(tmp_path):
+    """find_runs rebuilt a set of every resolved path found so far for each match: 140 s for 1,200 runs."""
+    import time
+
+    for i in range(1200):
+        run = tmp_path / f"run{i:04d}"
+        run.mkdir()
+        (run / "config.yaml").write_text("")
+        (run / "metrics.jsonl").write_text("")
+    start = time.perf_counter()
+    paths, failed = compare.find_runs([str(tmp_path / "run*")])
+    assert len(paths) == 1200 and not failed and time.perf_counter() - start < 5
+
+
+def test_a_run_whose_last_evaluation_diverged_shows_it(tmp_path, capsys):
+    """val_loss null at the last evaluation: the table showed the earlier finite loss as the final one."""
+    fake_run(tmp_path / "good")
+    fake_run(tmp_path / "bad", [{"step": 1, "loss": 3.0, "tokens": 128, "tokens_per_s": 100.0},
+                                {"step": 1, "val_loss": 3.1}, {"step": 2, "loss": None, "tokens": 256,
+                                                               "tokens_per_s": 100.0}, {"step": 2, "val_loss": None}])
+    (bad,), _ = compare.read_runs([tmp_path / "bad"])
+    assert bad.diverged() and bad.final_val() == float("inf") and bad.best_val() == 3.1
+    assert cli.main(["compare", str(tmp_path / "good"), str(tmp_path / "bad")]) == 0
+    rows = table(capsys.readouterr().out)
+    cell = dict(zip(rows["columns"], rows["bad"]))
+    assert cell["final val loss"] == "diverged" and cell["best val loss"] == "3.1000"
+    assert dict(zip(rows["columns"], rows["good"]))["final val loss"] == "2.8000"
+
+
+def test_a_damaged_run_is_named_and_skipped(tmp_path, capsys):
+    """A training record without its token count aborted the whole comparison ("cannot convert float
+    NaN to integer"); a metrics.jsonl that is a directory was reported as missing."""
+    fake_run(tmp_path / "good")
+    fake_run(tmp_path / "notokens", [{"step": 1, "loss": 3.0}, {"step": 1, "val_loss": 3.1}])
+    fake_run(tmp_path / "dir", [])
+    (tmp_path / "dir" / "metrics.jsonl").unlink()
+    (tmp_path / "dir" / "metrics.jsonl").mkdir()
+    code = cli.main(["compare", str(tmp_path / "good"), str(tmp_path / "notokens"), str(tmp_path / "dir")])
+    out, err = capsys.readouterr()
+    assert code == 3 and "good" in table(out) and "notokens" not in table(out), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in err
+    assert "notokens/metrics.jsonl': the training record of step 1 has tokens=None, not a count" in lines[0]
+    assert "dir/metrics.jsonl' is a directory, not a file" in lines[1]
+
+
+def test_many_unreadable_arguments_are_one_line(tmp_path, capsys):
+    """3,000 empty directories printed 3,001 lines."""
+    for i in range(3000):
+        (tmp_path / f"e{i:04d}").mkdir()
+    fake_run(tmp_path / "run")
+    assert cli.main(["compare", str(tmp_path / "run"), str(tmp_path / "e*")]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "3,000 arguments (" in err and "and 2,997 more" in err, err[:2000]
+    assert "run" in table(out)
+
+
+def test_names_are_printed_with_control_characters_escaped(tmp_path, capsys):
+    """A run directory named with a terminal escape sequence reached the terminal raw."""
+    fake_run(tmp_path / "x\x1b[2J\x07")
+    fake_run(tmp_path / "plain")
+    assert cli.main(["compare", str(tmp_path / "plain"), str(tmp_path / "x\x1b[2J\x07"),
+                     str(tmp_path / "gone\x1b]0;owned\x07")]) == 2
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\x07" not in out + err
+    assert "x\\x1b[2J\\x07" in out
+
+
+def test_a_full_disk_leaves_no_comparison_and_no_temporaries(tmp_path, monkeypatch, capsys):
+    """ENOSPC at the second PNG left .lmlab-compare and one PNG in --out."""
+    import errno
+
+    from lmlab.experiments import report
+
+    fake_run(tmp_path / "runs" / "a")
+    real, calls = report.save, []
+
+    def save(fig, path):
+        calls.append(path)
+        if len(calls) == 2:
+            path.write_bytes(b"\x89PNG half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fig, path)
+
+    monkeypatch.setattr(compare, "save", save)
+    assert cli.main(["compare", str(tmp_path / "runs" / "a"), "--out", str(tmp_path / "cmp")]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("lmlab compare: error: no space left on the device holding") and err.count("\n") == 1
+    assert f"{str(tmp_path / 'cmp')!r}" in err  # the directory the user named, not the temporary one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]

@@ -34,12 +34,12 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..run.checkpoint.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write_text, install_directory
 from ..run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE, METRICS_FILE
 from ..run.config import RunConfig, differing_fields, flatten, load_config
 from ..run.data.config import run_data_dir
 from ..run.data.meta import DataMeta
-from ..run.errors import CorruptFile
+from ..run.errors import CorruptFile, EnvironmentFailure, one_line
 from ..run.metrics import read_metrics
 from .report import band_plot, figure, markdown_table, save, text_table
 
@@ -54,41 +54,85 @@ Failure = tuple[str, Exception]  # (what the user gave or the run found, why it 
 
 
 # ============================================================== finding and reading runs
+LISTED = 3  # more unreadable arguments (or runs) than this are summarized in one line with their count
+
+
 def is_run_dir(path: Path) -> bool:
-    """A run directory: a config.yaml with metrics.jsonl or checkpoints/ beside it."""
-    return (path / CONFIG_FILE).is_file() and ((path / METRICS_FILE).is_file() or (path / CHECKPOINTS).is_dir())
+    """A run directory: a config.yaml with metrics.jsonl (a file; or anything, to be named when read) or
+    checkpoints/ beside it."""
+    return (path / CONFIG_FILE).is_file() and ((path / METRICS_FILE).exists() or (path / CHECKPOINTS).is_dir())
 
 
 def runs_under(path: Path) -> list[Path]:
-    """``path`` if it is a run, else every run below it (not looking inside runs), in name order."""
-    if is_run_dir(path):
-        return [path]
+    """``path`` if it is a run, else every run below it (not looking inside runs), in name order.
+    Each real directory is visited once: a symbolic link to a directory already seen (a loop, or
+    a second name for a run) adds nothing."""
     found: list[Path] = []
-    for child in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        found += runs_under(child)
+    seen: set[str] = set()
+    stack = [path]
+    while stack:
+        p = stack.pop()
+        real = os.path.realpath(p)
+        if real in seen:
+            continue
+        seen.add(real)
+        if is_run_dir(p):
+            found.append(p)
+            continue
+        children = sorted(e.name for e in os.scandir(p) if not e.name.startswith(".") and e.is_dir())
+        stack += [p / name for name in reversed(children)]  # popped in name order
     return found
 
 
+def printable(text: object) -> str:
+    """``text`` with control and other unprintable characters escaped (``\\x1b``), so that a run's name
+    never sends terminal escape sequences."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def find_runs(args: Sequence[str]) -> tuple[list[Path], list[Failure]]:
-    """The run directories that ``args`` (runs, directories of runs, globs) name, each once, in the
-    order given; and each argument that names none, with why."""
+    """The run directories that ``args`` (runs, directories of runs, globs) name, each once (by real
+    path), in the order given; and each argument that names none, with why (more than
+    :data:`LISTED` summarized as one, see :func:`summarized`). Linear in the paths found."""
     paths: list[Path] = []
     failed: list[Failure] = []
+    seen: set[str] = set()
     for arg in args:
         matches = sorted(glob.glob(os.path.expanduser(arg))) if glob.has_magic(arg) else [arg]
         if not matches:
-            failed.append((arg, FileNotFoundError(f"{arg!r} matches no file")))
+            failed.append((printable(arg), FileNotFoundError(f"{arg!r} matches no file")))
         for m in map(Path, matches):
             if not m.is_dir():
                 why = "does not exist" if not m.exists() else "is a file, not a run directory"
-                failed.append((str(m), FileNotFoundError(f"{str(m)!r} {why}")))
+                failed.append((printable(m), FileNotFoundError(f"{str(m)!r} {why}")))
                 continue
-            found = runs_under(m)
+            try:
+                found = runs_under(m)
+            except OSError as e:  # a folder that cannot be listed
+                failed.append((printable(m), e))
+                continue
             if not found:
-                failed.append((str(m), ValueError(f"{str(m)!r} is not a run directory (no {CONFIG_FILE} with "
-                                                  f"{METRICS_FILE}) and holds none")))
-            paths += [p for p in found if p.resolve() not in {q.resolve() for q in paths}]
-    return paths, failed
+                failed.append((printable(m), ValueError(f"{str(m)!r} is not a run directory (no {CONFIG_FILE} with "
+                                                        f"{METRICS_FILE}) and holds none")))
+            for p in found:
+                real = os.path.realpath(p)
+                if real not in seen:
+                    seen.add(real)
+                    paths.append(p)
+    return paths, summarized(failed, "arguments")
+
+
+def summarized(failed: list[Failure], what: str) -> list[Failure]:
+    """``failed`` as it is when short; else one failure that counts them and names the first few,
+    with the worst exit status among them (a damaged file over a bad path)."""
+    if len(failed) <= LISTED:
+        return failed
+    names = ", ".join(repr(w) for w, _ in failed[:LISTED])
+    first = one_line(failed[0][1])
+    text = (f"{len(failed):,} {what} ({names} and {len(failed) - LISTED:,} more) name nothing that can be "
+            f"compared; the first: {first}")
+    bad_input = all(isinstance(e, (ValueError, FileNotFoundError, NotADirectoryError)) for _, e in failed)
+    return [(f"{len(failed):,} {what}", ValueError(text) if bad_input else EnvironmentFailure(text))]
 
 
 @dataclasses.dataclass
@@ -107,7 +151,16 @@ class RunSummary:
     def val_records(self) -> list[dict[str, Any]]:
         return [r for r in self.records if _finite(r.get("val_loss"))]
 
+    def diverged(self) -> bool:
+        """Whether the last evaluation's loss is not finite (null in metrics.jsonl): the run diverged,
+        and an earlier finite loss is not its final one."""
+        evals = [r for r in self.records if "val_loss" in r]
+        return bool(evals) and not _finite(evals[-1]["val_loss"])
+
     def final_val(self) -> float:
+        """The last evaluation's loss: inf where it diverged, nan where the run never evaluated."""
+        if self.diverged():
+            return math.inf
         vals = self.val_records()
         return vals[-1]["val_loss"] if vals else math.nan
 
@@ -164,6 +217,7 @@ def read_run(path: Path) -> RunSummary:
 
     cfg = load_config(path / CONFIG_FILE)
     records = read_metrics(path)
+    check_records(path, records)
     data_dir = run_data_dir(path, cfg.data)
     meta = DataMeta.read(data_dir)
     kind = meta.tokenizer if meta else cfg.data.tokenizer
@@ -172,6 +226,17 @@ def read_run(path: Path) -> RunSummary:
                       tokenizer_id=meta.tokenizer_hash if meta else f"{kind} {vocab}",
                       tokens_per_byte=logged_tokens_per_byte(records) or eval_tokens_per_byte(data_dir, cfg, meta),
                       parameters=parameter_count(cfg.model))
+
+
+def check_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Refuse (CorruptFile, naming the file and step) a metrics file whose training records lack the
+    token count the trainer writes with every one: the table and the x axes rest on it."""
+    for r in records:
+        tokens = r.get("tokens")
+        if "loss" in r and not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
+            raise CorruptFile(f"{str(path / METRICS_FILE)!r}: the training record of step {r['step']} has "
+                              f"tokens={tokens!r}, not a count (the trainer writes one with every record); the file "
+                              "is damaged or not lmlab's")
 
 
 def logged_tokens_per_byte(records: list[dict[str, Any]]) -> float | None:
@@ -208,13 +273,14 @@ def read_runs(paths: Sequence[Path]) -> tuple[list[RunSummary], list[Failure]]:
         try:
             runs.append(read_run(p))
         except (ValueError, OSError, CorruptFile) as e:
-            failed.append((str(p), e))
+            failed.append((printable(p), e))
     if runs:
-        common = Path(os.path.commonpath([str(r.path.resolve()) for r in runs]))
+        real = {id(r): Path(os.path.realpath(r.path)) for r in runs}
+        common = Path(os.path.commonpath([str(p) for p in real.values()]))
         for r in runs:
-            rel = r.path.resolve().relative_to(common)
-            r.name = str(rel) if rel.parts and len(runs) > 1 else r.path.resolve().name
-    return runs, failed
+            rel = real[id(r)].relative_to(common)
+            r.name = printable(rel if rel.parts and len(runs) > 1 else real[id(r)].name)
+    return runs, summarized(failed, "runs")
 
 
 # ============================================================== what is compared
@@ -246,11 +312,14 @@ def comparison_rows(runs: Sequence[RunSummary], unit: str) -> tuple[list[dict[st
     diff = differing_fields([r.config for r in runs])
     rows = []
     for i, r in enumerate(runs):
-        row = {"run": r.name, "tokenizer": r.tokenizer,
-               "final val bpb": r.in_unit(r.final_val(), "bpb"), "best val bpb": r.in_unit(r.best_val(), "bpb"),
-               "final val loss": r.final_val(), "best val loss": r.best_val(),
+        final = "diverged" if r.diverged() else r.final_val()
+        speed = r.tokens_per_s()
+        row = {"run": r.name, "tokenizer": printable(r.tokenizer),
+               "final val bpb": final if r.diverged() else r.in_unit(r.final_val(), "bpb"),
+               "best val bpb": r.in_unit(r.best_val(), "bpb"), "final val loss": final, "best val loss": r.best_val(),
                "steps": max((x["step"] for x in r.records), default=0), "tokens": r.tokens(),
-               "wall s": f"{r.wall_s():.1f}", "tokens/s": round(r.tokens_per_s()), "params": r.parameters}
+               "wall s": f"{r.wall_s():.1f}", "tokens/s": round(speed) if math.isfinite(speed) else math.nan,
+               "params": r.parameters}
         row.update({k: _short(v[i]) for k, v in diff.items()})
         rows.append(row)
     losses = ["final val loss", "best val loss"]
@@ -263,8 +332,8 @@ def comparison_rows(runs: Sequence[RunSummary], unit: str) -> tuple[list[dict[st
 def _short(value: Any) -> Any:
     """A config value for a table cell: a long path by its last two parts."""
     if isinstance(value, str) and os.sep in value and len(value) > 32:
-        return "…/" + "/".join(Path(value).parts[-2:])
-    return value
+        return printable("…/" + "/".join(Path(value).parts[-2:]))
+    return printable(value) if isinstance(value, str) else value
 
 
 def header(runs: Sequence[RunSummary], unit: str) -> str:
@@ -281,6 +350,10 @@ def header(runs: Sequence[RunSummary], unit: str) -> str:
     missing = [r.name for r in runs if not r.tokens_per_byte]
     if missing:
         first += f" Bits per byte unknown (no val_bits_per_byte logged, no prepared data): {', '.join(missing)}."
+    diverged = [r.name for r in runs if r.diverged()]
+    if diverged:
+        first += (f" Diverged (the last evaluation's loss is not finite; best is over the finite ones): "
+                  f"{', '.join(diverged)}.")
     return first
 
 
@@ -295,6 +368,9 @@ def check_out(out: str | Path, runs: Sequence[Path], overwrite: bool) -> None:
     """Refuse an --out that is or lies inside one of ``runs``, a file, a directory of someone else's
     files (no marker), or an earlier comparison without ``overwrite``: before anything is read."""
     out = Path(out)
+    if out.is_symlink():
+        raise ValueError(f"--out {str(out)!r} is a symbolic link; give the directory itself (compare replaces "
+                         "its --out as a whole)")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; give a directory for the plots and compare.md")
     real = out.resolve()
@@ -303,9 +379,7 @@ def check_out(out: str | Path, runs: Sequence[Path], overwrite: bool) -> None:
             raise ValueError(f"--out {str(out)!r} is inside the run {str(run)!r}; a comparison is written outside "
                              "the runs it reads: choose another --out")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / MARKER).is_file():
-            raise ValueError(f"--out {str(out)!r} holds files lmlab compare did not write (no {MARKER}); choose "
-                             "another --out, or empty it yourself")
+        _ours(out)
         if not overwrite:
             raise ValueError(f"--out {str(out)!r} holds an earlier comparison; pass --overwrite to replace it")
 
@@ -337,17 +411,33 @@ def group_curves(members: Sequence[RunSummary], key: str, x: str, unit: str) -> 
 
 def write_comparison(runs: Sequence[RunSummary], out: Path, unit: str, command: str) -> list[Path]:
     """compare.md (header, table, groups, plots) and loss_vs_{steps,tokens,wall_time}.png in ``out``
-    (checked by :func:`check_out` first); returns the files written."""
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / MARKER, "written by lmlab compare; --overwrite replaces this directory's comparison\n")
-    pngs = [plot_losses(runs, out / f"loss_vs_{x}.png", x, unit) for x in X_AXES]
-    rows, columns = comparison_rows(runs, unit)
-    banded = [f"- {label}: {', '.join(m.name for m in members)}" for label, members in groups(runs).items()
-              if len(members) > 1]
-    text = (f"# {len(runs)} runs compared\n\nMade by: `{command}`\n\n{header(runs, unit)} Wall time is rebuilt "
-            "from each record's tokens/s; tokens/s is the median over logged steps.\n\n" + markdown_table(rows, columns)
-            + ("\nRuns that differ only in their seeds, drawn as mean ± 1 std:\n\n" + "\n".join(banded) + "\n"
-               if banded else "")
-            + "".join(f"\n![loss vs {x}]({name})\n" for x, name in zip(X_AXES, pngs)))
-    atomic_write_text(out / "compare.md", text)
-    return [out / "compare.md", *(out / n for n in pngs)]
+    (checked by :func:`check_out` first); returns the files written. The directory appears whole or
+    not at all (written beside it, then renamed; see ``install_directory``): a kill or a full disk
+    leaves the earlier comparison or nothing, and the next compare removes what a killed one left."""
+    out = Path(out)
+    names: list[str] = []
+
+    def write(tmp: Path) -> None:
+        atomic_write_text(tmp / MARKER, "written by lmlab compare; --overwrite replaces this directory's comparison\n")
+        pngs = [plot_losses(runs, tmp / f"loss_vs_{x}.png", x, unit) for x in X_AXES]
+        rows, columns = comparison_rows(runs, unit)
+        banded = [f"- {label}: {', '.join(m.name for m in members)}" for label, members in groups(runs).items()
+                  if len(members) > 1]
+        text = (f"# {len(runs)} runs compared\n\nMade by: `{printable(command)}`\n\n{header(runs, unit)} Wall time is "
+                "rebuilt from each record's tokens/s; tokens/s is the median over logged steps.\n\n"
+                + markdown_table(rows, columns)
+                + ("\nRuns that differ only in their seeds, drawn as mean ± 1 std:\n\n" + "\n".join(banded) + "\n"
+                   if banded else "")
+                + "".join(f"\n![loss vs {x}]({name})\n" for x, name in zip(X_AXES, pngs)))
+        atomic_write_text(tmp / "compare.md", text)
+        names[:] = ["compare.md", *pngs]
+
+    install_directory(out, "compare", write, may_replace=_ours)
+    return [out / n for n in names]
+
+
+def _ours(out: Path) -> None:
+    """Refuse to replace ``out`` unless an earlier compare wrote it (checked again just before the swap)."""
+    if not (out / MARKER).is_file():
+        raise ValueError(f"--out {str(out)!r} holds files lmlab compare did not write (no {MARKER}); choose "
+                         "another --out, or empty it yourself")

@@ -140,6 +140,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     a non-finite value reads as None). A last line cut short by a crash is skipped; any other line
     that is not a record raises :class:`CorruptFile` naming the file and line."""
     p = Path(path) / METRICS_FILE
+    if p.is_dir():
+        raise IsADirectoryError(f"{str(p)!r} is a directory, not a file")
     if not p.is_file():
         raise FileNotFoundError(f"{str(p)!r} does not exist")
     lines = p.read_bytes().splitlines()
