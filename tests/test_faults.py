@@ -669,6 +669,49 @@ def setup_missing_tokenizer_file(env: Env, tokenizer: str, name: str) -> list:
     return ["train", "--run-dir", env.tmp / "new", "--data", data, *TINY, *FAST]
 
 
+# ---- issue 44: the newer commands (compare, tb, export from a Hugging Face directory, experiment)
+def setup_tb_over_other_events(env: Env) -> list:
+    """``lmlab tb RUN --out DIR --overwrite`` where DIR holds another run's and another program's events:
+    it deleted every events.out.tfevents.* under DIR."""
+    (env.tmp / "other" / "tb").mkdir(parents=True)
+    (env.tmp / "other" / "tb" / "events.out.tfevents.1.host").write_bytes(b"another run's events")
+    (env.tmp / "events.out.tfevents.2.host").write_bytes(b"another program's events")
+    env.run()
+    return ["tb", env.run(), "--out", env.tmp, "--overwrite"]
+
+
+def broken_tracker(env: Env, body: str) -> list:
+    """A new run naming W&B, where the installed ``wandb`` package's import runs ``body``."""
+    import importlib
+    import sys
+
+    (env.tmp / "site" / "wandb").mkdir(parents=True)
+    (env.tmp / "site" / "wandb" / "__init__.py").write_text(body)
+    env.monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no __pycache__ in the snapshot
+    env.monkeypatch.syspath_prepend(str(env.tmp / "site"))
+    env.monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    importlib.invalidate_caches()
+    return new_run(env, "--log.trackers", "wandb")
+
+
+def compare_onto_full_disk(env: Env) -> list:
+    """``lmlab compare RUN --out cmp`` where the disk fills at the second plot: it left the marker and
+    one PNG behind."""
+    from lmlab.experiments import compare
+
+    real, calls = compare.save, []
+
+    def save(fig, path):
+        calls.append(path)
+        if len(calls) == 2:
+            Path(path).write_bytes(b"\x89PNG half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fig, path)
+
+    env.monkeypatch.setattr(compare, "save", save)
+    return ["compare", env.run(), "--out", env.tmp / "cmp"]
+
+
 CASES = [
     # ---- item 1: one process per run directory
     Case("run directory locked by another process", setup_lock_held, 2, ("is in use by process", "run/.lock")),
@@ -1016,6 +1059,15 @@ CASES = [
          2, ("already holds a different run",)),
     Case("a checkpoint step that does not exist", lambda env: ["eval", env.run(), "--checkpoint", "3"], 2,
          ("no checkpoint at step 3",)),
+    # ---- issue 44: the newer commands held to the trainer's standard
+    Case("tb --out a directory of other runs' and programs' events --overwrite", setup_tb_over_other_events, 2,
+         ("holds files lmlab tb did not write (no .lmlab-tb)",)),
+    Case("a tracker whose import raises RuntimeError", lambda env: broken_tracker(env, "raise RuntimeError('boom')\n"),
+         3, ("wandb is installed but cannot be imported (RuntimeError: boom)", "--force-reinstall")),
+    Case("a tracker whose import calls sys.exit(7)", lambda env: broken_tracker(env, "import sys\nsys.exit(7)\n"),
+         3, ("wandb is installed but cannot be imported (sys.exit(7))",)),
+    Case("compare --out onto a disk that fills at the second plot", compare_onto_full_disk, 3,
+         ("no space left on the device holding", "cmp'")),
 ]
 
 

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from .checkpoint.atomic import install_directory
 from .checkpoint.directory import METRICS_FILE, SAMPLES_FILE, RunDir, metrics_record
 from .checkpoint.lock import locked
 from .config import RunConfig, load_config
@@ -176,12 +177,17 @@ def read_samples(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+TB_MARKER = ".lmlab-tb"  # in every directory ``lmlab tb`` writes: --overwrite replaces only such a one (or RUN/tb)
+
+
 def rebuild_tensorboard(run_dir: str | Path, out: str | Path | None = None, *,
                         overwrite: bool = False) -> tuple[Path, int, int, bool]:
     """Write TensorBoard events for a run from its files alone: the grouped scalars of metrics.jsonl,
     the samples of samples.jsonl and config.yaml as HParams, into ``out`` (default ``<run>/tb``), as
-    the trainer writes them. Refuses a directory that already holds events unless ``overwrite``
-    (then only its event files are replaced). Returns (out, records, samples, whether hparams were written)."""
+    the trainer writes them. The directory is written beside ``out`` and renamed into place (see
+    ``install_directory``): it is new, empty, or with ``overwrite`` replaced whole, which only the
+    run's own tb/ or a directory an earlier ``lmlab tb`` wrote (marked ``.lmlab-tb``) may be; nothing
+    else is deleted. Returns (out, records, samples, whether hparams were written)."""
     run = RunDir(run_dir)
     if not run.path.is_dir():
         raise FileNotFoundError(f"run directory {str(run.path)!r} does not exist")
@@ -190,17 +196,14 @@ def rebuild_tensorboard(run_dir: str | Path, out: str | Path | None = None, *,
     if not installed(TensorBoardTracker):
         raise ValueError("tensorboard is not installed; pip install 'lmlab[tensorboard]' to write TensorBoard events")
     target = Path(out) if out is not None else run.tensorboard
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{str(target)!r} is a file; give --out a directory for the events")
-    existing = sorted(target.rglob("events.out.tfevents.*")) if target.is_dir() else []
-    if existing and not overwrite:
-        raise ValueError(f"{str(target)!r} already holds TensorBoard events ({len(existing)} file(s)); pass "
-                         "--overwrite to replace them, or choose another --out")
-    inside = target.resolve().is_relative_to(run.path.resolve())
-    with locked(run.path, "run directory") if inside else contextlib.nullcontext():  # not while it trains
-        for f in existing:
-            f.unlink()
-        trackers = Trackers([TensorBoardTracker(run.path, None, log_dir=target)])
+    own = os.path.realpath(target) == os.path.realpath(run.tensorboard)
+    check_tensorboard_out(target, own, overwrite)
+    inside = Path(os.path.realpath(target)).is_relative_to(os.path.realpath(run.path))
+
+    def write(tmp: Path) -> None:
+        if not own:  # RUN/tb is the run's own by where it is; elsewhere the marker says lmlab tb wrote it
+            (tmp / TB_MARKER).write_text("written by lmlab tb; --overwrite replaces this directory's events\n")
+        trackers = Trackers([TensorBoardTracker(run.path, None, log_dir=tmp)])
         try:
             if config is not None:
                 trackers.log_hparams(config)
@@ -210,4 +213,30 @@ def rebuild_tensorboard(run_dir: str | Path, out: str | Path | None = None, *,
                 trackers.log_text(sample["step"], sample["tag"], sample["text"])
         finally:
             trackers.close()
+        for f in tmp.rglob("*"):  # SummaryWriter does not fsync
+            if f.is_file():
+                with open(f, "rb") as handle:
+                    os.fsync(handle.fileno())
+
+    with locked(run.path, "run directory") if inside else contextlib.nullcontext():  # not while it trains
+        install_directory(target, "tb", write, may_replace=lambda t: check_tensorboard_out(t, own, True))
     return target, len(records), len(samples), config is not None
+
+
+def check_tensorboard_out(target: Path, own: bool, overwrite: bool) -> None:
+    """Refuse a ``target`` that is a link or a file, that holds files neither the run's trainer nor ``lmlab tb``
+    wrote (another run, another program: not RUN/tb and no .lmlab-tb), or that holds events without ``overwrite``."""
+    if target.is_symlink():
+        raise ValueError(f"{str(target)!r} is a symbolic link; give --out the directory itself (lmlab tb replaces "
+                         "its events as a whole)")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{str(target)!r} is a file; give --out a directory for the events")
+    if not (target.is_dir() and any(target.iterdir())):
+        return
+    if not own and not (target / TB_MARKER).is_file():
+        raise ValueError(f"{str(target)!r} holds files lmlab tb did not write (no {TB_MARKER}); --overwrite replaces "
+                         "only the run's own tb/ or an earlier lmlab tb --out: choose another --out")
+    if not overwrite:
+        existing = sum(1 for _ in target.rglob("events.out.tfevents.*"))
+        raise ValueError(f"{str(target)!r} already holds TensorBoard events ({existing} file(s)); pass "
+                         "--overwrite to replace them, or choose another --out")

@@ -211,11 +211,38 @@ def missing_extra(name: str) -> str:
             f"(or drop {name} from log.trackers)")
 
 
+def import_failure(tracker: type[Tracker]) -> str | None:
+    """Import the tracker's package; None when it imports, else why not in one line. Whatever its import
+    raises (an ImportError, any other exception, a ``sys.exit`` inside it) is caught: a broken install
+    is the environment's failure, not a traceback, and never ends lmlab with the package's own status."""
+    import importlib
+
+    try:
+        importlib.import_module(tracker.module)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a third-party import may raise anything
+        sys.modules.pop(tracker.module, None)  # a half-imported package is not "installed"
+        what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {one_line(e)[:200]}"
+        return what
+    return None
+
+
+def broken_install(name: str, why: str) -> EnvironmentFailure:
+    extra = TRACKERS[name].extra
+    return EnvironmentFailure(f"{name} is installed but cannot be imported ({why}); reinstall it: "
+                              f"pip install --force-reinstall 'lmlab[{extra}]'")
+
+
 def check_trackers(names: Sequence[str], required: bool) -> None:
-    """Refuse (ValueError, before anything is written) a required tracker that is not installed."""
+    """Refuse, before anything is written, a required tracker that is not installed (ValueError) or whose
+    import fails (EnvironmentFailure): it is imported here, once (later uses find it imported)."""
+    if not required:
+        return
     for name in names:
-        if required and not installed(TRACKERS[name]):
+        if not installed(TRACKERS[name]):
             raise ValueError(missing_extra(name))
+        why = import_failure(TRACKERS[name])
+        if why is not None:
+            raise broken_install(name, why)
 
 
 def open_trackers(names: Sequence[str], run_dir: Path, *, purge_step: int | None, required: bool = True,
@@ -228,14 +255,15 @@ def open_trackers(names: Sequence[str], run_dir: Path, *, purge_step: int | None
     try:
         for name in names:
             tracker = TRACKERS[name]
+            why = import_failure(tracker) if installed(tracker) else f"No module named {tracker.module!r}"
             try:
-                if not installed(tracker):
-                    raise ModuleNotFoundError(f"No module named {tracker.module!r}")
-                opened.append(tracker(run_dir, purge_step))
+                if why is None:
+                    opened.append(tracker(run_dir, purge_step))
             except ImportError as e:
+                why = one_line(e)[:200]
+            if why is not None:
                 if required:
-                    raise EnvironmentFailure(f"{name} is installed but cannot be imported ({one_line(e)[:200]}); "
-                                             f"reinstall it: pip install --force-reinstall 'lmlab[{tracker.extra}]'")
+                    raise broken_install(name, why)
                 say(f"note: {name} is not installed, so the run writes no {name} records "
                     f"(pip install 'lmlab[{tracker.extra}]')")
     except BaseException:
