@@ -231,8 +231,11 @@ def test_granularity_keeps_total_and_active_parameters():
 
 
 FAST_VS_REFERENCE = {
-    "dropless": dict(n_experts=6, top_k=2),
+    "dropless": dict(n_experts=6, top_k=2, expert_balance_coef=0.01, z_loss_coef=1e-3),
     "mlp_bias": dict(n_experts=5, top_k=2),
+    "mlp": dict(n_experts=5, top_k=2),
+    "odd_rows": dict(n_experts=4, top_k=1),  # 7 rows: hidden-first (F, 7) rows are not 16-byte aligned
+    "fine_grained": dict(n_experts=4, top_k=2, granularity=4, d_expert=96),  # 16 experts of width 24, top-8
     "empty_experts": dict(n_experts=16, top_k=1),  # 6 tokens cannot fill 16 experts
     "capacity": dict(n_experts=4, top_k=2, capacity_factor=0.5),
     "gshard_random": dict(n_experts=4, top_k=2, second_expert="random", normalize_top_k=True, capacity_factor=1.0),
@@ -243,28 +246,45 @@ FAST_VS_REFERENCE = {
 }
 
 
+# the fast path's variants on the CPU: moe.RoutedExperts with the hidden activations (F, A) or rows
+# first, and the portable path (dispatch, grouped matmuls, combine) that CUDA and torch.compile run
+# (experts with biases or gpt-oss's clamped GLU always take the portable path: Experts.fused is False)
+FAST_PATHS = {
+    "fused_hidden_first": dict(hidden_first=True),
+    "fused_rows_first": dict(hidden_first=False),
+    "portable": dict(fused=False),
+}
+
+
+def run_layer(layer: MoE, x: torch.Tensor, impl: str, **path) -> tuple:
+    """Output, input gradient, parameter gradients, stats and aux loss of one forward and backward."""
+    layer.set_impl(impl)
+    for key, value in path.items():
+        setattr(layer.experts, key, value)
+    layer.zero_grad()
+    xi = x.clone().requires_grad_()
+    torch.manual_seed(0)  # the same random second-expert draws for every path
+    y = layer(xi)
+    ((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + layer.aux_loss).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), xi.grad, grads, layer.stats, layer.aux_loss.detach()
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
 @pytest.mark.parametrize("name", FAST_VS_REFERENCE)
-def test_fast_path_equals_reference_in_outputs_and_gradients(name):
-    kw = dict(ffn="mlp", activation="gelu", bias=True) if name == "mlp_bias" else {}
-    layer = make_moe(FAST_VS_REFERENCE[name], **kw).train()
-    x = tokens(B=1, S=6) if name == "empty_experts" else tokens()
-    results = {}
-    for impl in ("reference", "fast"):
-        layer.set_impl(impl)
-        layer.zero_grad()
-        xi = x.clone().requires_grad_()
-        torch.manual_seed(0)  # the same random second-expert draws for both
-        y = layer(xi)
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-        results[impl] = (y.detach(), xi.grad, grads, layer.stats)
-    (y_r, gx_r, g_r, s_r), (y_f, gx_f, g_f, s_f) = results["reference"], results["fast"]
+def test_fast_path_equals_reference_in_outputs_and_gradients(name, path):
+    kw = {"mlp_bias": dict(ffn="mlp", activation="gelu", bias=True), "mlp": dict(ffn="mlp", activation="quick_gelu")}
+    layer = make_moe(FAST_VS_REFERENCE[name], **kw.get(name, {})).train()
+    x = tokens(B=1, S=6) if name == "empty_experts" else tokens(B=1, S=7) if name == "odd_rows" else tokens()
+    y_r, gx_r, g_r, s_r, aux_r = run_layer(layer, x, "reference")
+    y_f, gx_f, g_f, s_f, aux_f = run_layer(layer, x, "fast", **FAST_PATHS[path])
     torch.testing.assert_close(y_f, y_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-5)
     assert g_f.keys() == g_r.keys() and "router.weight" in g_r
     for n in g_r:
         torch.testing.assert_close(g_f[n], g_r[n], rtol=1e-5, atol=1e-5, msg=n)
     assert s_f == s_r
+    torch.testing.assert_close(aux_f, aux_r)
     if name == "empty_experts":
         assert s_r["tokens_per_expert"].count(0) >= 10
         idle = [e for e, n in enumerate(s_r["tokens_per_expert"]) if n == 0]
@@ -272,6 +292,48 @@ def test_fast_path_equals_reference_in_outputs_and_gradients(name):
     if name in ("capacity", "gshard_random"):
         assert s_r["dropped"] > 0
 
+
+
+def autograd_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {type(n).__name__ for n in seen}
+
+
+def test_cpu_fast_path_is_one_autograd_function_and_the_portable_path_is_not_taken():
+    layer = make_moe(dict(n_experts=4, top_k=2, granularity=4, d_expert=96)).train()  # 16 experts of width 24
+    assert layer.experts.fused and layer.experts.hidden_first  # 24 units: a scalar remainder on every row
+    nodes = autograd_nodes(layer(tokens()))
+    assert "RoutedExpertsBackward" in nodes and not any("GroupedMm" in n or "Dispatch" in n for n in nodes), nodes
+    assert not make_moe(dict(n_experts=4, top_k=2), d_ff=64).experts.hidden_first  # 64 units: rows first
+    assert not make_moe(dict(n_experts=4, top_k=2), ffn="mlp", bias=True).experts.fused  # biases: portable
+
+
+def test_grouped_matmul_forms_equal_a_matmul_per_group():
+    """The three forms of grouped_matmul, with contiguous and transposed operands and an empty group,
+    against each group's matmul written out."""
+    from lmlab.grouped_mm import grouped_matmul, grouped_matmul_split
+
+    g = torch.Generator().manual_seed(7)
+    x_AD, g_AI = torch.randn(20, 8, generator=g), torch.randn(20, 12, generator=g)
+    w_EID = torch.randn(3, 12, 8, generator=g)
+    offs = torch.tensor([6, 6, 20], dtype=torch.int32)
+    groups = [slice(0, 6), slice(6, 6), slice(6, 20)]
+    want_up_AI = torch.cat([x_AD[r] @ w_EID[e].T for e, r in enumerate(groups)])
+    want_gx_AD = torch.cat([g_AI[r] @ w_EID[e] for e, r in enumerate(groups)])
+    want_gw_EID = torch.stack([g_AI[r].T @ x_AD[r] for r in groups])
+    for fn in (grouped_matmul, grouped_matmul_split):
+        for x in (x_AD, x_AD.T.contiguous().T):
+            torch.testing.assert_close(fn(x, w_EID.transpose(1, 2), offs), want_up_AI)  # 2D x 3D
+            torch.testing.assert_close(fn(w_EID, x.T, offs), want_up_AI.T)  # 3D x 2D: (I, A)
+            torch.testing.assert_close(fn(g_AI.T.contiguous(), x, offs), want_gw_EID)  # 2D x 2D
+            torch.testing.assert_close(fn(g_AI.T, x, offs), want_gw_EID)
+        torch.testing.assert_close(fn(g_AI.T.contiguous().T, w_EID, offs), want_gx_AD)
+        assert fn(w_EID, x_AD.T[:, :0], offs.clamp(max=0)).shape == (12, 0)  # no rows at all
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])

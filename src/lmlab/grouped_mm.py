@@ -10,6 +10,9 @@ per-group fallback at all): ``lmlab::grouped_mm`` (the forward and the input gra
 Each runs torch's grouped kernel where it exists for the device, dtype and alignment (probed once
 per device and dtype, and checked against plain matmuls), else :func:`grouped_mm_split`, a matmul
 per group. Shape suffixes as in ``moe.py``: A rows, E experts (groups), I input width, O output width.
+
+:func:`grouped_matmul` is the same kernel called directly, in torch's convention and in the three forms
+the CPU path of the routed experts uses inside its own autograd Function (``moe.RoutedExperts``).
 """
 
 from __future__ import annotations
@@ -79,6 +82,62 @@ def grouped_mm_split(x_AI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tens
     split and unbind, not indexing, keep the backward to one cat and one stack."""
     sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
     return torch.cat([x_NI @ w_OI.T for x_NI, w_OI in zip(torch.split(x_AI, sizes), w_EOI.unbind(0))])
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul in torch's own convention (each group's ``a @ b``), in the three forms the
+    CPU path of the routed experts (``moe.RoutedExperts``) uses, on operands of one dtype, not differentiable:
+
+        a (A, I) 2D x b (E, I, O) 3D -> (A, O)    rows offs[e-1]:offs[e] of a times b[e]
+        a (E, O, I) 3D x b (I, A) 2D -> (O, A)    a[e] times columns offs[e-1]:offs[e] of b
+        a (O, A) 2D x b (A, I) 2D -> (E, O, I)    the groups split the shared axis: a weight gradient
+
+    Either operand may be a transposed view. The kernel where it takes the operands (and its forms were
+    probed on this device and dtype), else :func:`grouped_matmul_split`."""
+    takes = a.numel() and b.numel() and _aligned16(a) and _aligned16(b)
+    if takes and probe_grouped_matmul_forms(str(a.device), a.dtype):
+        return KERNEL(a, b, offs=offs_E)
+    return grouped_matmul_split(a, b, offs_E)
+
+
+def grouped_matmul_split(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_matmul` as a matmul per group: the reference, and the fallback (it reads the group sizes,
+    which waits for the device)."""
+    sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
+    if a.dim() == 2 and b.dim() == 3:
+        return torch.cat([a_e @ b_e for a_e, b_e in zip(torch.split(a, sizes), b.unbind(0))])
+    if a.dim() == 3:
+        return torch.cat([a_e @ b_e for a_e, b_e in zip(a.unbind(0), torch.split(b, sizes, dim=1))], dim=1)
+    return torch.stack([a_e @ b_e for a_e, b_e in zip(torch.split(a, sizes, dim=1), torch.split(b, sizes))])
+
+
+@functools.lru_cache(maxsize=None)
+def probe_grouped_matmul_forms(device: str, dtype: torch.dtype) -> bool:
+    """Does torch's grouped matmul also take the 3D x 2D form and transposed operands here, equal to
+    :func:`grouped_matmul_split`? (``probe_grouped_mm`` checks the two forms ``grouped_mm`` uses.)"""
+    if not probe_grouped_mm(device, dtype):
+        return False
+    try:
+        with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            g = torch.Generator().manual_seed(1)
+            x_AD = torch.randn(24, 16, generator=g).to(device, dtype)  # A = 24 rows of D = 16
+            g_AI = torch.randn(24, 8, generator=g).to(device, dtype)
+            w_EID = torch.randn(3, 8, 16, generator=g).to(device, dtype)
+            offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)  # includes an empty group
+            g_IA = g_AI.T.contiguous()
+            cases = [  # each operand as the CPU path passes it: contiguous, or a transposed view
+                (w_EID, x_AD.T), (w_EID.transpose(1, 2), g_AI.T), (w_EID, x_AD.T.contiguous()),  # 3D x 2D
+                (x_AD, w_EID.transpose(1, 2)), (x_AD.T.contiguous().T, w_EID.transpose(1, 2)),  # 2D x 3D
+                (g_AI, w_EID), (g_IA.T, w_EID),
+                (g_IA, x_AD), (g_AI.T, x_AD), (x_AD.T, g_AI), (x_AD.T, g_IA.T),  # 2D x 2D
+            ]
+            for a, b in cases:
+                got, want = KERNEL(a, b, offs=offs).float(), grouped_matmul_split(a.float(), b.float(), offs)
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+                    return False
+            return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def grouped_mm_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
-from .feedforward import ACTIVATIONS, GLUS
-from .grouped_mm import grouped_mm
+from .feedforward import ACTIVATION_GRADS, ACTIVATIONS, GLUS
+from .grouped_mm import grouped_matmul, grouped_mm
 from .init import Init, init_module
 from .schema import check_choice
 
@@ -211,6 +211,9 @@ class Experts(nn.Module):
         self.glu = GLUS[glu_variant]  # ModelConfig.glu_variant
         self.hidden = self.glu_hidden if ffn == "glu" else ACTIVATIONS[activation]
         self.weighted_down = self.gate_then_down if self.down_bias is None else self.down_then_gate
+        # the CPU path (RoutedExperts) covers experts without biases whose activation has a written-out gradient
+        self.fused = bias is False and glu_variant == "plain" and activation in ACTIVATION_GRADS
+        self.hidden_first = hidden_units_first(width)
 
     @property
     def w_in_EID(self) -> torch.Tensor:
@@ -250,10 +253,22 @@ class Experts(nn.Module):
         return out_TD
 
     def grouped(self, x_TD: torch.Tensor, a: Assignment, out_TD: torch.Tensor) -> torch.Tensor:
-        """Fast path: rows grouped by expert (``plan``), two grouped matmuls, one sum per token."""
+        """Fast path: rows grouped by expert (``plan``), two grouped matmuls, one sum per token. On the
+        CPU, one autograd Function from tokens to tokens (:class:`RoutedExperts`); elsewhere, and under
+        torch.compile, ``dispatch``, :meth:`forward` and ``combine`` (the portable path): the same sums."""
         p = plan(a)
+        if self.fused and self.fused_path_fits(x_TD):
+            return RoutedExperts.apply(x_TD, self.w_in_EID, self.down, p.weight_A, out_TD, p, self.activation,
+                                       self.in_name == "gate_up", self.hidden_first)
         y_AD = self(dispatch(x_TD, p), p.offs_E, p.weight_A)
         return combine(y_AD, p, out_TD)
+
+    def fused_path_fits(self, x_TD: torch.Tensor) -> bool:
+        """Can this call take :class:`RoutedExperts`? A CPU tensor in the weights' dtype, no autocast (the
+        portable path casts for it) and no compiler (which traces the portable path); the experts' kind is
+        checked once, in ``__init__``."""
+        return (x_TD.device.type == "cpu" and x_TD.dtype == self.down.dtype and not torch.is_autocast_enabled("cpu")
+                and not torch.compiler.is_compiling())
 
     def forward(self, x_AD: torch.Tensor, offs_E: torch.Tensor, scale_A: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert -> scale_A * expert(row), two grouped matmuls over the groups."""
@@ -317,7 +332,7 @@ def sorted_plan(a: Assignment) -> Plan:
     order_A = torch.sort(a.expert_A, stable=True).indices
     offs_E = a.sent_E.cumsum(0).to(torch.int32)
     row_KT = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(order_A.numel(), device=order_A.device))
-    return Plan(a.token_A[order_A], a.weight_A.index_select(0, order_A), offs_E, row_KT, padded=False)
+    return Plan(a.token_A.index_select(0, order_A), a.weight_A.index_select(0, order_A), offs_E, row_KT, padded=False)
 
 
 def capacity_plan(a: Assignment) -> Plan:
@@ -385,6 +400,107 @@ def combine(y_AD: torch.Tensor, plan: Plan, out_TD: torch.Tensor) -> torch.Tenso
     return Combine.apply(y_AD.to(out_TD.dtype), out_TD, plan)
 
 
+# ============================================================== the routed experts on the CPU
+# On the CPU, Experts.grouped runs dispatch, Experts.forward and combine as one autograd Function, token
+# rows in, token rows out (the same sums; Experts.loop is the readable reference of both, and
+# tests/test_moe.py checks all three equal, outputs and gradients):
+#
+#     x_TD ─ gather ─ x_AD ─ up ─ z_IA ─ act(gate)·up ─ h_FA ─ × gate weight ─ s_FA ─ down ─ y_AD ─ sum per token ─(+)─▶
+#                                                                                                    out_TD (shared) ─┘
+#
+# What it saves, measured at the MoE experiment's shape (64 experts of width F = 24, top-8; docs/speed.md):
+# - Narrow hidden rows. ATen's element-wise loops run each innermost row two vector registers at a time
+#   (2 x 16 floats with AVX-512) and the rest of the row scalar: a row of F = 24 hidden units is all rest,
+#   so the activation, the product with up and their backward, on the halves of (A, 2F) rows, ran 3-6x
+#   slower per element than on contiguous memory. With ``hidden_first`` the hidden activations are held
+#   unit by unit, (I, A), rows of A elements: the grouped matmul writes them so directly
+#   (w (E, I, D) x x^T (D, A), one kernel call), and the matmuls that read them take transposed views.
+#   Wide experts keep rows first, whose matmuls run faster.
+# - One backward, written out: the gate weights' gradient is one reduction over the hidden units, the gate
+#   weight is applied to the gradient in place, the activation's gradient lands in the halves of one tensor,
+#   and the routing plan (the sort by expert, the group ends, each assignment's row), computed once per
+#   step, serves the forward and the backward; autograd's graph of the portable path has a dozen nodes.
+# _IA and _FA tensors are hidden activations indexed (hidden unit, row): contiguous when hidden-first,
+# else the transposed view of an (A, I) tensor. Element-wise ops keep their input's layout, so the same
+# code serves both.
+def hidden_units_first(width: int) -> bool:
+    """Does the CPU path hold this expert width's hidden activations unit by unit, (F, A)? When a row of F
+    floats leaves a remainder that ATen's element-wise loops (32 floats a turn with AVX-512) run scalar, and
+    F is narrow enough that the transposed matmuls' extra cost is smaller: per layer step, hidden-first is
+    1.13x rows-first at F = 24 (the MoE experiment), about equal at 32 and 64, 0.96x at 128."""
+    return width < 128 and width % 32 != 0
+
+
+def up_projection(x_AD: torch.Tensor, w_in_EID: torch.Tensor, offs_E: torch.Tensor,
+                  hidden_first: bool) -> torch.Tensor:
+    """z_IA: each row's expert's input projection, stored (I, A) when ``hidden_first``, else as (A, I)."""
+    if hidden_first:
+        return grouped_matmul(w_in_EID, x_AD.t(), offs_E)
+    return grouped_matmul(x_AD, w_in_EID.transpose(1, 2), offs_E).t()
+
+
+def down_input_grad(g_AD: torch.Tensor, w_down_EDF: torch.Tensor, offs_E: torch.Tensor,
+                    hidden_first: bool) -> torch.Tensor:
+    """g_s_FA: the gradient reaching the down projection's input, in the forward's layout."""
+    if hidden_first:
+        return grouped_matmul(w_down_EDF.transpose(1, 2), g_AD.t(), offs_E)
+    return grouped_matmul(g_AD, w_down_EDF, offs_E).t()
+
+
+def expert_hidden(z_IA: torch.Tensor, activation: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_FA, act_FA): act(gate) * up and act(gate) for GLU experts (z = [gate; up]), act(z) twice for MLP ones."""
+    if not gated:
+        h_FA = ACTIVATIONS[activation](z_IA)
+        return h_FA, h_FA
+    n = z_IA.shape[0] // 2
+    act_FA = ACTIVATIONS[activation](z_IA[:n])
+    return act_FA * z_IA[n:], act_FA
+
+
+def expert_hidden_grad(g_h_FA: torch.Tensor, z_IA: torch.Tensor, act_FA: torch.Tensor, activation: str,
+                       gated: bool) -> torch.Tensor:
+    """g_z_IA in z's layout; for GLU experts the gate's and up's gradients land in its two halves."""
+    g_z_IA = torch.empty_like(z_IA)
+    if not gated:
+        return ACTIVATION_GRADS[activation](g_h_FA, z_IA, g_z_IA)
+    n = z_IA.shape[0] // 2
+    g_gate_FA, g_up_FA = g_z_IA[:n], g_z_IA[n:]
+    torch.mul(g_h_FA, act_FA, out=g_up_FA)
+    torch.mul(g_h_FA, z_IA[n:], out=g_gate_FA)
+    ACTIVATION_GRADS[activation](g_gate_FA, z_IA[:n], g_gate_FA)
+    return g_z_IA
+
+
+class RoutedExperts(torch.autograd.Function):
+    """out_TD + the sum over each token's rows of weight_A * expert(x_TD[token]) -> (T, D), for a plan's rows."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_in_EID, w_down_EDF, weight_A, out_TD, plan, activation, gated, hidden_first):
+        x_AD = x_TD.index_select(0, plan.token_A)
+        z_IA = up_projection(x_AD, w_in_EID, plan.offs_E, hidden_first)
+        h_FA, act_FA = expert_hidden(z_IA, activation, gated)
+        s_FA = h_FA * weight_A  # the gate weight scales the hidden units: F < D, the cheaper side of down
+        y_AD = grouped_matmul(s_FA.t(), w_down_EDF.transpose(1, 2), plan.offs_E)
+        ctx.save_for_backward(x_AD, z_IA, act_FA, h_FA, s_FA, w_in_EID, w_down_EDF, weight_A)
+        ctx.plan, ctx.T, ctx.how = plan, x_TD.shape[0], (activation, gated, hidden_first)
+        return sum_per_token(y_AD, plan, x_TD.shape[0]).add_(out_TD)
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        x_AD, z_IA, act_FA, h_FA, s_FA, w_in_EID, w_down_EDF, weight_A = ctx.saved_tensors
+        p, (activation, gated, hidden_first) = ctx.plan, ctx.how
+        g_AD = g_TD.index_select(0, p.token_A)  # the sum per token's backward: a gather
+        g_s_FA = down_input_grad(g_AD, w_down_EDF, p.offs_E, hidden_first)
+        g_w_down = grouped_matmul(g_AD.t(), s_FA.t(), p.offs_E)  # (E, D, F)
+        g_weight_A = (g_s_FA * h_FA).sum(0)
+        g_z_IA = expert_hidden_grad(g_s_FA.mul_(weight_A), z_IA, act_FA, activation, gated)
+        g_w_in = grouped_matmul(g_z_IA, x_AD, p.offs_E)  # (E, I, D)
+        g_x_TD = None
+        if ctx.needs_input_grad[0]:
+            g_x_TD = sum_per_token(grouped_matmul(g_z_IA.t(), w_in_EID, p.offs_E), p, ctx.T)
+        return g_x_TD, g_w_in, g_w_down, g_weight_A, g_TD, None, None, None, None
+
+
 # ============================================================== shared experts
 class SharedExperts(Experts):
     """n_shared experts fused into one FFN of width n_shared * width, applied to every token; ``width``
@@ -395,7 +511,12 @@ class SharedExperts(Experts):
         super().__init__(1, d_model, n_shared * width, ffn, activation, bias, glu_variant)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.one(x_TD, 0)
+        """:meth:`Experts.one` of the one fused expert, reading its weights through views (the backward of
+        ``w[0]`` would build each gradient in a zero-filled copy)."""
+        b_in = None if self.in_bias is None else self.in_bias.view(-1)
+        b_down = None if self.down_bias is None else self.down_bias.view(-1)
+        h_NF = self.hidden(F.linear(x_TD, self.w_in_EID.view(self.w_in_EID.shape[1:]), b_in))
+        return F.linear(h_NF, self.down.view(self.down.shape[1:]), b_down)
 
 
 class GatedSharedExperts(SharedExperts):
