@@ -279,3 +279,36 @@ def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     # a main run of the unregistered example is refused before anything is written
     assert cli.main(["ladder", "example", "--out", str(tmp_path / "main")]) == 2
     assert not (tmp_path / "main").exists()
+
+
+def test_registered_claims_are_decided_per_rung(tmp_path):
+    """A ladder's claims: compare cells {arm:, rung:} paired by seed, as an experiment's do: criteria before the
+    numbers, verdicts after, verdict.json beside the report (what the README's claims table reads)."""
+    spec = yaml.safe_load(resolve_spec("example").read_text())
+    quick = spec["profiles"]["quick"]
+    for rung, main in zip(quick["rungs"], spec["rungs"]):  # the quick rungs keep the main rungs' names
+        rung["name"] = main["name"]
+    spec["claims"] = [{
+        "id": "moe-at-d128", "claim": "the MoE arm ends below dense at the largest rung",
+        "compare": [{"arm": "moe", "rung": "d128"}, {"arm": "dense", "rung": "d128"}],
+        "endpoint": "final_val_loss", "claimed": "lower", "margin": 0.02, "margin_source": "a test",
+        "effect": 0.05, "pilot_sd": 0.05, "pilot_source": "a test"}]
+    path = tmp_path / "ladder-claims.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    from lmlab.experiments.ladder import run_ladder
+
+    text = run_ladder(path, out, quick=True, threads=1, log=lambda *a, **k: None).read_text()
+    assert text.index("## Criteria") < text.index("## Method") < text.index("## Verdicts")
+    verdict = json.loads((out / "verdict.json").read_text())
+    (claim,) = verdict["claims"]
+    assert claim["id"] == "moe-at-d128" and claim["verdict"] in ("reproduced", "opposite", "tie", "inconclusive")
+    rows = {(r["arm"], r["rung"], r["seed"]): float(r["final_val_loss"]) for r in read_csv(out / "results.csv")}
+    diffs = [rows["moe", "d128", s] - rows["dense", "d128", s] for s in (0, 1)]
+    # the paired difference by seed (results.csv keeps 6 significant digits)
+    assert claim["difference"] == pytest.approx(sum(diffs) / 2, abs=2e-5)
+    bad = dict(spec, claims=[dict(spec["claims"][0], compare=[{"arm": "moe", "rung": "d999"}])])
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ValueError, match="d999"):
+        run_ladder(path, tmp_path / "bad", quick=True, log=lambda *a, **k: None)
+    assert not (tmp_path / "bad").exists()

@@ -69,6 +69,7 @@ import time
 from pathlib import Path
 
 from .. import stats
+from ..decide import decide_claims
 from ..registration import Registration, spec_status
 from ..report import read_csv
 from ..sweep import sweep_outcome
@@ -123,8 +124,10 @@ def run_ladder(spec_arg: str | Path, out: str | Path, *, quick: bool = False, pr
                                                     .model.vocab_size))
     points = report.ladder_points(outcome.rows, init_loss)
     analysis = law.analyze(points, ladder.compare, n_resamples=ladder.resamples)
+    decisions = decide_claims(ladder.sweep.claims, outcome.rows, None, report.ENDPOINTS, init_loss=init_loss,
+                              alpha=(ladder.sweep.registration or {}).get("alpha", 0.05))
     flags = (" --quick" if quick else (f" --profile {profile}" if profile else "")) + (" --draft" if draft else "")
     command = command or f"lmlab ladder {spec_arg}{flags} --out {out}"
     return report.write_report(ladder, out, outcome.rows, points, analysis, command=command,
                                wall_s=time.perf_counter() - t0, data=data, tune=outcome.tune,
-                               tuning=read_csv(out / "tune.csv") if outcome.tune else None)
+                               tuning=read_csv(out / "tune.csv") if outcome.tune else None, decisions=decisions)

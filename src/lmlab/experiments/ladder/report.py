@@ -3,11 +3,12 @@
     points = ladder_points(rows, init_loss)          # law.Point per run: compute = FLOPs per token x tokens
     write_report(ladder, out, rows, analysis, command=..., wall_s=..., data=..., tune=...)
 
-report.md: the rungs (parameters, tokens, FLOPs, rate), the paired difference between arms at each rung
-by seed, each arm's fitted law with its intervals and its held-out check, the FLOPs and wall-clock
-multipliers side by side at each rung, and the trend. loss_vs_compute.png: every rung's mean loss per
-arm (±1 std over seeds) with the fitted laws; multiplier_vs_compute.png: the multipliers with their
-intervals.
+report.md: the registered claims (``claims:``, as in the experiments: arms named by ``{arm:, rung:}``,
+decided by ``decide.decide_claims`` with Holm over the ladder's claims; verdict.json beside it), the rungs
+(parameters, tokens, FLOPs, rate), the paired difference between arms at each rung by seed, each arm's
+fitted law with its intervals and its held-out check, the FLOPs and wall-clock multipliers side by side at
+each rung, and the trend. loss_vs_compute.png: every rung's mean loss per arm (±1 std over seeds) with the
+fitted laws; multiplier_vs_compute.png: the multipliers with their intervals.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from ...run.checkpoint.atomic import atomic_write_text
 from ..claims import capped
+from ..decide import Decision, registration_text, write_decisions
 from ..registration import registration_record
 from ..report import figure, markdown_table, report_header, save, write_json
 from ..sweep.tables import eval_slice_text
@@ -28,7 +30,15 @@ from ..sweep.tuning import grid_edge_text
 from .law import LadderAnalysis, Point
 from .spec import Ladder
 
-__all__ = ["ladder_points", "markdown", "plot_laws", "plot_multipliers", "write_report"]
+__all__ = ["ENDPOINTS", "ladder_points", "markdown", "plot_laws", "plot_multipliers", "write_report"]
+
+
+def final_losses(rows: list[dict], init_loss: float) -> dict[int, float]:
+    """seed -> the final loss of one cell (a diverged run counts as ln vocab: ``claims.capped``)."""
+    return {r["seed"]: capped(r, init_loss) for r in rows}
+
+
+ENDPOINTS = {"final_val_loss": final_losses}  # what a ladder's claims: may compare, per cell and seed
 
 
 def ladder_points(rows: list[dict], init_loss: float) -> list[Point]:
@@ -146,8 +156,21 @@ def trend_text(analysis: LadderAnalysis) -> str:
     return "\n".join(lines) + "\n"
 
 
+def criteria_text(ladder: Ladder, decisions: list[Decision]) -> str:
+    """The registered claims and their rules, stated before any number ("" for a ladder without claims:)."""
+    if not decisions:
+        return ""
+    return ("## Criteria (registered before the runs)\n\n" + registration_text(ladder.sweep.registration)
+            + "\n".join(f"- **{d.spec.id}** — {d.spec.claim}. {d.spec.criterion()}" for d in decisions) + "\n\n")
+
+
+def verdicts_text(decisions: list[Decision]) -> str:
+    return ("## Verdicts\n\n" + "\n".join(d.line() for d in decisions) + "\n\n") if decisions else ""
+
+
 def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, command: str, wall_s: float,
-             data: dict | None, tune: dict | None, tuning: list[dict] | None) -> str:
+             data: dict | None, tune: dict | None, tuning: list[dict] | None,
+             decisions: list[Decision] = ()) -> str:
     spec = ladder.sweep
     c0 = analysis.c0
     text = report_header(f"Ladder {ladder.name}: {' vs '.join(ladder.arms)} over {len(ladder.rungs)} rungs", command,
@@ -158,7 +181,7 @@ def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, comm
         "A rung is a model size and a token budget; a run's compute C is its training FLOPs (FLOPs per token, "
         "6N + attention, times the tokens it trained on). " + eval_slice_text(spec) + ".\n\n"
         + rates_text(ladder, tune) + markdown_table(_rung_table(ladder, rows)) + "\n" + budget_note(ladder, rows)
-        + "\n## Method\n\n"
+        + "\n" + criteria_text(ladder, list(decisions)) + "## Method\n\n"
         f"Per arm, L(C) = E + A·(C/C0)^-α with C0 = {c0:.3g} FLOPs, fitted by least squares over every run of every "
         "seed (E ≥ 0, A ≥ 0; the exponent searched over [0.001, 3], `ladder/law.py`). The multiplier of an arm "
         "over its baseline at a rung is the compute the baseline's law needs to reach the arm's mean loss there, "
@@ -177,7 +200,7 @@ def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, comm
         "## Compute multiplier\n\n" + markdown_table(_multipliers(analysis))
         + "\n" + trend_text(analysis) + "\n![multiplier vs compute](multiplier_vs_compute.png)\n\n"
         "Wall-clock figures are this machine and this implementation (see the header), not a property of the "
-        "architecture; the FLOPs multiplier is.\n"
+        "architecture; the FLOPs multiplier is.\n\n" + verdicts_text(list(decisions))
     )
     return text
 
@@ -233,13 +256,17 @@ def plot_multipliers(analysis: LadderAnalysis, path: Path) -> str:
 
 def write_report(ladder: Ladder, out: Path, rows: list[dict], points: list[Point], analysis: LadderAnalysis, *,
                  command: str, wall_s: float, data: dict | None, tune: dict | None,
-                 tuning: list[dict] | None) -> Path:
-    """report.md, the two plots and ladder.json (the analysis, the budgets, the registration) in ``out``."""
+                 tuning: list[dict] | None, decisions: list[Decision] = ()) -> Path:
+    """report.md, the two plots and ladder.json (the analysis, the budgets, the registration) in ``out``; with
+    registered claims, verdict.json too (``decide.write_decisions``, as an experiment's)."""
     out = Path(out)
     plots = [plot_laws(analysis, points, out / "loss_vs_compute.png"),
              plot_multipliers(analysis, out / "multiplier_vs_compute.png")]
     atomic_write_text(out / "report.md", markdown(ladder, rows, analysis, command=command, wall_s=wall_s, data=data,
-                                                  tune=tune, tuning=tuning))
+                                                  tune=tune, tuning=tuning, decisions=decisions))
+    if decisions:
+        write_decisions(out, ladder.name, list(decisions), {"plots": plots, "data": data, "seeds": ladder.sweep.seeds,
+                                                            "registration": registration_record(ladder.sweep)})
     write_json(out / "ladder.json", {"ladder": ladder.name, "arms": ladder.arms, "rungs": ladder.rungs,
                                      "budgets": ladder.budgets, "rates": ladder.rates, "tune": tune,
                                      "analysis": analysis.to_json(), "plots": plots, "data": data,

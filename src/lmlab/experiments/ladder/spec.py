@@ -28,7 +28,7 @@ from ..spec import SweepSpec, parse_spec
 __all__ = ["BUDGET_KINDS", "Ladder", "accounting", "budget_overrides", "load_ladder", "parse_ladder"]
 
 LADDER_KEYS = ("name", "description", "registration", "base", "corpus", "final_eval", "seeds", "seed_fields",
-               "diverged_above", "arms", "rungs", "budget", "rates", "compare", "resamples", "profiles")
+               "diverged_above", "arms", "rungs", "budget", "rates", "compare", "resamples", "profiles", "claims")
 ARM_KEYS = ("name", "overrides")
 RUNG_KEYS = ("name", "overrides", "budget")
 BUDGET_KINDS = ("tokens_per_param", "flops", "tokens")  # exactly one per rung
@@ -219,7 +219,7 @@ def parse_ladder(data: Any, source: str = "<ladder>", *, profile: str | None = N
         "grid": [{"axis": "arm", "levels": [{"name": a["name"], "overrides": a.get("overrides") or {}} for a in arms]},
                  {"axis": "rung", "levels": [{"name": r["name"], "overrides": r.get("overrides") or {}}
                                              for r in rungs]}],
-        **{k: data[k] for k in ("registration", "corpus", "final_eval", "seed_fields", "diverged_above")
+        **{k: data[k] for k in ("registration", "corpus", "final_eval", "seed_fields", "diverged_above", "claims")
            if data.get(k) is not None},
         **({"tune": tune} if tune else {}),
         # the sweep applies the profile's base overrides, and its reports name the profile
