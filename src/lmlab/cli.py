@@ -488,6 +488,7 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
 def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from .run.checkpoint.directory import CONFIG_FILE
     from .run.config import load_config
+    from .run.data.binding import DataPlan
     from .run.trainer import Trainer
 
     set_threads(args.threads)
@@ -505,16 +506,15 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         cfg = load_config(run_dir / CONFIG_FILE, overrides)
     else:
         cfg = load_config(args.config, overrides)
+    data = DataPlan.resolve(cfg, run_dir, resume=args.resume)  # the one resolution of --data and data.*
     if args.print_config:  # what the run will use: the prepared data's fields and vocabulary included
-        from .run.data.binding import planned_config
-
-        cfg, note = planned_config(cfg, run_dir, resume=args.resume)
-        print(cfg.to_yaml(), end="")
+        planned, note = data.planned()
+        print(planned.to_yaml(), end="")
         if note is not None:
             print(f"note: {note}", file=sys.stderr)
         return 0
     with Trainer(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
-                 command=["lmlab", *argv]) as trainer:
+                 command=["lmlab", *argv], data=data) as trainer:
         result = trainer.fit()
     if trainer.dist.rank != 0:
         return 128 + result.stopped_by if result.stopped_by else 0

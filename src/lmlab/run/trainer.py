@@ -55,12 +55,11 @@ from .checkpoint.directory import RunDir
 from .checkpoint.lock import DirLock
 from .config import RunConfig
 from .data.binding import (
+    DataPlan,
     RunData,
     check_same_data,
     check_tokenizer,
     identity,
-    open_run_data,
-    resolve_data_config,
     saved_provenance,
     with_data_vocab,
 )
@@ -252,11 +251,12 @@ class StopRequest:
 class Trainer:
     """Train ``cfg`` in ``run_dir``. ``resume`` continues its latest checkpoint; ``overwrite``
     replaces an earlier run there. ``callbacks`` are called as ``cb(trainer, record)`` after each
-    step with that step's metrics."""
+    step with that step's metrics. ``data``: ``cfg``'s data, where the caller has resolved it already
+    (``DataPlan.resolve(cfg, run_dir, resume=resume)``, as ``lmlab train`` does); else resolved here."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path = "runs/default", *, resume: bool = False,
                  overwrite: bool = False, callbacks: Sequence[Callable[["Trainer", dict], None]] = (),
-                 quiet: bool = False, command: Sequence[str] | None = None):
+                 quiet: bool = False, command: Sequence[str] | None = None, data: DataPlan | None = None):
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other; choose one")
         self.run = RunDir(run_dir)
@@ -271,16 +271,20 @@ class Trainer:
         self.lock: DirLock | None = None  # rank 0's hold on the run directory
         try:
             with self.dist.collectives(), self.phases("setup"):
-                self._setup(cfg, resume, overwrite, command)
+                self._setup(cfg, resume, overwrite, command, data)
         except BaseException as e:
             self._abandon(peers_lost=lost_peers(e))
             raise
 
     # ---- setup
-    def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None) -> None:
+    def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None,
+               data: DataPlan | None) -> None:
         check_processes(cfg, self.dist.world)
         check_trackers(*cfg.log.tracker_names())  # a tracker named but not installed: refused before any write
-        cfg = resolve_data_config(cfg)  # absolute paths; with --data DIR, how DIR was prepared
+        if data is None:
+            data = DataPlan.resolve(cfg, self.run_dir, resume=resume)
+        data.check_for(cfg, self.run_dir, resume=resume)
+        cfg = data.config  # absolute paths; with --data DIR, how DIR was prepared
 
         def claim() -> None:  # rank 0 locks the run directory for the life of the run, then checks what it holds
             self.lock = self.run.lock()
@@ -289,7 +293,7 @@ class Trainer:
         self.dist.on_main(claim)  # before any rank reads it
         check_training_memory(cfg, self.device)  # before the data is prepared: a refused size leaves nothing behind
         self.task = TASKS[cfg.task]()
-        self.cfg = self._setup_data(cfg, resume, overwrite)
+        self.cfg = self._setup_data(data, overwrite)
         if self.cfg.model.vocab_size != cfg.model.vocab_size:
             check_training_memory(self.cfg, self.device)
         self._setup_model()
@@ -329,16 +333,18 @@ class Trainer:
             shutil.rmtree(self.data.dir, ignore_errors=True)
         self._release(peers_lost, remove_created=True)
 
-    def _setup_data(self, cfg: RunConfig, resume: bool, overwrite: bool) -> RunConfig:
+    def _setup_data(self, plan: DataPlan, overwrite: bool) -> RunConfig:
         """Prepare (or open) the run's data on rank 0, open its splits on every rank, and take the
         vocabulary from it (or, fine-tuning, check it against the starting model's)."""
+        cfg = plan.config
+
         def prepare_on_main() -> tuple[str, bool]:
-            data = open_run_data(cfg, self.run_dir, resume=resume, overwrite=overwrite, progress=not self.quiet)
-            self.data = data  # so that a failure from here on removes what was prepared
-            return str(data.dir), data.prepared_now
+            self.data = plan.open(overwrite=overwrite, progress=not self.quiet)  # a failure from here on removes it
+            return str(self.data.dir), self.data.prepared_now
 
         where, fresh = self.dist.on_main(prepare_on_main)
-        self.data = RunData.open(Path(where), prepared_now=fresh)  # every rank reads what rank 0 prepared
+        if self.data is None:  # the other ranks read what rank 0 prepared
+            self.data = RunData.open(Path(where), prepared_now=fresh)
         self.tokenizer, self.data_dir, self.meta = self.data.tokenizer, self.data.dir, self.data.meta
         self.train_data, self.val_data = self.task.open(self.data_dir, "train"), self.task.open(self.data_dir, "val")
         note = check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size)

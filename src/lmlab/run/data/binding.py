@@ -1,7 +1,8 @@
 """Which prepared data a run trains on, and proof that it is still the same data.
 
-    cfg = resolve_data_config(cfg)                     # read-only: absolute paths, prepared data's settings
-    data = open_run_data(cfg, run_dir, resume=False)   # prepares data.source into <run>/data if needed
+    plan = DataPlan.resolve(cfg, run_dir)             # once, read-only: absolute paths, prepared data's settings
+    plan.config, plan.dir                             # the config the run records, where its shards are
+    data = plan.open(overwrite=False, progress=True)  # prepares data.source into <run>/data if needed
     data.dir, data.meta, data.tokenizer, identity(data)
 
 ``data.prepared`` (``--data DIR``) names data ``lmlab prepare`` wrote: the run trains on exactly
@@ -12,6 +13,10 @@ the source only when none is named. A resumed run opens the data it has, whateve
 directory, and refuses data whose content hash changed since the run started (``data_hash`` in
 meta.json, recorded in each session's provenance). Shards that exist are hashed again against
 meta.json's ``shard_hashes`` before a run uses them, so an edited ``train.bin`` is refused too.
+
+The data is resolved once: ``lmlab train`` builds the :class:`DataPlan` from ``--data`` and ``data.*``
+and hands it to the trainer (a ``Trainer`` made in Python without one resolves its own), which opens
+the data through it; ``prepare`` gets its paths already absolute and resolves nothing again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from .config import DataConfig, resolve_path, run_data_dir
+from .config import DataConfig, resolve_paths, run_data_dir
 from .meta import DataMeta
 from .prepare import prepare
 from .shards import verify_shards
@@ -40,14 +45,15 @@ class RunData:
     prepared_now: bool = False  # written by this call: remove it if the run then fails to start
 
     @classmethod
-    def open(cls, where: Path, prepared_now: bool = False) -> "RunData":
-        """Prepared data that exists, with its tokenizer."""
-        return cls(where, DataMeta.open(where), load_tokenizer(where), prepared_now)
+    def open(cls, where: Path, prepared_now: bool = False, meta: DataMeta | None = None) -> "RunData":
+        """Prepared data that exists, with its tokenizer; ``meta``: its meta.json, where the caller has read it."""
+        meta = DataMeta.open(where) if meta is None else meta
+        return cls(where, meta, load_tokenizer(where, meta), prepared_now)
 
     @classmethod
-    def verified(cls, where: Path) -> "RunData":
+    def verified(cls, where: Path, meta: DataMeta | None = None) -> "RunData":
         """:meth:`open`, and every shard hashed against meta.json (a CorruptFile names one that changed)."""
-        data = cls.open(where)
+        data = cls.open(where, meta=meta)
         verify_shards(where, data.meta.shard_hashes)
         return data
 
@@ -72,39 +78,103 @@ def _recorded(meta: DataMeta) -> dict[str, Any]:
     return recorded
 
 
-def resolve_data_config(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its data paths absolute (so a run resumes from any working directory), the tokenizer
-    of ``train.init_from`` when preparing a source, and with ``data.prepared`` the settings recorded
-    in its meta.json. Reads nothing but meta.json; a disagreement is a one-line ValueError."""
-    d, changes = cfg.data, {}
-    if d.prepared is not None:
-        where = Path(d.prepared).expanduser().resolve()
-        meta = DataMeta.open(where)
-        default, recorded = DataConfig(), _recorded(meta)
-        for name in PREPARED_FIELDS:
-            given = getattr(d, name)
-            if name in ("source", "tokenizer"):
-                given = resolve_path(given) if given != getattr(default, name) else given
-            if given != getattr(default, name) and name in recorded and given != recorded[name]:
-                raise ValueError(
-                    f"data.{name}={getattr(d, name)!r} disagrees with the prepared data in {str(where)!r}, which has "
-                    f"{name} {recorded[name]!r}; drop data.{name}, or prepare the data again with it"
-                )
-        if meta.task != cfg.task:
+@dataclasses.dataclass(frozen=True)
+class DataPlan:
+    """The data of a run of ``asked`` in ``run_dir``, resolved once (:meth:`resolve`) and handed to what
+    reads it: the trainer, ``prepare`` and the checks here."""
+
+    asked: RunConfig  # the config as given (--data, data.*): what was resolved
+    config: RunConfig  # the config the run uses and records: data paths absolute; with data.prepared, its settings
+    run_dir: Path
+    resume: bool  # continuing the run: its own data is reused as it is, never prepared again
+    dir: Path  # the shards: data.prepared, or the run's own data.dir (prepared there unless it holds them)
+    own: bool  # dir lies inside the run directory: --overwrite may replace what it holds
+    meta: DataMeta | None = None  # data.prepared's meta.json, read while resolving
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the run trains on ``data.prepared`` as it is (else on its own, prepared from ``data.source``)."""
+        return self.config.data.prepared is not None
+
+    @classmethod
+    def resolve(cls, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> "DataPlan":
+        """``cfg``'s data for a run in ``run_dir``: its paths absolute (so a run resumes from any working
+        directory), the tokenizer of ``train.init_from`` when preparing a source, and with ``data.prepared``
+        the settings recorded in its meta.json. Reads nothing but meta.json; a disagreement is a one-line
+        ValueError."""
+        d, run_dir = cfg.data, Path(run_dir)
+        if d.prepared is None and cfg.train.init_from is not None and d.tokenizer == DataConfig().tokenizer:
+            d = d.replace(tokenizer=_init_tokenizer_dir(cfg.train.init_from) or d.tokenizer)
+        resolved, meta = resolve_paths(d), None
+        if d.prepared is not None:
+            meta = DataMeta.open(resolved.prepared)
+            resolved = _as_prepared(cfg, resolved, meta)
+        config = cfg.replace(data=resolved)
+        where = run_data_dir(run_dir, resolved)
+        own = resolved.prepared is None and where.resolve().is_relative_to(run_dir.resolve())
+        return cls(asked=cfg, config=config, run_dir=run_dir, resume=resume, dir=where, own=own, meta=meta)
+
+    def check_for(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool) -> None:
+        """Refuse to hand this plan to a run it was not resolved for."""
+        if (self.asked, self.run_dir, self.resume) != (cfg, Path(run_dir), resume):
+            raise ValueError(f"the data was resolved for another run (of {str(self.run_dir)!r}, resume={self.resume}); "
+                             "resolve it for this one with DataPlan.resolve(cfg, run_dir, resume=...)")
+
+    def open(self, *, overwrite: bool, progress: bool) -> RunData:
+        """The run's data: ``data.prepared`` as it is; else the run's own, reused when resuming, else
+        prepared from ``data.source`` (reused if already prepared from the same text)."""
+        if self.prepared:
+            return RunData.verified(self.dir, self.meta)
+        existing = DataMeta.read(self.dir)
+        if self.resume and existing is not None:  # never re-read the source of a run that exists
+            return RunData.verified(self.dir, existing)
+        before = existing is not None or self.dir.exists()
+        cfg = self.config
+        try:
+            meta = prepare(cfg.data, self.dir, seq_len=cfg.seq_len if cfg.task == "lm" else None,
+                           overwrite=overwrite and self.own, task=cfg.task, progress=progress, resolved=cfg.data)
+        except ValueError as e:
+            if not self.own and "already holds data prepared" in str(e):
+                raise ValueError(f"{e}. To train on the data in {str(self.dir)!r} as it is, pass --data {self.dir}"
+                                 ) from None
+            raise
+        return RunData.open(self.dir, prepared_now=not before, meta=meta)
+
+    def planned(self) -> tuple[RunConfig, str | None]:
+        """The config the run will use, read without writing anything (``--print-config``): :attr:`config`
+        with the vocabulary of the data it will train on where that data exists (``data.prepared``, or the
+        run's own when resuming). Also a note when the vocabulary is only known once ``data.source`` is
+        prepared (a char or bpe tokenizer), else None."""
+        cfg = self.config
+        meta = self.meta if self.prepared else DataMeta.read(self.dir) if self.resume else None
+        if meta is not None:
+            return with_data_vocab(cfg, meta.vocab_size), None
+        if cfg.data.tokenizer == "byte":
+            return with_data_vocab(cfg, 256), None  # every byte is a token, whatever the text
+        if cfg.train.init_from is not None:
+            return cfg, None
+        return cfg, (f"model.vocab_size is the vocabulary of tokenizer {cfg.data.tokenizer!r}, known once data.source "
+                     "is prepared; to see it, prepare first (lmlab prepare ... --out DIR) and pass --data DIR")
+
+
+def _as_prepared(cfg: RunConfig, resolved: DataConfig, meta: DataMeta) -> DataConfig:
+    """``resolved`` (with ``data.prepared``) as that data was prepared: every field set in ``cfg.data`` must
+    agree with its meta.json, and the run's task with the data's."""
+    where, default, recorded = resolved.prepared, DataConfig(), _recorded(meta)
+    for name in PREPARED_FIELDS:
+        given = getattr(cfg.data, name)
+        if given != getattr(default, name) and name in recorded and getattr(resolved, name) != recorded[name]:
             raise ValueError(
-                f"the prepared data in {str(where)!r} is for task {meta.task!r}, but this run's task is "
-                f"{cfg.task!r}; " + ("prepare labelled rows with `lmlab prepare ROWS.jsonl --task classify`"
-                                     if cfg.task == "classify" else "drop --task classify or name language-model data")
+                f"data.{name}={given!r} disagrees with the prepared data in {where!r}, which has "
+                f"{name} {recorded[name]!r}; drop data.{name}, or prepare the data again with it"
             )
-        changes = {f"data.{k}": recorded[k] for k in PREPARED_FIELDS if k in recorded}
-        changes["data.prepared"] = str(where)
-    else:
-        changes["data.source"] = resolve_path(d.source)
-        tokenizer = d.tokenizer
-        if cfg.train.init_from is not None and tokenizer == DataConfig().tokenizer:
-            tokenizer = _init_tokenizer_dir(cfg.train.init_from) or tokenizer
-        changes["data.tokenizer"] = resolve_path(tokenizer)
-    return cfg.override(changes)
+    if meta.task != cfg.task:
+        raise ValueError(
+            f"the prepared data in {where!r} is for task {meta.task!r}, but this run's task is "
+            f"{cfg.task!r}; " + ("prepare labelled rows with `lmlab prepare ROWS.jsonl --task classify`"
+                                 if cfg.task == "classify" else "drop --task classify or name language-model data")
+        )
+    return resolved.override({k: recorded[k] for k in PREPARED_FIELDS if k in recorded})
 
 
 def with_data_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
@@ -115,50 +185,11 @@ def with_data_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
     return cfg
 
 
-def planned_config(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> tuple[RunConfig, str | None]:
-    """The config a run of ``cfg`` in ``run_dir`` will use, read without writing anything (``--print-config``):
-    :func:`resolve_data_config`, and the vocabulary of the data it will train on where that data exists
-    (``data.prepared``, or the run's own when resuming). Also a note when the vocabulary is only known once
-    ``data.source`` is prepared (a char or bpe tokenizer), else None."""
-    cfg = resolve_data_config(cfg)
-    where = run_data_dir(run_dir, cfg.data)
-    meta = DataMeta.open(where) if cfg.data.prepared is not None else DataMeta.read(where) if resume else None
-    if meta is not None:
-        return with_data_vocab(cfg, meta.vocab_size), None
-    if cfg.data.tokenizer == "byte":
-        return with_data_vocab(cfg, 256), None  # every byte is a token, whatever the text
-    if cfg.train.init_from is not None:
-        return cfg, None
-    return cfg, (f"model.vocab_size is the vocabulary of tokenizer {cfg.data.tokenizer!r}, known once data.source is "
-                 "prepared; to see it, prepare first (lmlab prepare ... --out DIR) and pass --data DIR")
-
-
 def _init_tokenizer_dir(init_from: str) -> str | None:
     from ..init_from import init_source
 
     where = init_source(init_from).tokenizer_dir
     return str(where) if where is not None else None
-
-
-def open_run_data(cfg: RunConfig, run_dir: Path, *, resume: bool, overwrite: bool, progress: bool) -> RunData:
-    """The run's data: ``data.prepared`` as it is; else the run's own (``<run>/data``), reused when
-    resuming, else prepared from ``data.source`` (reused if already prepared from the same text)."""
-    if cfg.data.prepared is not None:
-        return RunData.verified(Path(cfg.data.prepared))
-    where = run_data_dir(run_dir, cfg.data)
-    own = where.resolve().is_relative_to(Path(run_dir).resolve())
-    existing = DataMeta.read(where)
-    if resume and existing is not None:  # never re-read the source of a run that exists
-        return RunData.verified(where)
-    before = existing is not None or where.exists()
-    try:
-        meta = prepare(cfg.data, where, seq_len=cfg.seq_len if cfg.task == "lm" else None,
-                       overwrite=overwrite and own, task=cfg.task, progress=progress)
-    except ValueError as e:
-        if not own and "already holds data prepared" in str(e):
-            raise ValueError(f"{e}. To train on the data in {str(where)!r} as it is, pass --data {where}") from None
-        raise
-    return RunData(where, meta, load_tokenizer(where), prepared_now=not before)
 
 
 def saved_provenance(config_file: Path) -> list[dict]:

@@ -3,6 +3,7 @@
     cfg = DataConfig(source="notes/", tokenizer="bpe", vocab_size=4096)   # a source the run prepares itself
     cfg = DataConfig(prepared="data/notes")                               # data `lmlab prepare` wrote
     run_data_dir("runs/a", cfg)                                           # where the prepared shards are
+    resolve_paths(cfg)                                                    # its paths absolute
 
 With ``prepared`` set, the other fields only check that data (binding.py); otherwise they say how
 ``prepare`` (prepare.py) turns the source into shards. Its own file, apart from prepare.py and its
@@ -67,8 +68,16 @@ class DataConfig(Config):
             raise ValueError("dir='' is not valid; name a directory for the prepared shards, e.g. 'data'")
 
 
-def resolve_path(spec: str) -> str:
-    """A source or tokenizer setting with its path made absolute (``builtin``, kinds and ``hf:`` kept)."""
+def resolve_paths(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with its paths absolute: ``source`` and ``tokenizer`` (``builtin``, tokenizer kinds and ``hf:``
+    kept) and ``prepared``, so that a run resumes from any working directory and meta.json records where its
+    text came from. The one resolution: a run's ``DataPlan`` (binding.py) makes it once and hands the result
+    on; ``prepare`` makes it once when called without one."""
+    prepared = None if cfg.prepared is None else str(Path(cfg.prepared).expanduser().resolve())
+    return cfg.replace(source=_absolute(cfg.source), tokenizer=_absolute(cfg.tokenizer), prepared=prepared)
+
+
+def _absolute(spec: str) -> str:
     if spec in ("builtin", *TOKENIZERS):
         return spec
     try:

@@ -43,7 +43,7 @@ from ..checkpoint.atomic import fsync_dir
 from ..checkpoint.lock import DirLock
 from ..errors import CorruptFile
 from . import shards as sh
-from .config import DataConfig, resolve_path
+from .config import DataConfig, resolve_paths
 from .meta import META, ROW_FILES, SPLITS, TASKS, DataMeta, Request, Split, differences, token_dtype
 from .sources import open_source
 from .tokenizer import TOKENIZERS, Tokenizer, tokenizer_from_path, train_tokenizer
@@ -113,13 +113,16 @@ def _bar(enabled: bool, desc: str, total: int | None) -> Iterator[Callable[[int]
 
 def prepare(
     cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False, task: str = "lm",
-    progress: bool = False,
+    progress: bool = False, resolved: DataConfig | None = None,
 ) -> DataMeta:
     """:func:`prepare_unlocked` while holding ``out_dir``'s lock (``lock.py``), so that two processes
     never write one data directory at once: the second waits, then finds the data prepared. Data on
-    a read-only file system (shared, prepared before) is read without the lock: nobody writes there."""
-    kwargs = dict(seq_len=seq_len, overwrite=overwrite, task=task, progress=progress)
-    check_out_dir(out_dir, resolve_path(cfg.source))
+    a read-only file system (shared, prepared before) is read without the lock: nobody writes there.
+    ``resolved``: ``cfg`` with its paths absolute (``resolve_paths``) where the caller has it already (a
+    run's ``DataPlan``); else they are resolved here, once."""
+    resolved = resolve_paths(cfg) if resolved is None else resolved
+    kwargs = dict(seq_len=seq_len, overwrite=overwrite, task=task, progress=progress, resolved=resolved)
+    check_out_dir(out_dir, resolved.source)
     try:
         lock = DirLock(out_dir, "data directory").acquire(wait=True)
     except OSError as e:
@@ -175,7 +178,7 @@ def _lmlab_meta(out: Path) -> bool:
 
 def prepare_unlocked(
     cfg: DataConfig, out_dir: str | Path, *, seq_len: int | None = None, overwrite: bool = False, task: str = "lm",
-    progress: bool = False,
+    progress: bool = False, resolved: DataConfig | None = None,
 ) -> DataMeta:
     """Read ``cfg.source``, build the tokenizer, encode, split and write shards into ``out_dir``.
 
@@ -185,14 +188,17 @@ def prepare_unlocked(
     re-encoded and its meta is returned; if it holds different data, ValueError unless ``overwrite``.
     Every check runs before anything in ``out_dir`` changes, so a failed call leaves it untouched.
     ``seq_len``, when given, requires each split to hold at least one context (``seq_len + 1`` tokens).
-    ``progress`` shows progress bars (MB/s) on stderr.
+    ``progress`` shows progress bars (MB/s) on stderr. ``resolved``: as for :func:`prepare`; the source
+    and tokenizer are read from its absolute paths and recorded so, while messages and meta.json's
+    ``config`` keep ``cfg`` as given.
     """
     check_choice("task", task, TASKS)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"data dir {str(out)!r} is a file; choose a directory for the prepared shards")
     given = tokenizer_from_path(cfg.tokenizer) if cfg.tokenizer not in TOKENIZERS else None
-    source_spec = resolve_path(cfg.source)
+    resolved = resolve_paths(cfg) if resolved is None else resolved
+    source_spec = resolved.source
     with open_source(source_spec, text_field=cfg.text_field, errors=cfg.errors,
                      label_field=cfg.label_field if task == "classify" else None) as src:
         with _bar(progress, "reading", None) as bar:
@@ -208,7 +214,7 @@ def prepare_unlocked(
         tokenizer, sample = (given, None) if given else _train(
             cfg, src, survey, to_val if split[0] == sh.BY_DOCUMENT else None, progress)
         meta = _write(cfg, out, src, survey, tokenizer, split, to_val, request, seq_len=seq_len, task=task,
-                      source_spec=source_spec, progress=progress, sample=sample)
+                      resolved=resolved, progress=progress, sample=sample)
         return meta
 
 
@@ -262,7 +268,7 @@ def _shard_names(task: str, dtype: np.dtype, vocab: int) -> dict[str, tuple[np.d
 
 def _write(
     cfg: DataConfig, out: Path, src, survey: sh.Survey, tokenizer: Tokenizer, split: tuple[str, str],
-    to_val: np.ndarray, request: Request, *, seq_len: int | None, task: str, source_spec: str, progress: bool,
+    to_val: np.ndarray, request: Request, *, seq_len: int | None, task: str, resolved: DataConfig, progress: bool,
     sample: dict | None,
 ) -> DataMeta:
     """Encode into temporary shards, check them, then swap them in and write meta.json last."""
@@ -281,7 +287,7 @@ def _write(
         if task == "lm" and split[0] == sh.BY_TOKENS:
             sh.split_stream(shards, cfg.val_fraction)
         shards.close()
-        meta = _meta(cfg, survey, tokenizer, split, shards, stats, request, task=task, source_spec=source_spec,
+        meta = _meta(cfg, survey, tokenizer, split, shards, stats, request, task=task, resolved=resolved,
                      sample=sample)
         if meta.max_token_id >= tokenizer.vocab_size:
             raise ValueError(f"the tokenizer produced id {meta.max_token_id}, beyond its vocabulary of "
@@ -310,7 +316,8 @@ def _final_names(task: str) -> dict[str, str]:
 
 
 def _meta(cfg: DataConfig, survey: sh.Survey, tokenizer: Tokenizer, split: tuple[str, str], shards: sh.ShardSet,
-          stats: sh.EncodeStats, request: Request, *, task: str, source_spec: str, sample: dict | None) -> DataMeta:
+          stats: sh.EncodeStats, request: Request, *, task: str, resolved: DataConfig, sample: dict | None
+          ) -> DataMeta:
     """meta.json's record of what was written; ``data_hash`` and ``tokenizer_files`` follow once the shards are
     checked and committed."""
     from ... import __version__
@@ -326,11 +333,11 @@ def _meta(cfg: DataConfig, survey: sh.Survey, tokenizer: Tokenizer, split: tuple
         pad_id=tokenizer.eod_id if tokenizer.eod_id is not None else 0)
     return DataMeta(
         task=task,
-        source=source_spec,
+        source=resolved.source,
         input_hash=survey.input_hash,
         request=request,
         tokenizer=tokenizer.kind,
-        tokenizer_source=None if cfg.tokenizer in TOKENIZERS else resolve_path(cfg.tokenizer),
+        tokenizer_source=None if cfg.tokenizer in TOKENIZERS else resolved.tokenizer,
         tokenizer_hash=tokenizer.fingerprint(),
         vocab_size=tokenizer.vocab_size,
         eod_id=tokenizer.eod_id,

@@ -551,9 +551,10 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> Tokeniz
     return TOKENIZERS[kind].train(texts, vocab_size)
 
 
-def load_tokenizer(data_dir: str | Path) -> Tokenizer:
-    """The tokenizer ``lmlab prepare`` saved in ``data_dir`` (its kind is in meta.json)."""
-    meta, path = DataMeta.read(data_dir), Path(data_dir) / META
+def load_tokenizer(data_dir: str | Path, meta: DataMeta | None = None) -> Tokenizer:
+    """The tokenizer ``lmlab prepare`` saved in ``data_dir`` (its kind is in meta.json: ``meta``, where the
+    caller has read it already)."""
+    meta, path = DataMeta.read(data_dir) if meta is None else meta, Path(data_dir) / META
     if meta is None:
         raise ValueError(f"{path} is missing; run `lmlab prepare` to prepare data in {str(data_dir)!r}")
     kind, eod = meta.tokenizer, meta.eod_id
