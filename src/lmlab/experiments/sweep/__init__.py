@@ -130,7 +130,7 @@ from ..registration import spec_status
 from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
 from .extend import extend_axis, only
-from .layout import write_sweep_record
+from .layout import check_out, write_sweep_record
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
 from .workers import SweepFailed, check_parallel, execute
@@ -189,9 +189,13 @@ def sweep_outcome(
     check_parallel(jobs, threads)
     if not spec.configs:
         spec = spec.resolve(profile=spec.profile)
+    out = Path(out)
+    check_out(out)  # before anything is written: never into a run directory or someone else's files
     for cfg in spec.configs.values():  # before the shared data is prepared: a refused size leaves nothing behind
         check_training_memory(cfg, resolve_device(cfg.train.device))
-    out = Path(out)
+    if spec.tune is not None:  # the tuning runs' configs (tune.overrides) are built, and refused, here too
+        for cfg in spec.tune_spec().configs.values():
+            check_training_memory(cfg, resolve_device(cfg.train.device))
     out.mkdir(parents=True, exist_ok=True)
     status = spec.registration_status or spec_status(spec.source)
     spec = dataclasses.replace(spec, registration_status=status)

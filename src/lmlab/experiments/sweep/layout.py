@@ -17,17 +17,45 @@ from pathlib import Path
 from typing import Any
 
 from ...run.checkpoint.atomic import atomic_write_text
-from ...run.checkpoint.directory import metrics_record
+from ...run.checkpoint.directory import CHECKPOINTS, CONFIG_FILE, METRICS_FILE, metrics_record
+from ...run.checkpoint.lock import LOCK_FILE
 from ...run.errors import CorruptFile
 from ...run.metrics import jsonable
 
-__all__ = ["CurveLogger", "clear_run", "lock_file", "read_curve", "read_result", "read_start", "run_dir_of",
+__all__ = ["CurveLogger", "check_out", "clear_run", "lock_file", "read_curve", "read_result", "read_start",
+           "run_dir_of",
            "write_result", "write_start", "write_sweep_record"]
 
 _RESULT_FILE = "result.json"  # a finished run: its row of the table
 _START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
 _CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, loss | val_loss) as the run goes
 _SWEEP_FILE = "sweep.json"  # the spec file and its registration status (experiments.registration)
+
+
+def check_out(out: str | Path, what: str = "sweep directory") -> None:
+    """Refuse, before anything is written, an output directory a sweep (or an experiment, a ladder) may
+    not write into: a file; a directory that holds files and no sweep.json (a run directory, someone's
+    data: the sweep would add its corpus, locks and runs to them); or one that lies inside a run
+    directory. An empty or missing directory, or an earlier sweep's (its sweep.json or locks/), is resumed."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{what} {str(out)!r} is a file; choose a directory")
+    real = out.resolve()
+    for parent in (real, *real.parents):
+        if _is_run_dir(parent):
+            where = "is" if parent == real else "lies inside"
+            raise ValueError(f"{what} {str(out)!r} {where} the run directory {str(parent)!r}; a sweep writes its "
+                             "own directory of runs: choose another --out")
+    if out.is_dir() and not ((out / _SWEEP_FILE).is_file() or (out / "locks").is_dir()):  # a sweep's own files
+        found = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)  # .lock: the lock this command holds
+        if found:
+            shown = ", ".join(found[:3]) + (f" and {len(found) - 3:,} more" if len(found) > 3 else "")
+            raise ValueError(f"{what} {str(out)!r} holds files lmlab did not write there ({shown}; no "
+                             f"{_SWEEP_FILE}); choose another --out, or an empty directory")
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and ((path / METRICS_FILE).exists() or (path / CHECKPOINTS).is_dir())
 
 
 def run_dir_of(out: Path, variant: str, seed: int) -> Path:
