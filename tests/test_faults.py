@@ -712,6 +712,21 @@ def compare_onto_full_disk(env: Env) -> list:
     return ["compare", env.run(), "--out", env.tmp / "cmp"]
 
 
+def hf_weights(edit: Callable[[dict], object]) -> bytes:
+    """hf_dir's weights as ``edit`` changes them, as safetensors bytes."""
+    from safetensors.torch import save
+
+    tensors = llama_tensors()
+    edit(tensors)
+    return save(tensors)
+
+
+def hf_config_case(name: str, says: str, **config) -> Case:
+    """``lmlab generate`` of a Hugging Face directory whose config.json has ``config``: refused, exit 2."""
+    return Case(f"config.json with {name}", lambda env: (hf_dir(env.tmp / "hf", **config),
+                                                         ["generate", env.tmp / "hf"])[1], 2, (says,))
+
+
 CASES = [
     # ---- item 1: one process per run directory
     Case("run directory locked by another process", setup_lock_held, 2, ("is in use by process", "run/.lock")),
@@ -830,7 +845,7 @@ CASES = [
     # ---- issue 20 item 5: Hugging Face files that raised tracebacks
     Case("config.json with num_attention_heads 0",
          lambda env: (hf_dir(env.tmp / "hf", num_attention_heads=0), ["generate", env.tmp / "hf"])[1], 2,
-         ("config.json (model_type 'llama')", "n_heads=0 is not valid")),
+         ("config.json (model_type 'llama') has num_attention_heads=0, which is not valid",)),
     Case("safetensors index whose weight_map is a list", lambda env: setup_hf_index(env, ["model.norm.weight"]), 3,
          ("model.safetensors.index.json' is not a safetensors index",)),
     Case("safetensors index whose weight_map is null", lambda env: setup_hf_index(env, None), 3,
@@ -1068,6 +1083,44 @@ CASES = [
          3, ("wandb is installed but cannot be imported (sys.exit(7))",)),
     Case("compare --out onto a disk that fills at the second plot", compare_onto_full_disk, 3,
          ("no space left on the device holding", "cmp'")),
+    Case("experiment --out a finished training run",
+         lambda env: ["experiment", "norm", "--quick", "--out", env.run()], 2,
+         ("sweep directory '", "run' is the run directory '",
+          "choose another --out")),
+    Case("experiment --out a new directory inside a training run",
+         lambda env: ["experiment", "norm", "--quick", "--out", env.run() / "x"], 2,
+         ("run/x' lies inside the run directory '",)),
+    Case("sweep --out a directory of someone else's files",
+         lambda env: (garbage(env.tmp / "mine" / "notes.txt") if (env.tmp / "mine").mkdir() is None else None,
+                      ["sweep", env.spec(), "--out", env.tmp / "mine"])[1], 2,
+         ("mine' holds files lmlab did not write there (notes.txt; no sweep.json)",)),
+    hf_config_case("num_attention_heads a string", "config.json (model_type 'llama') has num_attention_heads='4', "
+                   "which is not valid; it must be a whole number > 0 (a JSON number, not a string)",
+                   num_attention_heads="4"),
+    hf_config_case("rms_norm_eps a string", "has rms_norm_eps='1e-5', which is not valid; it must be a number > 0",
+                   rms_norm_eps="1e-5"),
+    hf_config_case("head_dim 0", "has head_dim=0, which is not valid; it must be a whole number > 0", head_dim=0),
+    hf_config_case("sliding_window 0", "attention.window=0 is not valid; it must be > 0", model_type="gemma3_text",
+                   sliding_window=0, layer_types=["sliding_attention"]),
+    hf_config_case("mlp_only_layers [99]", "has mlp_only_layers=[99], which is not valid; it must be a list of layer "
+                   "indices in [0, 1)", model_type="qwen3_moe", mlp_only_layers=[99]),
+    hf_config_case("partial_rotary_factor 0", "has partial_rotary_factor=0, which is not valid; it must be a number in "
+                   "(0, 1]", model_type="glm4_moe", partial_rotary_factor=0),
+    hf_config_case("partial_rotary_factor 2", "has partial_rotary_factor=2, which is not valid",
+                   model_type="glm4_moe", partial_rotary_factor=2),
+    hf_config_case("no_rope_layers of the wrong length", "has no_rope_layers=[1, 1, 0], which is not valid; it must "
+                   "be a list of 1 entries of 0 or 1", model_type="smollm3", no_rope_layers=[1, 1, 0]),
+    Case("Hugging Face embedding stored as int32",
+         lambda env: (hf_dir(env.tmp / "hf", hf_weights(lambda t: t.update({"model.embed_tokens.weight": t[
+             "model.embed_tokens.weight"].to(torch.int32)}))), ["generate", env.tmp / "hf"])[1], 3,
+         ("tensor 'model.embed_tokens.weight' is stored as torch.int32, not a floating dtype",)),
+    Case("Hugging Face weights all NaN",
+         lambda env: (hf_dir(env.tmp / "hf", hf_weights(lambda t: [v.fill_(float("nan")) for v in t.values()])),
+                      ["generate", env.tmp / "hf"])[1], 3, ("holds NaN or infinite values",)),
+    Case("sweep spec tuning an unknown field (and no sweep.json left behind)",
+         lambda env: (env.spec().write_text(env.spec().read_text().replace(
+             "variants:", "tune: {field: optim.bogus, values: [0.001, 0.002]}\nvariants:")),
+             ["sweep", env.spec(), "--out", env.tmp / "o"])[1], 2, ("optim has no field 'bogus'",)),
 ]
 
 

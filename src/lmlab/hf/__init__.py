@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -72,7 +72,7 @@ from ..model import Transformer
 from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
-from .registry import FAMILIES, Export, Family, HFTensors, Tensors, family_for, name_list, register
+from .registry import FAMILIES, Export, Family, HFTensors, Tensors, check_hf_config, family_for, name_list, register
 
 __all__ = [
     "Export", "Exported", "FAMILIES", "Family", "HFTensors", "choose_architecture", "config_from_hf",
@@ -89,6 +89,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if "model_type" not in hf:
         raise ValueError("config.json has no 'model_type'; it must name the architecture, e.g. \"llama\" or \"gpt2\"")
     family = family_for(hf["model_type"])
+    check_hf_config(hf)  # every value typed and ranged, before a family computes with it
     try:
         return family.config(hf)
     except (ZeroDivisionError, TypeError) as e:  # a size of 0, or a value of the wrong kind
@@ -168,6 +169,7 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     if target is None:  # "auto": the stored dtype
         target = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     family = family_for(hf["model_type"])
+    check_weights(tensors, family.ignore, path)
     if family.with_tensors is not None:  # optional weights the checkpoint holds (DeepSeek-V3's MTP layers)
         cfg = family.with_tensors(cfg, hf, tensors.keys())
     sd = state_dict_from_hf(cfg, tensors, hf["model_type"], source=f"checkpoint {str(path)!r}")
@@ -175,6 +177,22 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     _check_shapes(model, sd, path)
     model.load_state_dict(sd)
     return model.to(target).eval()
+
+
+def check_weights(tensors: Tensors, ignore: Iterable[str], path: Path) -> None:
+    """Refuse (CorruptFile, naming the tensor) a weight of an integer or boolean dtype (a quantized or
+    foreign checkpoint: the model would compute with it converted, wrongly) or holding a NaN or an
+    infinity (a damaged one: every output would be NaN). Buffers the family ignores are not weights."""
+    for name, tensor in HFTensors(tensors, ignore).tensors.items():
+        if not tensor.is_floating_point():
+            raise CorruptFile(f"checkpoint {str(path)!r}: tensor {name!r} is stored as {tensor.dtype}, not a floating "
+                              "dtype; lmlab loads floating-point weights only (a quantized checkpoint: dequantize it "
+                              "first)")
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), 1 << 24):  # in slices: no bool copy of a whole embedding
+            if not torch.isfinite(flat[start:start + (1 << 24)]).all():
+                raise CorruptFile(f"checkpoint {str(path)!r}: tensor {name!r} holds NaN or infinite values; the "
+                                  "checkpoint is damaged: download or convert it again")
 
 
 def uninitialized(cfg: ModelConfig) -> Transformer:

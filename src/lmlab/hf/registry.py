@@ -263,6 +263,101 @@ def not_computed(cfg: ModelConfig, name: str, computes: Mapping[str, Any]) -> st
 
 
 # ============================================================== helpers the families share
+# ============================================================== config.json's values, typed and ranged
+# What transformers' config classes (strict dataclasses since 5.0) accept for each key a family reads,
+# narrowed where a value they accept computes nothing (a head_dim of 0, a window of 0, a rotary
+# fraction of 0 or 2, a layer index past the last layer). None means "unset" for every key here;
+# whether a family needs the key is the family's to say.
+WHOLE, WHOLE_OR_ZERO, POSITIVE, NON_NEGATIVE, FRACTION, BOOLEAN = (
+    "a whole number > 0", "a whole number >= 0", "a number > 0", "a number >= 0", "a number in (0, 1]",
+    "true or false")
+HF_VALUES: Mapping[str, str] = {
+    **dict.fromkeys((
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "vocab_size", "max_position_embeddings", "head_dim", "moe_intermediate_size", "num_experts_per_tok", "n_embd",
+        "n_layer", "n_head", "n_positions", "n_inner", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+        "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "decoder_sparse_step", "moe_layer_freq",
+        "no_rope_layer_interval", "sliding_window_pattern", "original_max_position_embeddings"), WHOLE),
+    # 0 experts: the family names the dense model_type to load it as; a window of 0: the attention config refuses it
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "sliding_window",
+                     "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "max_window_layers",
+                     "shared_expert_intermediate_size"), WHOLE_OR_ZERO),
+    **dict.fromkeys(("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta", "rope_local_base_freq",
+                     "routed_scaling_factor", "query_pre_attn_scalar"), POSITIVE),
+    **dict.fromkeys(("initializer_range", "router_jitter_noise", "clip_qkv"), NON_NEGATIVE),
+    "partial_rotary_factor": FRACTION,
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "norm_topk_prob",
+                     "use_qk_norm", "use_sliding_window", "use_bidirectional_attention", "rope_interleave"), BOOLEAN),
+}
+# inside rope_scaling / rope_parameters
+ROPE_VALUES: Mapping[str, str] = {
+    **dict.fromkeys(("factor", "rope_theta", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"),
+                    POSITIVE),
+    **dict.fromkeys(("attention_factor", "mscale", "mscale_all_dim"), NON_NEGATIVE),
+    "original_max_position_embeddings": WHOLE, "partial_rotary_factor": FRACTION, "truncate": BOOLEAN,
+}
+
+
+def value_problem(value: Any, kind: str) -> bool:
+    """Whether ``value`` (not None) is not ``kind`` (one of WHOLE ... BOOLEAN). A number is a JSON number: a
+    string or a boolean is refused where a number belongs, as transformers refuses it."""
+    import math
+
+    if kind == BOOLEAN:
+        return not isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    if kind in (WHOLE, WHOLE_OR_ZERO):  # 4096.0 or 1e9 is a whole number written as JSON writers may write it
+        whole = isinstance(value, int) or (math.isfinite(value) and value.is_integer())
+        return not whole or value < (1 if kind == WHOLE else 0)
+    if not math.isfinite(value):
+        return True
+    return {POSITIVE: value <= 0, NON_NEGATIVE: value < 0, FRACTION: not 0 < value <= 1}[kind]
+
+
+def check_hf_config(hf: Mapping[str, Any]) -> None:
+    """Refuse (ValueError naming config.json, the key and its value) every value of ``hf`` that is not of
+    the type and in the range its key takes: :data:`HF_VALUES`, the rotary parameters, and the per-layer
+    lists (``mlp_only_layers`` indices below num_hidden_layers, ``no_rope_layers`` and ``layer_types``
+    one entry per layer). Checked before any family reads the values."""
+    where = f"config.json (model_type {hf.get('model_type')!r})"
+
+    def refuse(key: str, value: Any, kind: str) -> ValueError:
+        hint = " (a JSON number, not a string)" if isinstance(value, str) and kind not in (BOOLEAN,) else ""
+        return ValueError(f"{where} has {key}={value!r}, which is not valid; it must be {kind}{hint}")
+
+    for key, kind in HF_VALUES.items():
+        value = hf.get(key)
+        if value is not None and value_problem(value, kind):
+            raise refuse(key, value, kind)
+    for section in ("rope_scaling", "rope_parameters"):
+        params = hf.get(section)
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            raise ValueError(f"{where} has {section}={params!r}, which is not valid; it must be a JSON object")
+        for key, kind in ROPE_VALUES.items():
+            value = params.get(key)
+            if value is not None and not isinstance(value, Mapping) and value_problem(value, kind):
+                raise refuse(f"{section}.{key}", value, kind)
+    n = hf.get("num_hidden_layers", hf.get("n_layer"))
+    if n is None:
+        return
+    dense = hf.get("mlp_only_layers")
+    if dense is not None and (not isinstance(dense, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense)):
+        raise refuse("mlp_only_layers", dense, f"a list of layer indices in [0, {n}) (num_hidden_layers={n})")
+    uses_rope = hf.get("no_rope_layers")
+    if uses_rope is not None and (not isinstance(uses_rope, list) or len(uses_rope) != n
+                                  or any(v not in (0, 1) or isinstance(v, float) for v in uses_rope)):
+        raise refuse("no_rope_layers", uses_rope, f"a list of {n} entries of 0 or 1, one per layer "
+                     f"(num_hidden_layers={n})")
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != n
+                              or not all(isinstance(t, str) for t in types)):
+        raise refuse("layer_types", types, f"a list of {n} layer type names, one per layer (num_hidden_layers={n})")
+
+
 def with_defaults(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """config.json over the transformers class defaults: old or hand-written config.json files
     leave out keys whose value is the default."""
