@@ -712,6 +712,13 @@ def compare_onto_full_disk(env: Env) -> list:
     return ["compare", env.run(), "--out", env.tmp / "cmp"]
 
 
+def exported(env: Env) -> Path:
+    """The trained run exported as a Hugging Face directory (with its tokenizer.json) at tmp/hf1."""
+    if not (env.tmp / "hf1").is_dir():
+        assert cli.main(["export", str(env.run()), "--out", str(env.tmp / "hf1")]) == 0
+    return env.tmp / "hf1"
+
+
 def hf_weights(edit: Callable[[dict], object]) -> bytes:
     """hf_dir's weights as ``edit`` changes them, as safetensors bytes."""
     from safetensors.torch import save
@@ -1117,6 +1124,13 @@ CASES = [
     Case("Hugging Face weights all NaN",
          lambda env: (hf_dir(env.tmp / "hf", hf_weights(lambda t: [v.fill_(float("nan")) for v in t.values()])),
                       ["generate", env.tmp / "hf"])[1], 3, ("holds NaN or infinite values",)),
+    Case("export of a run onto a full disk (safetensors' own error)",
+         lambda env: (enospc_in_safetensors(env.monkeypatch), ["export", env.run(), "--out", env.tmp / "hf"])[1], 3,
+         ("no space left on the device holding", "hf/model.safetensors'")),
+    Case("export of a Hugging Face directory onto a full disk",
+         lambda env: (exported(env), enospc_in_safetensors(env.monkeypatch),
+                      ["export", env.tmp / "hf1", "--out", env.tmp / "hf2"])[2], 3,
+         ("no space left on the device holding", "hf2/model.safetensors'")),
     Case("sweep spec tuning an unknown field (and no sweep.json left behind)",
          lambda env: (env.spec().write_text(env.spec().read_text().replace(
              "variants:", "tune: {field: optim.bogus, values: [0.001, 0.002]}\nvariants:")),

@@ -26,7 +26,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -365,7 +364,13 @@ def _write(
 
 
 def _write_file(path: Path, write: Callable[[Path], None]) -> None:
-    write(path)
+    try:
+        write(path)
+    except Exception as e:  # safetensors reports a full disk only in its message: "(os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
     os.chmod(path, default_file_mode())  # safetensors creates its files 0600; a checkpoint's are 0644
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -401,12 +406,16 @@ def check_apart(out: str | Path, source: str | Path, what: str) -> None:
 
 
 def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
-    """Run ``write`` into a hidden directory beside ``out``, then rename it to ``out`` (replacing an
-    empty ``out``, or with ``overwrite`` a full one, which is moved aside first and deleted last).
-    On any failure nothing new remains and an old ``out`` is back in place."""
+    """Run ``write`` into a hidden directory beside ``out`` (``.<name>.export-<pid>-<hex>``), then rename it
+    to ``out`` (replacing an empty ``out``, or with ``overwrite`` a full one, which is moved aside first,
+    into ``.<name>.export-old-<pid>-<hex>``, and deleted last). On any failure nothing new remains and an
+    old ``out`` is back in place; what a killed export left is cleaned first (:func:`clean_leftovers`).
+    The same scheme as ``lmlab.run.checkpoint.atomic.install_directory``, which this layer cannot import."""
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    clean_leftovers(out)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = parent / f".{out.name}.export-{tag}"
     tmp.mkdir()  # with the umask's permissions, unlike tempfile.mkdtemp's 0700
     old = None
     try:
@@ -414,15 +423,58 @@ def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
         fsync_dir(tmp)
         if out.is_dir() and any(out.iterdir()):
             _check_out(out, overwrite)  # the directory may have filled since the first check
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
+            old = parent / f".{out.name}.export-old-{tag}"
+            old.mkdir()
             os.replace(out, old / out.name)
         os.replace(tmp, out)  # atomic; an empty directory in the way is replaced
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not out.exists():
             os.replace(old / out.name, out)
-        raise
-    finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        if isinstance(e, OSError) and isinstance(e.filename, str) and e.filename.startswith(str(tmp)):
+            e.filename = str(out) + e.filename[len(str(tmp)):]  # name the directory the user knows
+        elif isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            e.filename = str(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     fsync_dir(parent)
+
+
+def clean_leftovers(out: Path) -> list[Path]:
+    """Remove what an export killed half way left beside ``out``: its hidden directories, named with its PID
+    (a live process's are left alone). An old ``out`` it had moved aside is put back where nothing took its
+    place. Returns the paths removed."""
+    prefix = f".{out.name}.export-"
+    try:
+        names = sorted(e.name for e in os.scandir(out.parent) if e.name.startswith(prefix))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        rest = name[len(prefix):]
+        is_old = rest.startswith("old-")
+        pid = rest.removeprefix("old-").split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = out.parent / name
+        if is_old and not out.exists() and (path / out.name).is_dir():
+            os.replace(path / out.name, out)  # killed between moving the old export aside and installing the new
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process's own PID: no, nothing is staged yet when leftovers are cleaned)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
