@@ -7,9 +7,11 @@
 #   benchmarks/run_all.sh --device cuda        # GPU sizes, bf16 autocast, eager and compiled
 #   benchmarks/run_all.sh --quick              # tiny sizes on CPU: seconds per script, for CI
 #
-# GPU sizes: the 198M dense llama at 8 x 1024 tokens (eager and torch.compile), the MoE with 64
-# experts of width 256, top-6 + 1 shared (eager and compiled), generation at batch 1 and 8
-# (bench_generate.py --size gpu), and the loss's peak memory at vocab 128k and 8 x 1024 tokens.
+# GPU sizes: the 198M dense llama at 8 x 1024 tokens (eager and torch.compile); the MoE benchmark's four
+# parts (an MoE layer's step split phase by phase, MoE against dense at equal active parameters, MoE blocks
+# against transformers' Mixtral, Qwen2-MoE and DeepSeek-V3 at 8/32/64 experts, and a Qwen2-MoE model's
+# training step, the last also compiled); generation at batch 1 and 8 (bench_generate.py --size gpu), and
+# the loss's peak memory at vocab 128k and 8 x 1024 tokens.
 # Budget: under 8 minutes on one H100/H200-class GPU.
 # Extra arguments after the flags are passed to every script (e.g. --threads 1).
 set -euo pipefail
@@ -48,7 +50,7 @@ run bench_train_step.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extr
 run bench_moe.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extra[@]}"}
 if [[ "$device" == cuda ]]; then
   run bench_train_step.py "${flags[@]}" ${size[@]+"${size[@]}"} --compile ${extra[@]+"${extra[@]}"}
-  run bench_moe.py "${flags[@]}" ${size[@]+"${size[@]}"} --compile ${extra[@]+"${extra[@]}"}
+  run bench_moe.py "${flags[@]}" ${size[@]+"${size[@]}"} --part model --compile ${extra[@]+"${extra[@]}"}
 fi
 run bench_loss_memory.py "${flags[@]}" ${extra[@]+"${extra[@]}"}
 run bench_generate.py "${flags[@]}" ${size[@]+"${size[@]}"} ${extra[@]+"${extra[@]}"}

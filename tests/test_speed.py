@@ -391,6 +391,11 @@ def test_run_all_quick_runs_every_benchmark_on_cpu():
         assert f"=== {script}" in out and f"--- {script}" in out, script
     assert "lmlab / transformers:" in out and "MFU" in out  # both libraries, the ratio, MFU
     assert "lmlab MoE / HF Qwen2-MoE:" in out and "lmlab MoE / lmlab dense:" in out
+    # the MoE split (layer, portable path, phases, straight-line floor checked equal first, matmuls alone) and the
+    # blocks against transformers' on the same weights, gradients checked equal first
+    assert out.count("layer and straight line equal to") == 2 and out.count("matmuls alone / layer") == 2
+    for family in ("Mixtral", "Qwen2-MoE", "DeepSeek-V3"):
+        assert f"  {family} " in out, family
     assert "chunked / plain peak memory:" in out
     # the decoding step split: the straight-line step computed the same logits, then all four were timed
     assert "logits of the three equal to within" in out and "straight-line / transformers, per step:" in out
