@@ -1131,6 +1131,11 @@ CASES = [
          lambda env: (exported(env), enospc_in_safetensors(env.monkeypatch),
                       ["export", env.tmp / "hf1", "--out", env.tmp / "hf2"])[2], 3,
          ("no space left on the device holding", "hf2/model.safetensors'")),
+    Case("--model.mtp.depth 1000 at max_seq_len 32", lambda env: new_run(env, "--model.mtp.depth", "1000"), 2,
+         ("mtp.depth=1000 is not valid with max_seq_len=32", "choose mtp.depth at most 31"), seconds=20),
+    Case("generate with a 120,000-character prompt", lambda env: ["generate", env.run(), "--prompt", "a" * 120_000], 2,
+         ("prompt (120,000 tokens) + max_new_tokens", "is more than 16 x max_seq_len=32 (512)",
+          "keep its last"), seconds=30),
     Case("sweep spec tuning an unknown field (and no sweep.json left behind)",
          lambda env: (env.spec().write_text(env.spec().read_text().replace(
              "variants:", "tune: {field: optim.bogus, values: [0.001, 0.002]}\nvariants:")),

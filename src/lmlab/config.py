@@ -542,6 +542,12 @@ class ModelConfig(Config):
                 "norm_gain='plain'"
             )
         self._validate_parametrization()
+        if self.mtp is not None and self.mtp.depth >= self.max_seq_len:  # arithmetic: 1000 blocks are never built
+            raise ValueError(
+                f"mtp.depth={self.mtp.depth} is not valid with max_seq_len={self.max_seq_len}: module k predicts the "
+                f"token k + 1 places ahead, so a depth of the sequence length or more leaves modules no target; "
+                f"choose mtp.depth at most {self.max_seq_len - 1}"
+            )
         if self.positions != "rope" and self.rope.scaling != "none":
             raise ValueError(
                 f"rope.scaling={self.rope.scaling!r} only applies to positions='rope', not positions={self.positions!r}"

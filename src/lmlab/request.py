@@ -18,6 +18,10 @@ from .memory import check_generation_fits
 from .sampling import Noise, make_picker, make_probabilities, noise_width
 
 SYNC_EVERY_CUDA = 16
+# How far past max_seq_len a scheme that extrapolates (rotary, ALiBi, relative) may be asked to generate: the
+# positions experiment measures up to 16x the trained length; beyond it the output is unmeasured, and the
+# prefill's attention, quadratic in the prompt, runs for minutes (a 120,000-token prompt at max_seq_len 256)
+EXTRAPOLATION_LIMIT = 16
 
 
 # ============================================================== prompts
@@ -167,6 +171,13 @@ def make_request(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
     weights = model.head.weight.dtype
     cache_dtype = torch.bfloat16 if device.type == "cuda" and weights == torch.float32 else weights
     check_generation_fits(model.config, B, T + max_new_tokens, device, cache_dtype.itemsize)
+    reach = EXTRAPOLATION_LIMIT * model.config.max_seq_len
+    if limit is None and T + max_new_tokens > reach:
+        raise ValueError(
+            f"prompt ({T:,} tokens) + max_new_tokens ({max_new_tokens:,}) = {T + max_new_tokens:,} is more than "
+            f"{EXTRAPOLATION_LIMIT} x max_seq_len={model.config.max_seq_len} ({reach:,}), the furthest past its "
+            f"context lmlab generates; shorten the prompt (keep its last {max(reach - max_new_tokens, 0):,} tokens) "
+            f"or ask for fewer new tokens")
     decoder = auto_decoder(model, device) if decoder == "auto" else decoder
     if decoder == "graph":
         check_graphable(model, device)

@@ -368,9 +368,13 @@ def load_distributed_weights(path: str | Path, model: nn.Module) -> None:
 
 def consolidate_run(run_dir: str | Path, which: str = "best") -> list[Path]:
     """:func:`consolidate` the checkpoint ``which`` ("best", "latest", a step, or "all") of a run
-    directory; returns the weight files, written or already there."""
+    directory; returns the weight files, written or already there. Everything is checked before the first
+    write, under the run's lock (not while it trains); each file appears atomically, and the temporary
+    file a consolidate killed half way left in a checkpoint is removed (under the lock, no other writer
+    can own it)."""
     from ..config import load_config
     from .directory import CHECKPOINTS, CONFIG_FILE
+    from .lock import locked
 
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
@@ -383,4 +387,8 @@ def consolidate_run(run_dir: str | Path, which: str = "best") -> list[Path]:
             raise FileNotFoundError(f"no checkpoint in {str(root)!r}; train the run first")
     else:
         paths = [ckpt.resolve(root, which)]
-    return [consolidate(p, cfg.model) if is_distributed(p) else p / ckpt.WEIGHTS for p in paths]
+    with locked(run_dir, "run directory"):
+        for p in paths:
+            for stale in p.glob(f".{ckpt.WEIGHTS}.*.tmp"):  # atomic_write's, left by a killed consolidate
+                stale.unlink()
+        return [consolidate(p, cfg.model) if is_distributed(p) else p / ckpt.WEIGHTS for p in paths]
