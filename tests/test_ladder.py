@@ -200,6 +200,25 @@ def test_the_shipped_example_validates_at_every_profile_and_is_no_experiment():
     assert "ladder-example" not in cli.experiment_names()
 
 
+def test_every_shipped_ladder_validates_at_every_profile_with_its_claims():
+    """The registered ladders parse at each profile, and their claims name cells of every profile (the quick and
+    gpu profiles keep the main rungs' names), each claim comparing two cells of one rung."""
+    from lmlab.experiments.ladder import shipped_ladders
+
+    assert {"example", "norm-depth"} <= set(shipped_ladders())
+    for name in shipped_ladders():
+        data = yaml.safe_load(resolve_spec(name).read_text())
+        for profile in (None, *(data.get("profiles") or {})):
+            lad = parse_ladder(data, name, profile=profile)
+            for claim in lad.sweep.claims:
+                cells = [(arm["arm"], arm["rung"]) for arm in claim.compare]
+                assert all(a in lad.arms and r in lad.rungs for a, r in cells), (name, claim.id)
+    depth = parse_ladder(yaml.safe_load(resolve_spec("norm-depth").read_text()), "norm-depth")
+    assert depth.sweep.registration["id"] == "norm-depth-2026-12-06" and depth.rungs == ["L6", "L12", "L24", "L48"]
+    assert not set(depth.sweep.seeds) & set(range(10))  # new seeds: none of a committed run's
+    assert {c.model.n_layers for c in depth.sweep.configs.values()} == {6, 12, 24, 48}
+
+
 # ============================================================== moe's multiplier over every seed
 def test_moe_all_seeds_multiplier_reads_dense_law_at_the_moe_loss_with_every_seed(tmp_path):
     """Dense's curves follow a known law; m=4 + shared's final loss is dense's at 1.5x its tokens (seeds 0-3)
