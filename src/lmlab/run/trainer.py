@@ -251,8 +251,7 @@ class StopRequest:
 class Trainer:
     """Train ``cfg`` in ``run_dir``. ``resume`` continues its latest checkpoint; ``overwrite``
     replaces an earlier run there. ``callbacks`` are called as ``cb(trainer, record)`` after each
-    step with that step's metrics. ``data``: ``cfg``'s data, where the caller has resolved it already
-    (``DataPlan.resolve(cfg, run_dir, resume=resume)``, as ``lmlab train`` does); else resolved here."""
+    step with that step's metrics. ``data``: ``cfg``'s DataPlan, where resolved already (``lmlab train``)."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path = "runs/default", *, resume: bool = False,
                  overwrite: bool = False, callbacks: Sequence[Callable[["Trainer", dict], None]] = (),
@@ -281,9 +280,7 @@ class Trainer:
                data: DataPlan | None) -> None:
         check_processes(cfg, self.dist.world)
         check_trackers(*cfg.log.tracker_names())  # a tracker named but not installed: refused before any write
-        if data is None:
-            data = DataPlan.resolve(cfg, self.run_dir, resume=resume)
-        data.check_for(cfg, self.run_dir, resume=resume)
+        data = DataPlan.for_run(cfg, self.run_dir, resume=resume, given=data)
         cfg = data.config  # absolute paths; with --data DIR, how DIR was prepared
 
         def claim() -> None:  # rank 0 locks the run directory for the life of the run, then checks what it holds
@@ -293,7 +290,7 @@ class Trainer:
         self.dist.on_main(claim)  # before any rank reads it
         check_training_memory(cfg, self.device)  # before the data is prepared: a refused size leaves nothing behind
         self.task = TASKS[cfg.task]()
-        self.cfg = self._setup_data(data, overwrite)
+        self.cfg = self._setup_data(cfg, data, overwrite)
         if self.cfg.model.vocab_size != cfg.model.vocab_size:
             check_training_memory(self.cfg, self.device)
         self._setup_model()
@@ -333,18 +330,15 @@ class Trainer:
             shutil.rmtree(self.data.dir, ignore_errors=True)
         self._release(peers_lost, remove_created=True)
 
-    def _setup_data(self, plan: DataPlan, overwrite: bool) -> RunConfig:
+    def _setup_data(self, cfg: RunConfig, plan: DataPlan, overwrite: bool) -> RunConfig:
         """Prepare (or open) the run's data on rank 0, open its splits on every rank, and take the
         vocabulary from it (or, fine-tuning, check it against the starting model's)."""
-        cfg = plan.config
-
         def prepare_on_main() -> tuple[str, bool]:
             self.data = plan.open(overwrite=overwrite, progress=not self.quiet)  # a failure from here on removes it
             return str(self.data.dir), self.data.prepared_now
 
         where, fresh = self.dist.on_main(prepare_on_main)
-        if self.data is None:  # the other ranks read what rank 0 prepared
-            self.data = RunData.open(Path(where), prepared_now=fresh)
+        self.data = self.data or RunData.open(Path(where), prepared_now=fresh)  # the other ranks read rank 0's
         self.tokenizer, self.data_dir, self.meta = self.data.tokenizer, self.data.dir, self.data.meta
         self.train_data, self.val_data = self.task.open(self.data_dir, "train"), self.task.open(self.data_dir, "val")
         note = check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size)

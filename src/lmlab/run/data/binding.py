@@ -114,11 +114,16 @@ class DataPlan:
         own = resolved.prepared is None and where.resolve().is_relative_to(run_dir.resolve())
         return cls(asked=cfg, config=config, run_dir=run_dir, resume=resume, dir=where, own=own, meta=meta)
 
-    def check_for(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool) -> None:
-        """Refuse to hand this plan to a run it was not resolved for."""
-        if (self.asked, self.run_dir, self.resume) != (cfg, Path(run_dir), resume):
-            raise ValueError(f"the data was resolved for another run (of {str(self.run_dir)!r}, resume={self.resume}); "
-                             "resolve it for this one with DataPlan.resolve(cfg, run_dir, resume=...)")
+    @classmethod
+    def for_run(cls, cfg: RunConfig, run_dir: str | Path, *, resume: bool, given: "DataPlan | None") -> "DataPlan":
+        """``given``, the plan a caller resolved (``lmlab train``), refused unless resolved for this run;
+        without one, :meth:`resolve`."""
+        if given is None:
+            return cls.resolve(cfg, run_dir, resume=resume)
+        if (given.asked, given.run_dir, given.resume) != (cfg, Path(run_dir), resume):
+            raise ValueError(f"the data was resolved for another run (of {str(given.run_dir)!r}, resume={given.resume})"
+                             "; resolve it for this one with DataPlan.resolve(cfg, run_dir, resume=...)")
+        return given
 
     def open(self, *, overwrite: bool, progress: bool) -> RunData:
         """The run's data: ``data.prepared`` as it is; else the run's own, reused when resuming, else
