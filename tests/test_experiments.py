@@ -343,11 +343,14 @@ def test_experiment_specs_ship_with_the_package_and_validate_at_every_size():
 
 def test_gpu_profile_sizes_models_of_10_to_100_million_parameters():
     """The mechanism is tested here at full size without training (the profile has not run on a GPU)."""
+    # mup's gpu profile is a width ladder, d_model 256 to 2048 (8x): its narrowest model is the base shape
+    bounds = {"mup": (5e6, 250e6)}
     for name in EXPERIMENTS:
         spec = load_experiment_spec(name, profile="gpu")
         sizes = [model_accounting(cfg.model, cfg.seq_len) for cfg in spec.configs.values()]  # cached by the spec check
-        assert 10e6 <= min(n["active_params"] for n in sizes), name
-        assert max(n["total_params"] for n in sizes) <= 100e6, (name, sorted(n["total_params"] for n in sizes))
+        low, high = bounds.get(name, (10e6, 100e6))
+        assert low <= min(n["active_params"] for n in sizes), name
+        assert max(n["total_params"] for n in sizes) <= high, (name, sorted(n["total_params"] for n in sizes))
         assert spec.seeds == [0] and all(c.train.device == "auto" for c in spec.configs.values())
 
 
