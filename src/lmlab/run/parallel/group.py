@@ -10,6 +10,12 @@ the default group and the groups built from it (DDP, FSDP, expert parallelism, c
 peers died sees its next collective fail (at once when the connection drops, else after the
 timeout), and :meth:`Dist.close` after a failure arms a watchdog that ends the process if its
 shutdown hangs, as gloo's can when it tears down connections to dead peers.
+
+No process outlives its launcher either: each rank started by ``torchrun`` watches its parent (the
+elastic agent), and when the agent dies (kill -9 leaves the ranks to init) it sends itself SIGTERM, as
+torchrun does to its workers when it stops cleanly: the trainer finishes its step, saves a checkpoint
+with the other ranks and exits, releasing the run's lock; a rank still alive after the collective
+timeout is ended (:func:`watch_launcher`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import dataclasses
 import datetime
 import faulthandler
 import os
+import signal
+import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -57,6 +66,7 @@ class Dist:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout))
         setup = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_timeout))
+        watch_launcher(grace=timeout)
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns, timeout, setup)
 
     @property
@@ -142,6 +152,32 @@ class Dist:
 
         dist.destroy_process_group()
         self.owns_group = False
+
+
+LAUNCHER_POLL_S = 1.0  # how often a torchrun rank checks that its launcher is alive
+_WATCHING: list[threading.Thread] = []
+
+
+def watch_launcher(grace: float, poll: float = LAUNCHER_POLL_S) -> None:
+    """Under ``torchrun`` (TORCHELASTIC_RUN_ID set), watch the launcher from a daemon thread: once this
+    process's parent is no longer the one that started it, the launcher died without stopping its
+    workers (kill -9), so stop this rank the way torchrun would, with SIGTERM (the trainer saves a
+    checkpoint with its peers and exits), and end it if it is still alive ``grace`` seconds later
+    (a peer that died first leaves a collective waiting that long). Idempotent; not under torchrun,
+    nothing (a process started some other way may outlive its parent on purpose)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _WATCHING:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        exit_after(grace)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="lmlab-launcher-watch", daemon=True)
+    thread.start()
+    _WATCHING.append(thread)
 
 
 _WATCHDOG_SINK: list[Any] = []  # keeps the watchdog's output file open for the life of the process
