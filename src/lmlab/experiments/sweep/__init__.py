@@ -130,7 +130,7 @@ from ..registration import spec_status
 from ..spec import SweepSpec, parse_spec, seed_range
 from .engine import Hooks, SweepInterrupted, setup
 from .extend import extend_axis, only
-from .layout import check_out, write_sweep_record
+from .layout import check_out, clean_temporaries, write_sweep_record
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
 from .workers import SweepFailed, check_parallel, execute
@@ -197,6 +197,7 @@ def sweep_outcome(
         for cfg in spec.tune_spec().configs.values():
             check_training_memory(cfg, resolve_device(cfg.train.device))
     out.mkdir(parents=True, exist_ok=True)
+    clean_temporaries(out)  # what a killed sweep left mid-write (the caller holds out's lock)
     status = spec.registration_status or spec_status(spec.source)
     spec = dataclasses.replace(spec, registration_status=status)
     write_sweep_record(out, {"spec": spec.source, "registration": status.to_json()})

@@ -22,9 +22,8 @@ from ...run.checkpoint.lock import LOCK_FILE
 from ...run.errors import CorruptFile
 from ...run.metrics import jsonable
 
-__all__ = ["CurveLogger", "check_out", "clear_run", "lock_file", "read_curve", "read_result", "read_start",
-           "run_dir_of",
-           "write_result", "write_start", "write_sweep_record"]
+__all__ = ["CurveLogger", "check_out", "clean_temporaries", "clear_run", "lock_file", "read_curve", "read_result",
+           "read_start", "run_dir_of", "write_result", "write_start", "write_sweep_record"]
 
 _RESULT_FILE = "result.json"  # a finished run: its row of the table
 _START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
@@ -52,6 +51,21 @@ def check_out(out: str | Path, what: str = "sweep directory") -> None:
             shown = ", ".join(found[:3]) + (f" and {len(found) - 3:,} more" if len(found) > 3 else "")
             raise ValueError(f"{what} {str(out)!r} holds files lmlab did not write there ({shown}; no "
                              f"{_SWEEP_FILE}); choose another --out, or an empty directory")
+
+
+def clean_temporaries(out: str | Path) -> list[Path]:
+    """Remove the temporary files (``.<name>.<random>.tmp``, atomic_write's) that a sweep killed mid-write
+    left beside its own files: at the top of ``out``, in its corpus/, and beside each run's result.json,
+    start.json and curve.jsonl. Call it holding ``out``'s lock (as ``lmlab sweep`` and ``lmlab experiment``
+    do): no live writer then owns one. A run's own files (checkpoints) are the trainer's to clean on resume."""
+    out = Path(out)
+    own = (_RESULT_FILE, _START_FILE, _CURVE_FILE)
+    stale = [*out.glob(".*.tmp"), *(out / "corpus").glob(".*.tmp"),
+             *(p for name in own for p in out.glob(f"runs/*/seed*/.{name}.*.tmp"))]
+    for p in stale:
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+    return stale
 
 
 def _is_run_dir(path: Path) -> bool:

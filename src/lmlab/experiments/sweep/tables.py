@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...run.checkpoint.atomic import atomic_write_text
+from ...run.checkpoint.atomic import atomic_write, atomic_write_text
 from ..report import band_plot, figure, markdown_table, mean_std, write_csv
 from ..spec import SweepSpec
 from .layout import read_curve, run_dir_of
@@ -104,5 +104,7 @@ def plot_loss_curves(spec: SweepSpec, out: Path, path: Path, variants: Sequence[
     if len(ax.lines) <= 16:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:  # atomically: a kill mid-write leaves the previous plot, never half of one
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)
