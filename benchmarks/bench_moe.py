@@ -51,6 +51,7 @@ from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
 
 import lmlab
 from lmlab import ModelConfig, Transformer
+from lmlab.feedforward import GLU
 from lmlab.grouped_mm import grouped_matmul, grouped_mm, grouped_mm_weight_grad
 from lmlab.hf import HFTensors, state_dict_from_hf
 from lmlab.init import Init
@@ -79,7 +80,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed rounds per part (default 15; quick 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--matmul", type=int, default=None, help="n of the n^3 reference matmul (2048 CPU, 8192 CUDA)")
-    p.add_argument("--compile", action="store_true", help="model part: lmlab per block (train.compile), HF whole")
+    p.add_argument("--compile", action="store_true",
+                   help="split: also the layer compiled whole; model part: lmlab per block (train.compile), HF whole")
     p.add_argument("--hf-experts", default=None, help="model part: transformers experts_implementation")
     args = p.parse_args()
     args.parts = args.part or list(PARTS)
@@ -196,8 +198,23 @@ def straight_line(x_TD: torch.Tensor, w_router: torch.Tensor, w_in: torch.Tensor
     return out_TD, aux
 
 
-def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_path: bool, dtype: torch.dtype) -> dict:
-    """The contenders of the split: forward/backward pairs on fixed inputs."""
+def compiled_layer(twin: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor) -> tuple:
+    """``twin`` (a copy of the layer) compiled whole (fullgraph; the compiler traces the portable path), as a
+    contender: its first call, in the untimed rounds, compiles."""
+    T, D = x_TD.shape
+    twin.compile(fullgraph=True)
+
+    def fwd():
+        twin.zero_grad(set_to_none=True)
+        return twin(leaf(x_TD).view(1, T, D)), twin.aux_loss
+
+    return fwd, backward_of(g_TD.view(1, T, D), torch.ones((), device=x_TD.device))
+
+
+def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_path: bool, dtype: torch.dtype,
+                     twin: MoE | None = None) -> dict:
+    """The contenders of the split: forward/backward pairs on fixed inputs; last, the dense GLU at the layer's
+    active parameters (d_ff = K x the expert width) and its three matmuls' forward and backward alone."""
     T, D = x_TD.shape
     ex, router = layer.experts, layer.router
     coef = layer.loss_terms["expert_balance"][0]
@@ -239,6 +256,7 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
     c = {
         "layer": whole(True),
         "layer, portable path": whole(False),
+        **({"layer, torch.compile": compiled_layer(twin, x_TD, g_TD)} if twin is not None else {}),
         "straight-line floor": (
             lambda: straight_line(leaf(x_TD), router.weight, ex.gate_up, ex.down, layer.top_k, coef),
             backward_of(g_TD, one)),
@@ -289,6 +307,16 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
             lambda: (grouped_mm(x_, w_in_, p.offs_E), grouped_mm(s_, w_down_, p.offs_E)),
             lambda _: (grouped_mm(g_, w_down_.transpose(1, 2), p.offs_E), grouped_mm_weight_grad(g_, s_, p.offs_E),
                        grouped_mm(gz_, w_in_.transpose(1, 2), p.offs_E), grouped_mm_weight_grad(gz_, x_, p.offs_E)))
+    glu = GLU(ModelConfig(d_model=D, n_heads=4, d_ff=layer.top_k * ex.width)).to(x_TD.device)
+    with torch.no_grad():
+        z_TI = glu.gate_up(x_TD)
+        h_TF = glu.glu(z_TI, glu.activation)
+    w_gu, w_d = glu.gate_up.weight.detach().to(dtype), glu.down.weight.detach().to(dtype)
+    x_, z_, h_, g_ = (t.to(dtype) for t in (x_TD, z_TI, h_TF, g_TD))
+    c["dense GLU, equal active parameters"] = (lambda: glu(leaf(x_TD)), backward_of(g_TD))
+    c["dense GLU's matmuls alone"] = (
+        lambda: (F.linear(x_, w_gu), F.linear(h_, w_d)),
+        lambda _: (g_ @ w_d, g_.t() @ h_, z_ @ w_gu, z_.t() @ x_))  # z_ stands in for its gradient, same shape
     return c
 
 
@@ -316,6 +344,7 @@ def check_straight_line(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, setu
 def part_split(args: argparse.Namespace, setup: Setup) -> None:
     for name, (D, E, K, width, B, S) in SPLIT_SHAPES[args.size].items():
         layer = moe_layer(D, E, K, width, setup.device)
+        twin = copy.deepcopy(layer) if args.compile else None  # before any forward leaves tensors on the layer
         g = torch.Generator().manual_seed(1)
         x_TD = torch.randn(B * S, D, generator=g).to(setup.device)
         g_TD = torch.randn(B * S, D, generator=g).to(setup.device)
@@ -323,7 +352,7 @@ def part_split(args: argparse.Namespace, setup: Setup) -> None:
         err = check_straight_line(layer, x_TD, g_TD, setup)
         differs(err, f"split {name}: the straight line and the layer", setup)
         with setup.autocast():
-            contenders = split_contenders(layer, x_TD, g_TD, cpu_path, setup.dtype)
+            contenders = split_contenders(layer, x_TD, g_TD, cpu_path, setup.dtype, twin)
             timer = SplitTimer(setup, contenders).run(args.steps, args.warmup)
         layout = ("hidden units first" if layer.experts.hidden_first else "rows first") if cpu_path else "portable"
         print(f"\nsplit: {name}: d_model {D}, {E} experts of width {width}, top-{K}, {B} x {S} tokens; the layer's "
@@ -347,10 +376,15 @@ def part_split(args: argparse.Namespace, setup: Setup) -> None:
             portable = sum(timer.total(c, cpu) for c in timer.contenders if c.startswith("  portable: ") or c in shared)
             print(f"  the portable path's phases together (with routing, plan, statistics): {1e3 * portable:.3f} ms "
                   f"({100 * portable / timer.total('layer, portable path', cpu):.0f}% of it)")
-        for other, what in (("layer, portable path", "the layer's speed against its portable path"),
+        compiled = [("layer, torch.compile", "compiling the layer whole")] if args.compile else []
+        for other, what in (("layer, portable path", "the layer's speed against its portable path"), *compiled,
                             ("straight-line floor", "against the floor"),
-                            ("matmuls alone", "against its matmuls alone: the most the rest could give")):
+                            ("matmuls alone", "against its matmuls alone: the most the rest could give"),
+                            ("dense GLU, equal active parameters", "the MoE layer's speed against dense")):
             print(f"  {other} / layer, step time: {timer.total(other, cpu) / total:.2f}x ({what})")
+        mm, dense_mm = timer.total("matmuls alone", cpu), timer.total("dense GLU's matmuls alone", cpu)
+        print(f"  the layer's grouped matmuls take {1e3 * (mm - dense_mm):.3f} ms more than the dense GLU's for the "
+              f"same FLOPs ({mm / dense_mm:.2f}x)")
 
 
 # ============================================================== part 2: dense against fine-grained MoE
