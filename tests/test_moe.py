@@ -313,6 +313,23 @@ def test_cpu_fast_path_is_one_autograd_function_and_the_portable_path_is_not_tak
     assert not make_moe(dict(n_experts=4, top_k=2), ffn="mlp", bias=True).experts.fused  # biases: portable
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_cpu_path_in_a_model_dtype_other_than_fp32_equals_the_portable_path(dtype):
+    """A bf16 or fp64 layer without autocast: the router's fp32 gate weights meet the experts' dtype (the CPU
+    path once multiplied bf16 hidden units by them and handed fp32 to a bf16 matmul)."""
+    layer = make_moe(dict(n_experts=4, top_k=2, granularity=4, d_expert=96)).to(dtype).train()
+    x = tokens().to(dtype)
+    fused = run_layer(layer, x, "fast", fused=True)
+    portable = run_layer(layer, x, "fast", fused=False)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-10, atol=1e-10)
+    for a, b in zip(fused[:2], portable[:2]):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
+    for n in portable[2]:
+        assert fused[2][n].dtype == dtype, n
+        torch.testing.assert_close(fused[2][n], portable[2][n], **tol, msg=n)
+
+
 def test_grouped_matmul_forms_equal_a_matmul_per_group():
     """The three forms of grouped_matmul, with contiguous and transposed operands and an empty group,
     against each group's matmul written out."""

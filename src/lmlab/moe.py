@@ -479,7 +479,8 @@ class RoutedExperts(torch.autograd.Function):
         x_AD = x_TD.index_select(0, plan.token_A)
         z_IA = up_projection(x_AD, w_in_EID, plan.offs_E, hidden_first)
         h_FA, act_FA = expert_hidden(z_IA, activation, gated)
-        s_FA = h_FA * weight_A  # the gate weight scales the hidden units: F < D, the cheaper side of down
+        # the gate weight (fp32, from the router) scales the hidden units: F < D, the cheaper side of down
+        s_FA = h_FA * weight_A.to(h_FA.dtype)
         y_AD = grouped_matmul(s_FA.t(), w_down_EDF.transpose(1, 2), plan.offs_E)
         ctx.save_for_backward(x_AD, z_IA, act_FA, h_FA, s_FA, w_in_EID, w_down_EDF, weight_A)
         ctx.plan, ctx.T, ctx.how = plan, x_TD.shape[0], (activation, gated, hidden_first)
@@ -492,8 +493,8 @@ class RoutedExperts(torch.autograd.Function):
         g_AD = g_TD.index_select(0, p.token_A)  # the sum per token's backward: a gather
         g_s_FA = down_input_grad(g_AD, w_down_EDF, p.offs_E, hidden_first)
         g_w_down = grouped_matmul(g_AD.t(), s_FA.t(), p.offs_E)  # (E, D, F)
-        g_weight_A = (g_s_FA * h_FA).sum(0)
-        g_z_IA = expert_hidden_grad(g_s_FA.mul_(weight_A), z_IA, act_FA, activation, gated)
+        g_weight_A = (g_s_FA * h_FA).sum(0).to(weight_A.dtype)
+        g_z_IA = expert_hidden_grad(g_s_FA.mul_(weight_A.to(g_s_FA.dtype)), z_IA, act_FA, activation, gated)
         g_w_in = grouped_matmul(g_z_IA, x_AD, p.offs_E)  # (E, I, D)
         g_x_TD = None
         if ctx.needs_input_grad[0]:
