@@ -492,13 +492,12 @@ class RoutedExperts(torch.autograd.Function):
         p, (activation, gated, hidden_first) = ctx.plan, ctx.how
         g_AD = g_TD.index_select(0, p.token_A)  # the sum per token's backward: a gather
         g_s_FA = down_input_grad(g_AD, w_down_EDF, p.offs_E, hidden_first)
-        g_w_down = grouped_matmul(g_AD.t(), s_FA.t(), p.offs_E)  # (E, D, F)
+        needs = ctx.needs_input_grad  # frozen experts or inputs skip their matmuls
+        g_w_down = grouped_matmul(g_AD.t(), s_FA.t(), p.offs_E) if needs[2] else None  # (E, D, F)
         g_weight_A = (g_s_FA * h_FA).sum(0).to(weight_A.dtype)
         g_z_IA = expert_hidden_grad(g_s_FA.mul_(weight_A.to(g_s_FA.dtype)), z_IA, act_FA, activation, gated)
-        g_w_in = grouped_matmul(g_z_IA, x_AD, p.offs_E)  # (E, I, D)
-        g_x_TD = None
-        if ctx.needs_input_grad[0]:
-            g_x_TD = sum_per_token(grouped_matmul(g_z_IA.t(), w_in_EID, p.offs_E), p, ctx.T)
+        g_w_in = grouped_matmul(g_z_IA, x_AD, p.offs_E) if needs[1] else None  # (E, I, D)
+        g_x_TD = sum_per_token(grouped_matmul(g_z_IA.t(), w_in_EID, p.offs_E), p, ctx.T) if needs[0] else None
         return g_x_TD, g_w_in, g_w_down, g_weight_A, g_TD, None, None, None, None
 
 
