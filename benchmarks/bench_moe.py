@@ -312,11 +312,11 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
         z_TI = glu.gate_up(x_TD)
         h_TF = glu.glu(z_TI, glu.activation)
     w_gu, w_d = glu.gate_up.weight.detach().to(dtype), glu.down.weight.detach().to(dtype)
-    x_, z_, h_, g_ = (t.to(dtype) for t in (x_TD, z_TI, h_TF, g_TD))
+    dx, dz, dh, dg = (t.to(dtype) for t in (x_TD, z_TI, h_TF, g_TD))  # the dense layer's operands
     c["dense GLU, equal active parameters"] = (lambda: glu(leaf(x_TD)), backward_of(g_TD))
     c["dense GLU's matmuls alone"] = (
-        lambda: (F.linear(x_, w_gu), F.linear(h_, w_d)),
-        lambda _: (g_ @ w_d, g_.t() @ h_, z_ @ w_gu, z_.t() @ x_))  # z_ stands in for its gradient, same shape
+        lambda: (F.linear(dx, w_gu), F.linear(dh, w_d)),
+        lambda _: (dg @ w_d, dg.t() @ dh, dz @ w_gu, dz.t() @ dx))  # dz stands in for its gradient, same shape
     return c
 
 
