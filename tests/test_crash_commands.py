@@ -260,3 +260,19 @@ def test_a_killed_torchrun_launcher_takes_its_ranks_with_it_and_releases_the_loc
     DirLock(tmp_path / "run").acquire().release()  # free: no live process holds it
     OUTCOMES["torchrun"] = [f"agent killed: both ranks exited in {result['seconds']:.1f} s ({result['codes']})"]
     print(f"\ntorchrun: {OUTCOMES['torchrun'][0]}")
+
+
+def test_a_reader_of_stdout_that_went_away_is_a_quiet_exit_0(trained, tmp_path):
+    """``lmlab eval RUN | head``: eval, compare and tb ended with exit 3 "Broken pipe: a file" where generate
+    ended quietly; now they do too, and compare writes its --out before it prints (the files are whole)."""
+    outcomes = []
+    for args in (["eval", trained], ["compare", trained, "--out", tmp_path / "cmp"],
+                 ["tb", trained, "--out", tmp_path / "events"]):
+        proc = subprocess.Popen([sys.executable, "-m", "lmlab.cli", *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=ENV)
+        proc.stdout.close()  # the reader is gone before the first line
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=240) == 0 and err == "", (args[0], err)
+        outcomes.append(f"{args[0]}: 0")
+    assert (tmp_path / "events" / ".lmlab-tb").is_file() and (tmp_path / "cmp" / "compare.md").is_file()
+    print("\nclosed stdout: " + ", ".join(outcomes))

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -1136,6 +1137,35 @@ CASES = [
     Case("generate with a 120,000-character prompt", lambda env: ["generate", env.run(), "--prompt", "a" * 120_000], 2,
          ("prompt (120,000 tokens) + max_new_tokens", "is more than 16 x max_seq_len=32 (512)",
           "keep its last"), seconds=30),
+    Case("train --threads 10000", lambda env: new_run(env, "--threads", "10000"), 2,
+         ("--threads 10,000 is more than 4 per CPU core", "threads beyond the cores only slow torch down"),
+         seconds=20),
+    Case("experiment --threads 100000",
+         lambda env: ["experiment", "norm", "--quick", "--out", env.tmp / "x", "--threads", "100000"], 2,
+         ("--threads 100,000 is more than 4 per CPU core",), seconds=20),
+    Case("eval --device cuda without a GPU",
+         lambda env: (no_cuda(env, "cpu"), ["eval", env.run(), "--device", "cuda"])[1], 3,
+         ("device 'cuda': CUDA is not available here; use cpu",)),
+    Case("generate --device mps without MPS",
+         lambda env: (no_cuda(env, "cpu"), ["generate", env.run(), "--device", "mps"])[1], 3,
+         ("device 'mps': MPS is not available here",)),
+    # ---- issue 44: every command meets bad input (2) and the environment (3) in the corpus
+    Case("ladder of a spec that does not exist", lambda env: ["ladder", env.tmp / "nope.yaml", "--out", env.tmp / "l"],
+         2, ("nope.yaml",)),
+    Case("ladder onto a read-only file system",
+         lambda env: (env.deny_writes(env.tmp / "ro", errno.EROFS),
+                      ["ladder", "example", "--quick", "--out", env.tmp / "ro" / "l"])[1], 3,
+         ("read-only file system holds", "ro/l'")),
+    Case("consolidate of a directory holding no run", lambda env: ["consolidate", env.tmp / "nothing"], 2,
+         ("nothing' holds no run (no config.yaml)",)),
+    Case("consolidate of a run on a read-only file system",
+         lambda env: (env.deny_writes(env.run(), errno.EROFS), ["consolidate", env.run()])[1], 3,
+         ("read-only file system holds", "run/.lock'")),
+    Case("compare --out inside a run", lambda env: ["compare", env.run(), "--out", env.run() / "cmp"], 2,
+         ("run/cmp' is inside the run",)),
+    Case("tb of a run whose metrics.jsonl is garbage",
+         lambda env: (garbage(env.run() / "metrics.jsonl", b"not json\n{}\n"), ["tb", env.run()])[1], 3,
+         ("metrics.jsonl' line 1 is not a metrics record",)),
     Case("sweep spec tuning an unknown field (and no sweep.json left behind)",
          lambda env: (env.spec().write_text(env.spec().read_text().replace(
              "variants:", "tune: {field: optim.bogus, values: [0.001, 0.002]}\nvariants:")),
@@ -1158,7 +1188,11 @@ def fault_env(tmp_path, trained, monkeypatch):
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.mark or ()) for c in CASES])
 def test_fault_is_one_line_and_changes_nothing(case, fault_env, capsys):
-    env = fault_env
+    check_case(case, fault_env, capsys)
+
+
+def check_case(case: Case, env: Env, capsys) -> list[str]:
+    """Run one row of the corpus and check it (see the module docstring); returns its command line."""
     args = [str(a) for a in case.setup(env)]
     capsys.readouterr()
     before = digest(env.tmp)
@@ -1178,6 +1212,55 @@ def test_fault_is_one_line_and_changes_nothing(case, fault_env, capsys):
         assert after == before
     else:
         case.after(env, before, after)
+    return args
+
+
+# ============================================================== the exit-code table, walked
+# For every command, the corpus rows that show it meeting bad input (2) and a failing environment (3).
+WALK = {
+    "prepare": ("prepare --out the source directory --overwrite", "prepare onto a read-only file system"),
+    "train": ("unknown config key", "train into an unwritable directory"),
+    "eval": ("eval --buckets 0", "garbage best.json"),
+    "generate": ("generate --temperature nan", "truncated Hugging Face shard"),
+    "export": ("export --out RUN --overwrite", "export of a run onto a full disk (safetensors' own error)"),
+    "sweep": ("sweep spec variants: 5", "sweep into an unwritable directory"),
+    "experiment": ("experiment --out a finished training run", "experiment onto a read-only file system"),
+    "ladder": ("ladder of a spec that does not exist", "ladder onto a read-only file system"),
+    "consolidate": ("consolidate of a directory holding no run", "consolidate of a run on a read-only file system"),
+    "compare": ("compare --out inside a run", "compare --out onto a disk that fills at the second plot"),
+    "tb": ("tb --out a directory of other runs' and programs' events --overwrite",
+           "tb of a run whose metrics.jsonl is garbage"),
+}
+
+
+def exit_code_table() -> dict[int, str]:
+    """docs/training.md's table of exit statuses: status -> meaning."""
+    text = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    section = text.split("## Errors and exit codes", 1)[1].split("\n## ", 1)[0]
+    return {int(code): meaning for code, meaning in re.findall(r"^\| (\d+) \| (.+?) \|", section, flags=re.M)}
+
+
+def test_the_exit_code_table_is_every_commands_and_each_help_says_it(capsys):
+    """The table in docs/training.md, lmlab --help's exit statuses and every subcommand's --help agree, and
+    every subcommand has a pair of rows in WALK."""
+    table = exit_code_table()
+    assert sorted(table) == [0, 1, 2, 3, 130]
+    listed = {int(c) for c in re.findall(r"^  (\d+) ", cli.EXIT_CODES, flags=re.M)}
+    assert listed == set(table)
+    assert set(WALK) == set(cli.COMMANDS)
+    for command in cli.COMMANDS:
+        assert cli.main([command, "--help"]) == 0  # status 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "2 bad input" in out and "3 the environment failed" in out and "130 stopped by Ctrl-C" in out, command
+
+
+@pytest.mark.parametrize("command, status", [(c, s) for c in WALK for s in (2, 3)])
+def test_the_exit_code_table_holds_for_every_command(command, status, fault_env, capsys):
+    """Statuses 2 and 3 of the table, walked for every command: its row in the corpus runs that command,
+    ends with that status in one line, and leaves the files as the table says."""
+    case = {c.id: c for c in CASES}[WALK[command][status - 2]]
+    assert case.code == status
+    assert check_case(case, fault_env, capsys)[0] == command
 
 
 # ============================================================== the pieces

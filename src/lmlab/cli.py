@@ -430,6 +430,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError as e:
+        if e.filename is None and args.command in REPORTERS:
+            return stdout_closed()
+        code, line = exit_status(e)
+        if e.filename is None:  # stdout: the command had not finished
+            line = ("the reader of its output went away (a closed pipe) before it finished; run it again without "
+                    "the pipe, or with --quiet")
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return code
     except Exception as e:
         status = exit_status(e)
         if status is None:  # a bug: keep the traceback
@@ -439,6 +448,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 BAD_PATHS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)  # a path the user gave
+
+
+# commands whose work is done when they print, or whose printing is the work: a reader of stdout that went away
+# (``lmlab eval RUN | head``) ends them quietly. The others (train, prepare, sweep, ...) print while they work.
+REPORTERS = ("eval", "generate", "compare", "tb", "export", "consolidate")
+
+
+def stdout_closed() -> int:
+    """``lmlab eval ... | head``: the reader of stdout is gone, and the command (one of REPORTERS) had written
+    every file it writes, so it ends quietly with status 0, as ``generate`` does, instead of 'Broken pipe'
+    (exit 3); stdout is pointed at /dev/null so that Python's own flush at exit finds no broken pipe either."""
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def exit_status(e: Exception) -> tuple[int, str] | None:
@@ -762,6 +786,11 @@ def set_threads(n: int | None) -> None:
 
     import torch
 
+    from .run.parallel.group import threads_refusal
+
+    if (why := threads_refusal(n)) is not None:  # before torch starts a pool of them
+        raise UsageError(why)
+
     os.environ["RAYON_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
 
@@ -993,9 +1022,11 @@ def cmd_compare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
         print("lmlab compare: error: none of the runs could be read", file=sys.stderr)
         return EXIT_USAGE
     unit = compare.choose_unit(runs, args.unit)
-    print(compare.comparison_text(runs, unit), end="")
-    if args.out is not None:
+    files = []
+    if args.out is not None:  # before printing: a reader of stdout that goes away never stops the files
         files = compare.write_comparison(runs, Path(args.out), unit, command=shlex.join(["lmlab", *argv]))
+    print(compare.comparison_text(runs, unit), end="")
+    if files:
         print(f"wrote {', '.join(str(f) for f in files)}")
     return max(statuses, default=0)
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from ...run.parallel.group import threads_refusal
 from ..report import fmt
 from . import layout
 from .engine import Sweep, SweepInterrupted, finished, train_one
@@ -38,6 +39,8 @@ def check_parallel(jobs: int, threads: int | None) -> None:
         raise ValueError(f"--jobs={jobs} is not valid; give the number of worker processes, at least 1")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"--threads={threads} is not valid; give torch threads per process, at least 1")
+    if threads is not None and (why := threads_refusal(threads)) is not None:
+        raise ValueError(why)
 
 
 def worker_count(jobs: int, runs: int) -> int:

@@ -208,6 +208,18 @@ def is_collective_failure(e: BaseException) -> bool:
 
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+# --threads above this many per CPU core only oversubscribes (10,000 ran for minutes, 100,000 crashed torch)
+THREADS_PER_CORE = 4
+
+
+def threads_refusal(n: int) -> str | None:
+    """Why ``--threads n`` is too many for this machine (more than THREADS_PER_CORE per core), or None."""
+    cores = os.cpu_count() or 1
+    limit = THREADS_PER_CORE * cores
+    if n <= limit:
+        return None
+    return (f"--threads {n:,} is more than {THREADS_PER_CORE} per CPU core ({cores} core(s) here: at most {limit}); "
+            "threads beyond the cores only slow torch down")
 
 
 def failure_kind(e: Exception) -> str:
@@ -237,7 +249,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         raise EnvironmentFailure(f"device {name!r}: MPS is not available here; use cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise EnvironmentFailure(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
+            raise EnvironmentFailure(f"device {name!r}: CUDA is not available here; use cpu (train.device=cpu, or "
+                                     "--device cpu)")
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
