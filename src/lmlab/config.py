@@ -55,6 +55,7 @@ InitRule = Literal["normal", "xavier"]
 LayerKind = Literal["global", "local"]
 Sinks = Literal["none", "learned"]
 Parametrization = Literal["standard", "mup"]
+Residual = Literal["plain", "hyper", "mhc"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -395,6 +396,29 @@ class MupConfig(Config):
                 check_size(f"mup.{name}", getattr(self, name))
 
 
+_HC = "hyper-connections: Zhu et al. 2024, DeepSeek-V4's mHC"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class StreamsConfig(Config):
+    """The n residual streams of ``residual='hyper'`` or ``'mhc'``; ``ModelConfig.residual_streams``, resolved with
+    these defaults under either and None under ``plain`` (``residual.py``). ``sinkhorn_iters`` and ``eps`` are mHC's:
+    the comb matrix is softmax(logits) + eps, then its columns normalized, then ``sinkhorn_iters - 1`` rounds of rows
+    and columns, each normalizer + eps (DeepSeek-V4's ``hc_sinkhorn_iters``, ``hc_eps``); ``eps`` is also added to
+    the pre weights."""
+
+    # the expansion rate n: Zhu et al. 2024's main runs use 4 (DHC x4, arXiv:2409.19606); DeepSeek-V4's hc_mult is 4
+    n: int = added(4, since=_HC)
+    # Sinkhorn-Knopp iterations t_max: the mHC paper (Xie et al. 2025, arXiv:2512.24880) and DeepSeek-V4 use 20
+    sinkhorn_iters: int = added(20, since=_HC)
+    eps: float = added(1e-6, since=_HC)  # DeepSeek-V4's hc_eps: a floor on the pre weights and the Sinkhorn normalizers
+
+    def validate(self) -> None:
+        check_size("residual_streams.n", self.n)
+        check_size("residual_streams.sinkhorn_iters", self.sinkhorn_iters)
+        check_positive("residual_streams.eps", self.eps, allow_zero=True)
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig(Config):
     """A decoder-only Transformer language model. Defaults are a small llama-like model."""
@@ -455,6 +479,11 @@ class ModelConfig(Config):
     # holds at every width
     parametrization: Parametrization = added("standard", since=_MUP)
     mup: MupConfig | None = added(None, since=_MUP)  # μP's base shape; resolved under mup, None under standard
+    # how a sublayer's output joins the residual stream (residual.py): plain, x + f(x); hyper, n streams mixed by
+    # learned input-dependent weights (Zhu et al. 2024, arXiv:2409.19606); mhc, n streams mixed by a doubly-stochastic
+    # matrix from Sinkhorn-Knopp (manifold-constrained hyper-connections, Xie et al. 2025; DeepSeek-V4)
+    residual: Residual = added("plain", since=_HC)
+    residual_streams: StreamsConfig | None = added(None, since=_HC)  # n, Sinkhorn iterations; None under plain
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -467,6 +496,8 @@ class ModelConfig(Config):
             base = self.mup or MupConfig()
             object.__setattr__(self, "mup", MupConfig(base_d_model=base.base_d_model or self.d_model,
                                                       base_head_dim=base.base_head_dim or self.head_dim))
+        if self.residual != "plain" and self.residual_streams is None:  # explicit in the saved config
+            object.__setattr__(self, "residual_streams", StreamsConfig())
         self._validate_resolved()
 
     def _resolve_variant(self) -> None:
@@ -501,6 +532,8 @@ class ModelConfig(Config):
         for name, value in self._derived_sizes().items():
             if data[name] == value:
                 data[name] = None
+        if data["residual_streams"] == StreamsConfig()._editable_dict():  # resolved again: residual may change
+            data["residual_streams"] = None
         return data
 
     def validate(self) -> None:
@@ -542,6 +575,7 @@ class ModelConfig(Config):
                 "norm_gain='plain'"
             )
         self._validate_parametrization()
+        self._validate_residual()
         if self.mtp is not None and self.mtp.depth >= self.max_seq_len:  # arithmetic: 1000 blocks are never built
             raise ValueError(
                 f"mtp.depth={self.mtp.depth} is not valid with max_seq_len={self.max_seq_len}: module k predicts the "
@@ -570,6 +604,26 @@ class ModelConfig(Config):
                 f"attention.sinks={attention.sinks!r} is not implemented with positions='relative'; "
                 "choose another position scheme or sinks='none'"
             )
+
+    def _validate_residual(self) -> None:
+        streams = self.residual_streams
+        if self.residual == "plain":
+            if streams is not None:
+                raise ValueError("residual_streams sets the streams of residual='hyper' or 'mhc'; set residual to one "
+                                 "of them or residual_streams=null")
+            return
+        if self.norm_position == "post":  # DeepNorm needs post-norm, so it is refused here too
+            raise ValueError(
+                f"residual={self.residual!r} is not defined with norm_position='post': hyper-connections replace the "
+                "normalized sum (Zhu et al. 2024 write post-norm as a one-stream hyper-connection), and no paper "
+                "normalizes their n streams after the mix; choose norm_position in ['pre', 'sandwich', 'reordered'] or "
+                "residual='plain'"
+            )
+        if streams is not None and self.residual == "hyper":
+            for name in ("sinkhorn_iters", "eps"):
+                if getattr(streams, name) != getattr(StreamsConfig(), name):
+                    raise ValueError(f"residual_streams.{name}={getattr(streams, name)} only applies to "
+                                     "residual='mhc', not 'hyper'; leave it at its default or use residual='mhc'")
 
     def _validate_parametrization(self) -> None:
         if self.parametrization == "standard":
@@ -657,6 +711,11 @@ class ModelConfig(Config):
     def layer_window(self, layer: int) -> int | None:
         """The window of layer ``layer``'s attention: ``attention.window`` for a local layer, None for a global one."""
         return self.attention.window if self.attention.kind(layer) == "local" else None
+
+    @property
+    def n_streams(self) -> int:
+        """The residual stream's width in vectors of d_model: 1 under ``plain``, ``residual_streams.n`` otherwise."""
+        return 1 if self.residual_streams is None else self.residual_streams.n
 
     def has_positions(self, layer: int) -> bool:
         """False for the NoPE layers of ``rope.nope_every``."""

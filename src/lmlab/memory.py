@@ -103,12 +103,14 @@ class SkipRandomInit(TorchFunctionMode):
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, bytes_per_value: int = 4) -> int:
     """A low estimate of the activations one micro-batch keeps for backward: per token and layer
     the residual stream, norms, q, k, v and attention output (about 8 d_model values) and the
-    feed-forward's hidden units (2 or 3 per unit, by ``ffn``), plus the logits and their softmax."""
+    feed-forward's hidden units (2 or 3 per unit, by ``ffn``), plus the logits and their softmax.
+    Hyper-connections' n streams (``cfg.n_streams``) add the n - 1 more vectors each of a layer's two
+    connections keeps (its input streams, which its mix's backward reads)."""
     hidden = cfg.d_ff
     if cfg.moe is not None:
         d_expert = cfg.moe.d_expert or cfg.d_ff
         hidden = max(hidden, (cfg.moe.top_k + cfg.moe.n_shared) * d_expert)
-    per_layer = 8 * cfg.d_model + (3 if cfg.ffn == "glu" else 2) * hidden
+    per_layer = 8 * cfg.d_model + (3 if cfg.ffn == "glu" else 2) * hidden + 2 * (cfg.n_streams - 1) * cfg.d_model
     tokens = batch_size * seq_len
     return tokens * (cfg.n_layers * per_layer + 2 * cfg.vocab_size) * bytes_per_value
 

@@ -1,11 +1,13 @@
 """The decoder-only Transformer: blocks, the stack, heads, initialization and accounting.
 
-    tokens ─ embed ─(+ absolute positions)─ [block] × L ─ final norm (not post) ─ head ─ logits
-                                                                    └─ MTP modules × D (mtp.py; training loss, drafts)
+    tokens ─ embed ─(+ absolute positions)─ widen ─ [block] × L ─ collapse ─ final norm (not post) ─ head ─ logits
+                                                                              └─ MTP modules × D (mtp.py; loss, drafts)
 
 Every choice is made here at construction from the config, through the registries of
-``norm.py``, ``positions.py``, ``feedforward.py`` and this file's ``BLOCKS`` and ``ATTENTIONS``;
-forward passes contain no config branching.
+``norm.py``, ``positions.py``, ``feedforward.py``, ``residual.py`` and this file's ``BLOCKS`` and
+``ATTENTIONS``; forward passes contain no config branching. Under ``residual='plain'`` widen and collapse
+are nothing and each (+) below is x + f(x); under ``hyper`` and ``mhc`` the stream is n vectors per token
+and (+) is their connection (``residual.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .positions import (
     padded_context,
     windowed,
 )
+from .residual import build_connection, build_streams
 from .schema import check_choice
 
 
@@ -59,15 +62,24 @@ class Block(nn.Module):
         self.drop = build_dropout(cfg)
 
 
-class PreNormBlock(Block):
+class ResidualBlock(Block):
+    """A block whose two sublayers join the stream through ``cfg.residual``'s connection (``residual.py``):
+    ``connection(x, f)`` is x + f(x) under plain, the n streams' mix around f under hyper and mhc."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, term: AttentionTerm):
+        super().__init__(cfg, layer, term)
+        self.attn_residual, self.ffn_residual = build_connection(cfg, 2 * layer), build_connection(cfg, 2 * layer + 1)
+
+
+class PreNormBlock(ResidualBlock):
     """x ─┬─ norm ─ attn ─(+)─┬─ norm ─ ffn ─(+)─▶      residual stream never normalized
           └──────────────────┘└──────────────────┘"""
 
     final_norm = True  # the stream is never normalized, so the model normalizes it once before the head
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), ctx, cache))
-        x = x + self.drop(self.ffn(self.norm2(x)))
+        x = self.attn_residual(x, lambda h: self.drop(self.attn(self.norm1(h), ctx, cache)))
+        x = self.ffn_residual(x, lambda h: self.drop(self.ffn(self.norm2(h))))
         return x
 
 
@@ -75,7 +87,8 @@ class PostNormBlock(Block):
     """x ─┬─ attn ─(+)─ norm ─┬─ ffn ─(+)─ norm ─▶      the sum is normalized (Vaswani et al. 2017)
           └─────(·α)─┘         └────(·α)─┘
 
-    α = 1, or DeepNorm's (2L)^(1/4) for decoder-only models (Wang et al. 2022, Table 1)."""
+    α = 1, or DeepNorm's (2L)^(1/4) for decoder-only models (Wang et al. 2022, Table 1). One stream only: the
+    config refuses hyper-connections here (the norm would act on the mixed streams, which no paper defines)."""
 
     final_norm = False  # every block already ends with a norm
 
@@ -89,7 +102,7 @@ class PostNormBlock(Block):
         return x
 
 
-class SandwichNormBlock(Block):
+class SandwichNormBlock(ResidualBlock):
     """x ─┬─ norm ─ attn ─ norm ─(+)─┬─ norm ─ ffn ─ norm ─(+)─▶      each branch normalized in and out
           └─────────────────────────┘└────────────────────────┘      (Gemma 2/3; Ding et al. 2021's CogView)"""
 
@@ -100,20 +113,20 @@ class SandwichNormBlock(Block):
         self.post_norm1, self.post_norm2 = build_norm(cfg), build_norm(cfg)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.post_norm1(self.attn(self.norm1(x), ctx, cache)))
-        x = x + self.drop(self.post_norm2(self.ffn(self.norm2(x))))
+        x = self.attn_residual(x, lambda h: self.drop(self.post_norm1(self.attn(self.norm1(h), ctx, cache))))
+        x = self.ffn_residual(x, lambda h: self.drop(self.post_norm2(self.ffn(self.norm2(h)))))
         return x
 
 
-class ReorderedNormBlock(Block):
+class ReorderedNormBlock(ResidualBlock):
     """x ─┬─ attn ─ norm ─(+)─┬─ ffn ─ norm ─(+)─▶      the branch's output normalized, its input not
           └──────────────────┘└─────────────────┘      (OLMo 2, arXiv:2501.00656 sec. 3.1; Swin v2)"""
 
     final_norm = True
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.norm1(self.attn(x, ctx, cache)))
-        x = x + self.drop(self.norm2(self.ffn(x)))
+        x = self.attn_residual(x, lambda h: self.drop(self.norm1(self.attn(h, ctx, cache))))
+        x = self.ffn_residual(x, lambda h: self.drop(self.norm2(self.ffn(h))))
         return x
 
 
@@ -231,6 +244,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(
             BLOCKS[cfg.norm_position](cfg, i, term) for i, term in enumerate(self.layer_contexts.terms)
         )
+        self.streams = build_streams(cfg)  # widens the embedding to the residual's streams, collapses them at the end
         # post-norm already ends every block with a norm; the others need one before the head
         self.final_norm = build_norm(cfg) if BLOCKS[cfg.norm_position].final_norm else nn.Identity()
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -278,11 +292,12 @@ class Transformer(nn.Module):
         """:meth:`hidden`, and the context it ran with (the MTP modules run at the same positions)."""
         ctx = self.context(idx, cache, attention_mask)
         x = self.drop(self.positions.embed(self.embed_tokens(idx), ctx))  # (B, T, C)
+        x = self.streams.widen(x)  # (B, T, n, C) under hyper and mhc; plain: x itself
         for block, layer_ctx in zip(self.blocks, self.layer_contexts(ctx)):
             x = block(x, layer_ctx, cache)
         if cache is not None:
             cache.advance(idx.shape[1])
-        return self.final_norm(x), ctx
+        return self.final_norm(self.streams.collapse(x)), ctx
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C) of ids (B, T), scaled by ``embed_scale``; no positions. The scale is
@@ -411,12 +426,14 @@ class Transformer(nn.Module):
         where N counts active matmul weights: the output head included, ``embedding_parameters()`` not.
         The attention variant counts its layers' scores (``score_flops``): with query/key and value widths
         that differ (MLA), 12 d_head is 6 (d_qk + d_v). D multi-token prediction modules add their blocks
-        to L and use the head D more times."""
+        to L and use the head D more times. Hyper-connections add their streams' mixing (each residual module's
+        ``mixing_flops``: the products of coefficients and streams, which 6N does not count)."""
         cfg, T, D = self.config, seq_len or self.config.max_seq_len, self.mtp.depth
         n = self.num_params()["active"] - sum(p.numel() for p in self.embedding_parameters())
         n += self.head.weight.numel() if cfg.tie_embeddings else 0  # tied head is still a matmul
         n += D * self.head.weight.numel()  # each MTP module reads the shared head once more
-        return 6.0 * n + (cfg.n_layers + D) * variant_of(cfg).score_flops(cfg, T)
+        mixing = sum(m.mixing_flops() for m in self.modules() if hasattr(m, "mixing_flops"))
+        return 6.0 * n + (cfg.n_layers + D) * variant_of(cfg).score_flops(cfg, T) + mixing
 
 
 class SequenceClassifier(nn.Module):
@@ -468,6 +485,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
       output gate's W_g is an attention matrix: Xavier too); routers, MoE shared-expert gates and relative
       tables keep N(0, init_std). At d_model 64 this is ~6x N(0, 0.02)'s scale,
       which decides whether post-norm's sublayers move the residual stream at all at init.
+    - ``residual="hyper"``: the connections start as Zhu et al. 2024's sec. 2.3 (static A_m = e_{k mod n},
+      A_r = I, B = 1, dynamic weights 0, scales 0.01: nothing drawn); ``"mhc"``: as DeepSeek-V4, fn ~ N(0,
+      init_std), biases 0, scales 1, for each connection after its block's other weights, the model's head
+      collapse after the last block's (``residual.py``).
     - ``parametrization="mup"``: the same draws, each matrix then scaled by its width ratio to the base shape
       (``lmlab.mup``: sqrt(base fan-in / fan-in) for hidden matrices, base fan-in / fan-in for routers and gates).
     Each module whose weights need more than the defaults says how in an ``init_params(init)`` hook

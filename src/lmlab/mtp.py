@@ -46,6 +46,7 @@ from .config import ModelConfig
 from .loss import IGNORE_INDEX
 from .norm import build_norm
 from .positions import Context
+from .residual import build_streams
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids (B, T) -> scaled embeddings (B, T, C)
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, head weight, targets) -> CE
@@ -70,7 +71,10 @@ def shift_left(t: torch.Tensor, k: int, fill: int = IGNORE_INDEX) -> torch.Tenso
 
 
 class MTPModule(nn.Module):
-    """One depth: h^k = block(eh_proj([enorm(emb) ; hnorm(h^{k-1})])); ``norm`` is applied before the head."""
+    """One depth: h^k = block(eh_proj([enorm(emb) ; hnorm(h^{k-1})])); ``norm`` is applied before the head.
+    Under hyper-connections (``residual``) the block's input is widened to its streams and collapsed after it by
+    the module's own ``streams``, as the main model's are; nothing at all under ``plain``. (DeepSeek-V4's own MTP
+    layer is not checked against this: transformers' deepseek_v4 does not load its MTP weights.)"""
 
     def __init__(self, cfg: ModelConfig, block: nn.Module):
         super().__init__()
@@ -79,11 +83,12 @@ class MTPModule(nn.Module):
         self.block = block
         # as the main model: a block that ends with a norm (post-norm) needs none before the head
         self.norm = build_norm(cfg) if block.final_norm else nn.Identity()
+        self.streams = build_streams(cfg)
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, ctx: Context, cache=None) -> torch.Tensor:
         """h_prev (B, T, C) = h^{k-1}, emb (B, T, C) = Emb(t_{i+k}) -> h^k (B, T, C), before ``norm``."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # (B, T, 2C) -> (B, T, C)
-        return self.block(x, ctx, cache)
+        return self.streams.collapse(self.block(self.streams.widen(x), ctx, cache))
 
 
 class MultiTokenPrediction(nn.Module):
