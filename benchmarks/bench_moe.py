@@ -63,6 +63,7 @@ from lmlab.moe import (
     down_input_grad,
     expert_hidden,
     expert_hidden_grad,
+    moe_args,
     plan,
     sum_per_token,
     up_projection,
@@ -170,7 +171,7 @@ def moe_layer(d_model: int, n_experts: int, top_k: int, width: int, device: torc
               balance: float = 0.01) -> MoE:
     cfg = ModelConfig(d_model=d_model, n_heads=4, d_ff=width, ffn="glu", activation="silu",
                       moe=dict(n_experts=n_experts, top_k=top_k, expert_balance_coef=balance))
-    layer = MoE(cfg).train()
+    layer = MoE(moe_args(cfg)).train()
     layer.init_params(Init(torch.Generator().manual_seed(0), std=0.02, out_std=0.02))
     return layer.to(device)
 
@@ -535,7 +536,7 @@ def part_hf(args: argparse.Namespace, setup: Setup) -> None:
     for family in ("Mixtral", "Qwen2-MoE", "DeepSeek-V3"):
         for E in sizes:
             hf, cfg, to_lmlab = hf_block(family, E, args.size)
-            ours = MoE(cfg)
+            ours = MoE(moe_args(cfg))
             ours.load_state_dict(to_lmlab(hf.state_dict()))
             hf, ours = hf.to(setup.device).train(), ours.to(setup.device).train()
             g = torch.Generator().manual_seed(1)

@@ -20,6 +20,7 @@ from lmlab.moe import (
     device_balance_loss,
     expert_balance_loss,
     load_balance_loss,
+    moe_args,
     z_loss,
 )
 
@@ -28,7 +29,7 @@ D = 32  # d_model of the block-level tests
 
 def make_moe(moe: dict, *, ffn="glu", activation="silu", bias=False, d_ff=48, seed=0) -> MoE:
     cfg = ModelConfig(d_model=D, n_heads=4, d_ff=d_ff, ffn=ffn, activation=activation, bias=bias, moe=MoEConfig(**moe))
-    layer = MoE(cfg)
+    layer = MoE(moe_args(cfg))
     layer.init_params(Init(torch.Generator().manual_seed(seed), std=0.3, out_std=0.3))
     if bias:  # non-zero biases so that they are tested
         with torch.no_grad():
@@ -737,7 +738,7 @@ def test_deepseek_v3_moe_layer_through_the_converter():
     tensors = HFTensors({f"model.layers.1.mlp.{k}": v for k, v in hf.state_dict().items()})
     sd = deepseek_v3_moe_weights(cfg, tensors, "model.layers.1.mlp.", "")
     assert not tensors.missing and not tensors.unexpected
-    layer = MoE(cfg).eval()
+    layer = MoE(moe_args(cfg)).eval()
     layer.load_state_dict(sd)
     check_parity(layer, hf, tokens(S=16))
 

@@ -24,7 +24,7 @@ from lmlab.feedforward import ACTIVATIONS, glu, glu_reference
 from lmlab.grouped_mm import grouped_mm, grouped_mm_split
 from lmlab.init import Init
 from lmlab.loss import linear_cross_entropy, linear_cross_entropy_reference
-from lmlab.moe import MoE
+from lmlab.moe import MoE, moe_args
 from lmlab.norm import rms_norm_reference, rms_normalize
 from lmlab.run.parallel.compile import compile_blocks
 
@@ -272,7 +272,7 @@ MOE_MODES = {
 
 def moe_layer(mode: str, ffn="glu", bias=False) -> MoE:
     cfg = ModelConfig(d_model=32, n_heads=4, d_ff=48, ffn=ffn, bias=bias, moe=MoEConfig(**MOE_MODES[mode]))
-    layer = MoE(cfg).train()
+    layer = MoE(moe_args(cfg)).train()
     layer.init_params(Init(torch.Generator().manual_seed(0), std=0.3, out_std=0.3))
     return layer
 

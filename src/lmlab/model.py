@@ -29,7 +29,7 @@ from .feedforward import FFNS, feedforward_args
 from .init import Init, init_module
 from .loss import LOSSES
 from .mla import LatentAttention
-from .moe import MoE
+from .moe import MoE, moe_args
 from .mtp import build_mtp
 from .mup import build_readout, rescale_init
 from .norm import build_norm
@@ -180,7 +180,7 @@ def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Mod
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
     """The feed-forward sublayer of block ``layer``: dense, or mixture-of-experts where configured."""
-    return MoE(cfg) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](feedforward_args(cfg))
+    return MoE(moe_args(cfg)) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](feedforward_args(cfg))
 
 
 def deepnorm_alpha(n_layers: int) -> float:

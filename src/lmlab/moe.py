@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
-from .feedforward import ACTIVATION_GRADS, ACTIVATIONS, GLUS
+from .feedforward import ACTIVATION_GRADS, ACTIVATIONS, GLUS, FeedForwardArgs, feedforward_args
 from .grouped_mm import grouped_matmul, grouped_mm
 from .init import Init, init_module
 from .schema import check_choice
@@ -546,6 +546,22 @@ IMPLS = {"reference": "loop", "fast": "grouped"}
 
 
 # ============================================================== the layer
+@dataclasses.dataclass(frozen=True)
+class MoEArgs:
+    """An MoE layer's own config, resolved from the model's by :func:`moe_args`: its section, the kind of
+    feed-forward each expert is, and the dense feed-forward's sizes, activation and bias (the experts' widths
+    come from the section: ``MoEConfig.expert_width``)."""
+
+    moe: MoEConfig
+    unit: str  # "mlp" | "glu": what each expert computes (ModelConfig.ffn)
+    ffn: FeedForwardArgs
+
+
+def moe_args(cfg: ModelConfig) -> MoEArgs:
+    """What the MoE layers of ``cfg`` are built from, and nothing else of the model config."""
+    return MoEArgs(moe=cfg.moe, unit=cfg.ffn, ffn=feedforward_args(cfg))
+
+
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward sublayer: ``forward(x (B, S, D)) -> (B, S, D)``.
 
@@ -557,21 +573,18 @@ class MoE(nn.Module):
     path (``dispatch``, ``self.experts``, ``combine``) and the reference loop over experts.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, args: MoEArgs):
         super().__init__()
-        moe = cfg.moe
+        moe, ffn = args.moe, args.ffn
         self.n_experts, self.top_k = moe.routed_experts, moe.active_experts
-        width = moe.expert_width(cfg.d_ff)
-        self.router = Router(moe, cfg.d_model)
-        self.experts = Experts(self.n_experts, cfg.d_model, width, cfg.ffn, cfg.activation, cfg.bias, cfg.glu_variant)
+        unit = (args.unit, ffn.activation, ffn.bias, ffn.glu_variant)  # the feed-forward every expert computes
+        self.router = Router(moe, ffn.d_model)
+        self.experts = Experts(self.n_experts, ffn.d_model, moe.expert_width(ffn.d_ff), *unit)
         if moe.n_shared == 0:
             self.shared = NoSharedExperts()
         else:
             shared = GatedSharedExperts if moe.shared_gate == "sigmoid" else SharedExperts
-            self.shared = shared(
-                moe.n_shared, cfg.d_model, moe.shared_width(cfg.d_ff), cfg.ffn, cfg.activation, cfg.bias,
-                cfg.glu_variant,
-            )
+            self.shared = shared(moe.n_shared, ffn.d_model, moe.shared_width(ffn.d_ff), *unit)
         self.capacity_factor = moe.capacity_factor
         limited = moe.capacity_factor is not None or moe.second_expert == "random"
         self.assign = self.assign_limited if limited else self.assign_all
