@@ -10,7 +10,7 @@ from helpers import tiny_config, tokens
 from torch.testing import assert_close
 
 from lmlab import Transformer
-from lmlab.positions import RelativeTerm, alibi_slopes, build_positions
+from lmlab.positions import RelativeTerm, alibi_slopes, build_positions, position_args
 
 # ---------------------------------------------------------------- rotary
 ROPE_CASES = {
@@ -112,7 +112,7 @@ def test_sinusoidal_is_added_to_the_scaled_token_embedding():
 # ---------------------------------------------------------------- relative (Shaw et al. 2018)
 def _relative(k: int, T: int):
     cfg = tiny_config(positions="relative", relative_clip=k, head_dim=8)
-    term = RelativeTerm(cfg)
+    term = RelativeTerm(position_args(cfg))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         term.rel_k.copy_(torch.randn(term.rel_k.shape, generator=g))

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from lmlab import ModelConfig, Transformer
 from lmlab.generate import left_pad
-from lmlab.positions import Rotary, causal_context, padded_context, windowed
+from lmlab.positions import Rotary, causal_context, padded_context, position_args, windowed
 
 T = 20  # several windows long
 
@@ -99,8 +99,9 @@ def test_partial_rotary_rotates_the_first_dims_as_a_rotary_of_that_width_and_pas
     narrow = tiny_config(n_heads=8)  # head_dim 4: a whole-head rotary of the same width and base
     ctx = causal_context(0, 6, torch.device("cpu"))
     x = torch.randn(1, 3, 6, 16)
-    got = Rotary(cfg).attention_term().rotate(x, Rotary(cfg).attach(ctx))
-    want = Rotary(narrow).attention_term().rotate(x[..., :4], Rotary(narrow).attach(causal_context(0, 6, x.device)))
+    wide_rope, narrow_rope = Rotary(position_args(cfg)), Rotary(position_args(narrow))
+    got = wide_rope.attention_term().rotate(x, wide_rope.attach(ctx))
+    want = narrow_rope.attention_term().rotate(x[..., :4], narrow_rope.attach(causal_context(0, 6, x.device)))
     assert_close(got[..., :4], want)
     assert torch.equal(got[..., 4:], x[..., 4:])
 

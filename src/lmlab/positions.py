@@ -198,11 +198,11 @@ class RelativeTerm(AttentionTerm):
 
     sdpa_ok = False
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, args: PositionArgs):
         super().__init__()
-        self.scale = cfg.attention_scale  # as the attention scores'
-        self.rel_k = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
-        self.rel_v = nn.Parameter(torch.zeros(cfg.relative_clip + 1, cfg.head_dim))
+        self.scale = args.attention_scale  # as the attention scores'
+        self.rel_k = nn.Parameter(torch.zeros(args.relative_clip + 1, args.head_dim))
+        self.rel_v = nn.Parameter(torch.zeros(args.relative_clip + 1, args.head_dim))
 
     def init_params(self, init: Init) -> None:
         """a^K and a^V ~ N(0, std), as the other embeddings."""
@@ -224,12 +224,33 @@ class RelativeTerm(AttentionTerm):
 
 
 # ============================================================== schemes
+@dataclasses.dataclass(frozen=True)
+class PositionArgs:
+    """A position scheme's own config, resolved from the model's by :func:`position_args`."""
+
+    d_model: int  # absolute schemes add a d_model vector to each embedding
+    max_seq_len: int  # the learned table's size; rotary's original context unless rope says otherwise
+    n_heads: int  # ALiBi: one slope per head
+    head_dim: int  # relative tables' width
+    relative_clip: int  # Shaw et al.: offsets beyond it share one vector
+    attention_scale: float  # the relative term's scale, as the scores'
+    rope: RopeConfig
+    rotary_dim: int  # the rotated dimensions of each head (ModelConfig.rotary_dim)
+
+
+def position_args(cfg: ModelConfig) -> PositionArgs:
+    """What the position schemes of ``cfg`` are built from, and nothing else of the model config."""
+    return PositionArgs(d_model=cfg.d_model, max_seq_len=cfg.max_seq_len, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
+                        relative_clip=cfg.relative_clip, attention_scale=cfg.attention_scale, rope=cfg.rope,
+                        rotary_dim=cfg.rotary_dim)
+
+
 class PositionScheme(nn.Module):
     """Base: no positional information at all (causal masking alone)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, args: PositionArgs):
         super().__init__()
-        self.cfg = cfg
+        self.args = args
 
     def context(self, offset: int, T: int, device: torch.device) -> Context:
         """The context of T unpadded queries after ``offset`` cached positions."""
@@ -275,16 +296,16 @@ class Sinusoidal(PositionScheme):
 
 
 class Learned(PositionScheme):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+    def __init__(self, args: PositionArgs):
+        super().__init__(args)
+        self.table = nn.Embedding(args.max_seq_len, args.d_model)
 
     def embed(self, x, ctx):
         # a position never exceeds its slot, so S slots bound every position without reading them
-        if ctx.S > self.cfg.max_seq_len:
+        if ctx.S > self.args.max_seq_len:
             raise ValueError(
-                f"positions='learned' has a table of max_seq_len={self.cfg.max_seq_len} positions and cannot "
-                f"encode position {ctx.S - 1}; use a sequence of at most {self.cfg.max_seq_len} tokens or a "
+                f"positions='learned' has a table of max_seq_len={self.args.max_seq_len} positions and cannot "
+                f"encode position {ctx.S - 1}; use a sequence of at most {self.args.max_seq_len} tokens or a "
                 "scheme that extrapolates (sinusoidal, relative, alibi, rope)"
             )
         return x + self.table.weight[ctx.q_pos]  # (B|1, T, C)
@@ -293,10 +314,10 @@ class Learned(PositionScheme):
 class Relative(PositionScheme):
     def state(self, ctx):
         distance = ctx.q_pos[:, :, None] - ctx.k_pos[:, None, :]  # (B|1, T, S)
-        return distance.clamp(0, self.cfg.relative_clip)[:, None]  # (B|1, 1, T, S)
+        return distance.clamp(0, self.args.relative_clip)[:, None]  # (B|1, 1, T, S)
 
     def attention_term(self):
-        return RelativeTerm(self.cfg)
+        return RelativeTerm(self.args)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -314,9 +335,9 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 class Alibi(PositionScheme):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+    def __init__(self, args: PositionArgs):
+        super().__init__(args)
+        self.register_buffer("slopes", alibi_slopes(args.n_heads), persistent=False)
 
     def state(self, ctx):
         distance = (ctx.k_pos[:, None, :] - ctx.q_pos[:, :, None]).clamp(max=0).float()  # (B|1, T, S), <= 0 seen
@@ -400,10 +421,10 @@ def _llama3(rope: RopeConfig, inv_freq: torch.Tensor, original: int) -> torch.Te
 
 
 class Rotary(PositionScheme):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
+    def __init__(self, args: PositionArgs):
+        super().__init__(args)
         with torch.device("cpu"):  # real values even for a model built on the meta device (from_hf)
-            inv_freq, factor = rope_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_seq_len, cfg.max_seq_len)
+            inv_freq, factor = rope_frequencies(args.rope, args.rotary_dim, args.max_seq_len, args.max_seq_len)
         # Not a buffer: model.to(bfloat16) would round the frequencies (cos off by ~1.5 at position
         # 4096). Kept in fp32, one copy per device.
         self.inv_freq = inv_freq
@@ -421,7 +442,7 @@ class Rotary(PositionScheme):
         grown by doubling, then indexed per forward."""
         table = self._tables.get(device)
         if table is None or table.shape[0] < n:
-            n = max(n, 2 * (0 if table is None else table.shape[0]), self.cfg.max_seq_len)
+            n = max(n, 2 * (0 if table is None else table.shape[0]), self.args.max_seq_len)
             table = self._tables[device] = self.tables(self.inv_freq, torch.arange(n, device=device))
         return table
 
@@ -433,9 +454,9 @@ class Rotary(PositionScheme):
         return RotaryState.of(rows)
 
     def attention_term(self):
-        if self.cfg.rope.partial < 1.0:
-            return PartialRotaryTerm(self.cfg.rope.layout, self.cfg.rotary_dim)
-        return RotaryTerm(self.cfg.rope.layout)
+        if self.args.rope.partial < 1.0:
+            return PartialRotaryTerm(self.args.rope.layout, self.args.rotary_dim)
+        return RotaryTerm(self.args.rope.layout)
 
 
 class DynamicRotary(Rotary):
@@ -449,8 +470,8 @@ class DynamicRotary(Rotary):
     the frequencies depend only on the current length, so a forward never depends on history."""
 
     def state(self, ctx):
-        rope, d = self.cfg.rope, self.cfg.rotary_dim
-        original = rope.original_max_seq_len or self.cfg.max_seq_len
+        rope, d = self.args.rope, self.args.rotary_dim
+        original = rope.original_max_seq_len or self.args.max_seq_len
         seq_len = ctx.q_pos[:, -1:] + 1  # (B|1, 1)
         # as rope_frequencies computes it, in float32, elementwise
         stretch = (seq_len.float() * rope.factor) / original - (rope.factor - 1)
@@ -472,8 +493,8 @@ SCHEMES: dict[str, type[PositionScheme]] = {
 
 def build_positions(cfg: ModelConfig) -> PositionScheme:
     if cfg.positions == "rope" and cfg.rope.scaling == "dynamic":
-        return DynamicRotary(cfg)
-    return SCHEMES[cfg.positions](cfg)
+        return DynamicRotary(position_args(cfg))
+    return SCHEMES[cfg.positions](position_args(cfg))
 
 
 def build_local_positions(cfg: ModelConfig) -> PositionScheme | None:
@@ -483,4 +504,4 @@ def build_local_positions(cfg: ModelConfig) -> PositionScheme | None:
     if cfg.rope.local_base is None:
         return None
     rope = RopeConfig(base=cfg.rope.local_base, layout=cfg.rope.layout, partial=cfg.rope.partial)
-    return Rotary(cfg.replace(rope=rope))
+    return Rotary(dataclasses.replace(position_args(cfg), rope=rope))
