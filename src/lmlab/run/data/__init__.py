@@ -4,6 +4,7 @@
     meta.py         DataMeta: meta.json read, validated, written and compared; the one tokenizer/vocabulary check
     prepare.py      prepare: a corpus in, memory-mapped token shards and meta.json out
     batches.py      TokenData, RowData: the shards read back as reproducible batches and evaluation windows
+    lookup.py       key-value lookups planted in training windows (train.lookup), and where the probe looks
     sources.py      a corpus read as a stream of documents (files, JSONL, directories, hf datasets, builtin)
     shards.py       prepare's passes: survey (hash, duplicates, split keys), encode, write shards as it goes
     tokenizer.py    byte, char, byte-level BPE and pretrained tokenizers behind one interface

@@ -3,6 +3,7 @@
     train = TokenData("data/notes", "train")          # language modeling: one token stream per split
     x, y = train.batch(8, 256, generator)             # (B, T) int64 each, y = x shifted by one
     x, y = train.batch(8, 256, generator, repeats)    # some windows carry a planted repeat (train.repeats)
+    x, y = train.batch(8, 256, generator, lookup=cfg)  # or key-value lookups (train.lookup; lookup.py)
     for x, y in train.iter_eval(8, 256): ...          # every window once, in order
     for x, y in val.iter_eval(8, 256, 4, spread=True): ...  # 32 windows spread evenly over the split
     rows = RowData("data/rows", "val")                # classification: rows of tokens with a class each
@@ -11,7 +12,8 @@ A shard is opened only if meta.json (meta.py) vouches for it: its size must matc
 count, and its largest id the recorded ``max_token_id`` (one pass over the memory map), so a
 damaged shard fails when it is opened, not mid-training. A batch is decided by the generator's
 state alone, so a trainer that saves the generator resumes exactly; planted repeats
-(``plant_repeats``) are drawn from the same generator after the offsets, so that stays true.
+(``plant_repeats``) and lookups (``lookup.plant_lookups``) are drawn from the same generator after
+the offsets, so that stays true.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import torch
 
 from ...schema import check_choice, check_positive
 from ..errors import CorruptFile
+from .lookup import plant_lookups
 from .meta import META, SPLITS, DataMeta
 
 if TYPE_CHECKING:
-    from ..config import RepeatsConfig
+    from ..config import LookupConfig, RepeatsConfig
 
 
 def _open_shard(path: Path, dtype: np.dtype, expected: int) -> np.memmap:
@@ -180,14 +183,20 @@ class TokenData:
         return self._split(self._window(starts, seq_len))
 
     def batch(self, batch_size: int, seq_len: int, generator: torch.Generator,
-              repeats: RepeatsConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              repeats: RepeatsConfig | None = None, lookup: LookupConfig | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` windows at random offsets drawn from ``generator`` (a CPU generator; its
         state alone decides the batch, so a trainer that saves it resumes exactly). Returns
         ``(x, y)``, int64 (B, T) on the CPU, with ``y[:, t] = x[:, t+1]`` in the corpus, or in the
-        window after ``plant_repeats`` when ``repeats`` is given (training batches only)."""
+        window after ``plant_repeats`` when ``repeats`` is given, or ``lookup.plant_lookups`` when
+        ``lookup`` is (training batches only; one of the two)."""
         self._check(batch_size, seq_len)
+        if repeats is not None and lookup is not None:
+            raise ValueError("train.repeats and train.lookup both plant into the same windows; set one of them")
         starts = torch.randint(len(self.tokens) - seq_len, (batch_size,), generator=generator)  # start + T + 1 <= N
         window = self._window(starts.numpy(), seq_len)  # (B, T+1)
+        if lookup is not None:
+            return self._split(plant_lookups(window, lookup, generator, self.plantable_ids))
         if repeats is None:
             return self._split(window)
         ids = self.plantable_ids[: repeats.alphabet] if repeats.source == "random" else None
@@ -259,11 +268,13 @@ class RowData:
         return torch.from_numpy(x), torch.from_numpy(self.labels[index].astype(np.int64))
 
     def batch(self, batch_size: int, seq_len: int, generator: torch.Generator,
-              repeats: RepeatsConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              repeats: RepeatsConfig | None = None, lookup: LookupConfig | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` rows drawn at random from ``generator`` (its state alone decides the batch)."""
         check_positive("batch_size", batch_size)
-        if repeats is not None:
-            raise ValueError("train.repeats plants repeats in a token stream, not in labelled rows; leave it unset")
+        if repeats is not None or lookup is not None:
+            raise ValueError("train.repeats and train.lookup plant into a token stream, not into labelled rows; "
+                             "leave them unset")
         index = torch.randint(len(self), (batch_size,), generator=generator).numpy()
         return self.rows(index, seq_len)
 
