@@ -3,6 +3,8 @@ as itself or, as Gemma stores it, as its offset from 1 (``ModelConfig.norm_gain`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,21 +99,34 @@ class OffsetRMSNorm(nn.Module):
 RMS_NORMS = {"plain": RMSNorm, "offset": OffsetRMSNorm}  # ModelConfig.norm_gain -> the class
 
 
-def build_rms_norm(cfg: ModelConfig, d: int) -> nn.Module:
-    """An RMSNorm over ``d`` values with ``cfg``'s eps and gain parametrization (the q/k norms use it too)."""
-    return RMS_NORMS[cfg.norm_gain](d, cfg.norm_eps)
+@dataclasses.dataclass(frozen=True)
+class NormArgs:
+    """A normalization's own config, resolved from the model's by :func:`norm_args`."""
+
+    kind: str  # "layernorm" | "rmsnorm" (ModelConfig.norm)
+    gain: str  # RMSNorm's gain: "plain" or "offset" (ModelConfig.norm_gain)
+    eps: float
+    bias: bool  # LayerNorm's shift (ModelConfig.bias)
 
 
-def layer_norm(cfg: ModelConfig) -> nn.Module:
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+def norm_args(cfg: ModelConfig) -> NormArgs:
+    """What the model's norms are built from, and nothing else of the model config."""
+    return NormArgs(kind=cfg.norm, gain=cfg.norm_gain, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rms_norm(cfg: ModelConfig) -> nn.Module:
-    return build_rms_norm(cfg, cfg.d_model)
+def layer_norm(args: NormArgs, d: int) -> nn.Module:
+    return nn.LayerNorm(d, eps=args.eps, bias=args.bias)
+
+
+def rms_norm(args: NormArgs, d: int) -> nn.Module:
+    """An RMSNorm over ``d`` values with the eps and gain parametrization of ``args``."""
+    return RMS_NORMS[args.gain](d, args.eps)
 
 
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
-    return NORMS[cfg.norm](cfg)
+    """The model's normalization over d_model (the blocks', the final one, the MTP modules')."""
+    args = norm_args(cfg)
+    return NORMS[args.kind](args, cfg.d_model)
