@@ -108,7 +108,7 @@ def test_section_defaults_are_the_demo_run_and_each_field_is_in_one_section():
                                           activation_checkpoint_every=1, collective_timeout=600.0, setup_timeout=3600.0)
     assert list(cfg.to_dict()) == ["task", "model", "data", "train", "optim", "eval", "checkpoint", "log", "parallel"]
     assert set(cfg.train.to_dict()) == {"steps", "batch_size", "seq_len", "grad_accum", "seed", "device", "compile",
-                                        "max_bad_steps", "init_from", "max_memory_gib", "repeats"}
+                                        "max_bad_steps", "init_from", "max_memory_gib", "repeats", "lookup"}
     assert cli.run_sections() == tuple(RunConfig.field_names()[1:])  # every section takes --SECTION.FIELD
 
 

@@ -351,6 +351,10 @@ class RunConfig(Config):
                 f"train.seq_len={self.train.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}, "
                 "the model's training context; raise model.max_seq_len or lower train.seq_len"
             )
+        mtp = self.model.mtp
+        if mtp is not None and mtp.depth >= self.seq_len:  # module k's targets lie k + 1 ahead in the window
+            raise ValueError(f"model.mtp.depth={mtp.depth} leaves module {mtp.depth} no target in a window of "
+                             f"train.seq_len={self.seq_len} tokens; choose mtp.depth at most {self.seq_len - 1}")
         r = self.train.repeats
         if r is not None and self.task != "lm":
             raise ValueError(f"train.repeats plants repeats in a token stream; task={self.task!r} trains on rows, "

@@ -515,9 +515,20 @@ def tokenizer_from_path(path: str | Path, *, checkpoint: bool = False) -> Tokeni
     hf, raw = read_hf_tokenizer(p, owner="checkpoint" if checkpoint else None)
     tok = wrap_hf(hf, raw, find_eos(hf, p.parent))
     tok.extra_eos_ids = generation_eos_ids(p.parent, hf.get_vocab_size(with_added_tokens=True))
-    tok.hf_extra_files = {name: (p.parent / name).read_text(encoding="utf-8") for name in HF_COMPANIONS
+    tok.hf_extra_files = {name: read_companion(p.parent / name, checkpoint) for name in HF_COMPANIONS
                           if (p.parent / name).is_file()}
     return tok
+
+
+def read_companion(path: Path, checkpoint: bool) -> str:
+    """A tokenizer's companion file (tokenizer_config.json, ...) as text; one that is not UTF-8 is named in a
+    one-line error: a damaged checkpoint (CorruptFile) when it came with one, else a ValueError."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        damaged = CorruptFile if checkpoint else ValueError
+        raise damaged(f"{str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8 JSON "
+                      "or delete it (it is only copied along on export)") from None
 
 
 def wrap_hf(hf, raw: bytes, eod_id: int | None) -> Tokenizer:
