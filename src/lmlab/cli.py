@@ -896,9 +896,11 @@ def module_doc(path: str) -> str:
 
 
 def experiment_names() -> list[str]:
-    """The shipped experiments (the keys of lmlab.experiments.EXPERIMENTS): one spec YAML each beside them
-    (``ladder-*.yaml`` there are ladder specs, run by ``lmlab ladder``)."""
-    return sorted(p.stem for p in (PACKAGE / "experiments").glob("*.yaml") if not p.stem.startswith("ladder-"))
+    """The shipped experiments (the keys of lmlab.experiments.EXPERIMENTS), found without importing them: a spec
+    YAML with its module beside it (``ladder-*.yaml`` are ladder specs, run by ``lmlab ladder``; a draft spec has
+    no module of its own)."""
+    folder = PACKAGE / "experiments"
+    return sorted(p.stem for p in folder.glob("*.yaml") if (folder / f"{p.stem}.py").is_file())
 
 
 def build_experiment(e: argparse.ArgumentParser) -> None:
