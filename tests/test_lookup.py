@@ -31,7 +31,7 @@ def train_data(tmp_path) -> TokenData:
 
 
 # ============================================================== planting
-@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("queries", [1, 3, 7])
 def test_planted_rows_hold_the_pairs_and_queries_for_them_and_nothing_else(queries):
     B, W = 3000, 65
     cfg = dataclasses.replace(CFG, queries=queries)
@@ -46,7 +46,8 @@ def test_planted_rows_hold_the_pairs_and_queries_for_them_and_nothing_else(queri
         pairs = out[r, s : s + n * P].view(n, P)
         assert torch.isin(pairs[:, 0], key_ids).all() and len(set(pairs[:, 0].tolist())) == n  # distinct keys
         assert torch.isin(pairs[:, 1:], value_ids).all()
-        assert len(set(lk.asked[i].tolist())) == Q  # each query asks for another pair
+        for k in range(0, Q, n):  # each query asks for another pair, until all n are asked
+            assert len(set(lk.asked[i, k : k + n].tolist())) == min(n, Q - k)
         for j in range(Q):
             q, a = int(lk.query[i, j]), int(lk.asked[i, j])
             assert torch.equal(out[r, q : q + P], pairs[a])  # the query: the asked pair's key and value again
@@ -114,7 +115,6 @@ def test_token_data_plants_lookups_in_training_batches_only_when_asked(train_dat
     ({"train.lookup.max_distance": 120}, r"train\.lookup does not fit a window of seq_len \+ 1 = 129 tokens"),
     ({"train.lookup.offset": 2000}, r"train\.lookup\.offset \+ keys \+ values = 2048 ids do not fit"),
     ({"train.lookup.pairs": 2, "train.repeats.fraction": 0.5}, r"train\.lookup and train\.repeats both plant"),
-    ({"train.lookup.queries": 5}, r"train\.lookup\.queries=5 is more than train\.lookup\.pairs=4"),
     ({"train.lookup.queries": 4, "train.lookup.max_distance": 110}, r"need distances <= 108"),
 ])
 def test_lookup_config_refuses_what_cannot_be_planted(changes, message):
@@ -239,3 +239,55 @@ def test_in_range_distances_cover_what_training_plants():
     assert retrieval.in_range_distances(CFG, 64, 5) == [9, 20, 32, 44, 55]  # 3 pairs of 3: 9 .. 64 - 9, rounded
     cfg = dataclasses.replace(CFG, min_distance=20, max_distance=30)
     assert retrieval.in_range_distances(cfg, 64, 3) == [20, 25, 30]
+
+
+# ============================================================== the draft of the positions rerun
+def test_the_draft_rerun_is_unregistered_on_new_seeds_and_never_trains_a_fine_tune_beyond_its_distances():
+    from pathlib import Path
+
+    from lmlab.experiments import load_experiment_spec
+
+    draft = Path(retrieval.__file__).with_name("positions-retrieval-draft.yaml")
+    spec = load_experiment_spec("positions", spec_file=draft)
+    assert spec.registration is None  # a draft: registered in the commit that adds the block, before any run
+    assert not set(spec.seeds) & {*range(10), 1000, 1001}  # none a committed run used
+    base = spec.configs["rope-lookup"]
+    W = base.seq_len + 1
+    assert base.train.lookup is not None and spec.configs["rope"].train.lookup is None
+    for name in ("rope-lookup-ft-none", "rope-lookup-ft-pi", "rope-lookup-ft-yarn"):
+        ft = spec.configs[name]
+        assert spec.variant(name).init_from == "rope-lookup" and ft.seq_len == 8 * base.seq_len
+        lk = ft.train.lookup  # still planted (text alone made the last fine-tunes forget), at trained distances only
+        assert dataclasses.replace(lk, max_distance=None) == base.train.lookup
+        assert lk.max_distance == base.train.lookup.distances(W)[1]
+        farthest = lk.max_distance + (lk.queries - 1) * lk.pair_length + (lk.pairs - 1) * lk.pair_length
+        assert farthest < base.seq_len  # no query of a fine-tune's block is farther from its pair than in training
+        assert ft.seq_len - lk.pairs * lk.pair_length > 4 * farthest  # the 8x far probe's distance is never planted
+    for c in spec.claims:
+        if c.id.startswith("retrieval"):
+            assert c.endpoint in retrieval.ENDPOINTS and "lookup_1x_exact" in c.gate
+            assert all(a in spec.configs for a in c.compare)
+    quick = load_experiment_spec("positions", spec_file=draft, quick=True)
+    assert quick.configs["rope-lookup"].train.steps <= 4
+
+
+def test_the_gate_asks_every_compared_arm_and_its_parent_to_retrieve_in_range():
+    from pathlib import Path
+
+    from lmlab.experiments import load_experiment_spec
+
+    spec = load_experiment_spec("positions", spec_file=Path(retrieval.__file__).with_name(
+        "positions-retrieval-draft.yaml"))
+    arms = ("rope-lookup", "rope-lookup-ft-none", "rope-lookup-ft-pi", "rope-lookup-ft-yarn")
+
+    def rows(exact: dict[str, float]) -> list[dict]:
+        return [{"variant": a, "seed": s, "lookup_1x_exact": exact.get(a, 1.0),
+                 "snapshots": {"400": {"lookup_8x_far_logp": -1.0 - s}}} for a in arms for s in spec.seeds]
+
+    assert retrieval.lookup_gates(spec, rows({})) == {}
+    failed = retrieval.lookup_gates(spec, rows({"rope-lookup-ft-yarn": 0.2}))
+    assert list(failed) == ["retrieval-yarn"] and "rope-lookup-ft-yarn's in-range exact match is 0.200" in failed[
+        "retrieval-yarn"]
+    assert set(retrieval.lookup_gates(spec, rows({"rope-lookup": 0.5}))) == {"retrieval-yarn", "retrieval-pi"}
+    ends = retrieval.ENDPOINTS["lookup_8x_far_logp"](rows({}), 0.0)  # the fine-tune's last snapshot, per seed
+    assert ends == {s: -1.0 - s for s in spec.seeds}

@@ -130,8 +130,9 @@ class LookupConfig(Section):
     _since: ClassVar[str] = "the positions rerun's retrieval task (issue 40)"
     fraction: float = added(1.0, since=_since)  # share of training windows that carry the pairs and a query
     pairs: int = added(4, since=_since)  # key-value pairs per window; the query asks for one, uniformly
-    # queries per window, back to back, each asking another pair (associative recall asks for them all, as
-    # MQAR does): more supervised lookups per window; the distances bound the first, the measurement asks one
+    # queries per window, back to back, each asking another pair until all are asked, then again in a new
+    # order (associative recall asks for them all, as MQAR does; more than pairs repeats them): more supervised
+    # lookups per window. The distances bound the first; the measurement asks one
     queries: int = added(1, since=_since)
     value_length: int = added(2, since=_since)  # ids per value (the query's key cues them; all are scored)
     # alphabets: from the ``offset``-th plantable id on (data.batches.plantable_ids, increasing), ``keys`` ids
@@ -165,9 +166,6 @@ class LookupConfig(Section):
             raise ValueError(f"train.lookup.fraction={self.fraction!r} is out of range; it must be in (0, 1], "
                              "e.g. 1.0 (leave train.lookup unset for none)")
         self.positive("pairs", "queries", "value_length", "min_distance", "max_distance")
-        if self.queries > self.pairs:
-            raise ValueError(f"train.lookup.queries={self.queries} is more than train.lookup.pairs={self.pairs}; "
-                             f"each query asks for another pair, so choose queries <= {self.pairs}")
         self.positive("offset", allow_zero=True)
         if self.keys < self.pairs:
             raise ValueError(f"train.lookup.keys={self.keys} is fewer than train.lookup.pairs={self.pairs}; the keys "

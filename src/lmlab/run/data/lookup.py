@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class Lookups:
     """Lookups planted in ``rows`` of a (B, W) window; R = len(rows), n pairs, Q queries (back to back,
-    each asking another pair), v ids per value, P = 1 + v."""
+    each asking another pair until all n are asked, then again), v ids per value, P = 1 + v."""
 
     rows: torch.Tensor  # (R,) int64: the windows that carry them
     start: torch.Tensor  # (R,) int64: where the first pair's key stands; the pairs fill [start, start + n P)
     query: torch.Tensor  # (R, Q) int64: where each query's key stands; its value fills (query, query + P)
-    asked: torch.Tensor  # (R, Q) int64: which pair (0 .. n-1) each query asks for, distinct within a row
+    asked: torch.Tensor  # (R, Q) int64: which pair (0 .. n-1) each query asks for; each n in a row distinct
     keys: torch.Tensor  # (R, n) int64: each pair's key id
     values: torch.Tensor  # (R, n, v) int64: each pair's value ids
 
@@ -79,10 +79,11 @@ def alphabets(cfg: LookupConfig, ids: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _draw_contents(cfg: LookupConfig, B: int, Q: int, generator: torch.Generator,
                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(asked (B, Q), keys (B, n), values (B, n, v)): the pairs asked distinct and in random order, keys
-    distinct within a row, values uniform."""
+    """(asked (B, Q), keys (B, n), values (B, n, v)): the pairs asked in rounds of n, each round a random
+    order of all n, keys distinct within a row, values uniform."""
     key_ids, value_ids = alphabets(cfg, ids)
-    asked = torch.rand(B, cfg.pairs, generator=generator).argsort(1)[:, :Q]  # (B, Q)
+    rounds = -(-Q // cfg.pairs)
+    asked = torch.rand(B, rounds, cfg.pairs, generator=generator).argsort(-1).flatten(1)[:, :Q]  # (B, Q)
     keys = key_ids[torch.rand(B, cfg.keys, generator=generator).argsort(1)[:, : cfg.pairs]]  # (B, n), distinct
     values = value_ids[torch.randint(cfg.values, (B, cfg.pairs, cfg.value_length), generator=generator)]
     return asked, keys, values
