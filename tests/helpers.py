@@ -53,6 +53,27 @@ def tokens(batch: int, length: int, vocab: int = 64, seed: int = 0) -> torch.Ten
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def assert_mtp_cache_equals_full(model, T: int, seed: int = 6) -> None:
+    """The MTP blocks' own cache (speculative decoding's drafts), fed in chunks (5, 1, the rest), gives every
+    depth's states of the full forward over a sequence of T + 1 tokens."""
+    from torch.testing import assert_close
+
+    x = tokens(2, T + 1, seed=seed)
+    with torch.no_grad():
+        h, ctx = model.hidden_and_context(x[:, :-1])
+        full = model.mtp.hidden_states(h, x[:, 1:], ctx, model.embed_tokens)
+        cache, parts = model.new_cache(2, T, mtp=True), [[] for _ in model.mtp.layers]
+        padded = torch.cat([x, x.new_zeros(2, model.mtp.depth)], dim=1)  # the full forward embeds id 0 past the end
+        for a, b in [(0, 5), (5, 6), (6, T)]:
+            ctx, hk = model.context(x[:, a:b], cache), h[:, a:b]
+            for k, module in enumerate(model.mtp.layers):
+                hk = module(hk, model.embed_tokens(padded[:, a + k + 1 : b + k + 1]), ctx, cache)
+                parts[k].append(module.norm(hk))
+            cache.advance(b - a)
+    for k, want in enumerate(full):
+        assert_close(torch.cat(parts[k], dim=1), want, rtol=1e-4, atol=1e-5)
+
+
 WORDS = "the a model learns to predict next token from context attention layer norm residual stream".split()
 
 # the tiny model as command-line overrides: d_model 32, 2 layers, 4 heads (2 kv), context 32

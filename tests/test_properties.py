@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import tiny_config, tokens
+from helpers import assert_mtp_cache_equals_full, tiny_config, tokens
 from torch.testing import assert_close
 
 from lmlab import Transformer
@@ -225,16 +225,4 @@ def test_mtp_predictions_are_causal(case):
 def test_mtp_cached_equals_full(case):
     """The MTP blocks' own cache (speculative decoding's drafts), fed in chunks, gives the full forward's states."""
     model = _model(case)
-    x = tokens(2, T + 1, seed=6)
-    with torch.no_grad():
-        full, h = _mtp_hidden(model, x), model.hidden(x[:, :-1])
-        cache, parts = model.new_cache(2, T, mtp=True), [[] for _ in model.mtp.layers]
-        padded = torch.cat([x, x.new_zeros(2, model.mtp.depth)], dim=1)  # the full forward embeds id 0 past the end
-        for a, b in [(0, 5), (5, 6), (6, T)]:
-            ctx, hk = model.context(x[:, a:b], cache), h[:, a:b]
-            for k, module in enumerate(model.mtp.layers):
-                hk = module(hk, model.embed_tokens(padded[:, a + k + 1 : b + k + 1]), ctx, cache)
-                parts[k].append(module.norm(hk))
-            cache.advance(b - a)
-    for k, want in enumerate(full):
-        assert_close(torch.cat(parts[k], dim=1), want, rtol=1e-4, atol=1e-5)
+    assert_mtp_cache_equals_full(model, T)

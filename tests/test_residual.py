@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers import decoded_logits, tiny_config, tokens
+from helpers import assert_mtp_cache_equals_full, decoded_logits, tiny_config, tokens
 from torch.testing import assert_close
 
 import lmlab
@@ -286,21 +286,7 @@ def test_generation_decoders_agree_and_mtp_drafts_with_its_own_streams(residual)
     runs = {d: torch.stack(list(generate(model, prompt, 8, temperature=0, decoder=d)), dim=1)
             for d in ("eager", "static", "speculative")}
     assert torch.equal(runs["static"], runs["eager"]) and torch.equal(runs["speculative"], runs["eager"])
-    # the MTP blocks' own cache, fed in chunks, gives their full forward's states
-    x = tokens(2, T + 1, seed=6)
-    with torch.no_grad():
-        h, ctx = model.hidden_and_context(x[:, :-1])
-        full = model.mtp.hidden_states(h, x[:, 1:], ctx, model.embed_tokens)
-        cache, parts = model.new_cache(2, T, mtp=True), [[] for _ in model.mtp.layers]
-        padded = torch.cat([x, x.new_zeros(2, 2)], dim=1)
-        for a, b in [(0, 5), (5, 6), (6, T)]:
-            ctx, hk = model.context(x[:, a:b], cache), h[:, a:b]
-            for k, module in enumerate(model.mtp.layers):
-                hk = module(hk, model.embed_tokens(padded[:, a + k + 1 : b + k + 1]), ctx, cache)
-                parts[k].append(module.norm(hk))
-            cache.advance(b - a)
-    for k, want in enumerate(full):
-        assert_close(torch.cat(parts[k], dim=1), want, rtol=1e-4, atol=1e-5)
+    assert_mtp_cache_equals_full(model, T)
 
 
 @pytest.mark.parametrize("residual", CHOICES)
