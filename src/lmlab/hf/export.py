@@ -24,8 +24,6 @@ import dataclasses
 import json
 import os
 import re
-import secrets
-import shutil
 import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -33,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import ModelConfig
-from ..files import default_file_mode, fsync_dir
+from ..files import default_file_mode, install_directory
 from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, StateDict, Tensors, computed, departures, described, name_list
 
@@ -406,75 +404,13 @@ def check_apart(out: str | Path, source: str | Path, what: str) -> None:
 
 
 def _install(out: Path, write: Callable[[Path], None], overwrite: bool) -> None:
-    """Run ``write`` into a hidden directory beside ``out`` (``.<name>.export-<pid>-<hex>``), then rename it
-    to ``out`` (replacing an empty ``out``, or with ``overwrite`` a full one, which is moved aside first,
-    into ``.<name>.export-old-<pid>-<hex>``, and deleted last). On any failure nothing new remains and an
-    old ``out`` is back in place; what a killed export left is cleaned first (:func:`clean_leftovers`).
-    The same scheme as ``lmlab.run.checkpoint.atomic.install_directory``, which this layer cannot import."""
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(out)
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp = parent / f".{out.name}.export-{tag}"
-    tmp.mkdir()  # with the umask's permissions, unlike tempfile.mkdtemp's 0700
-    old = None
+    """Run ``write`` into a hidden directory beside ``out`` (``.<name>.export-<pid>-<hex>``), then rename it to
+    ``out`` (:func:`lmlab.files.install_directory`: an empty ``out`` replaced, a full one only with
+    ``overwrite``, checked again just before the swap; on any failure nothing new remains, an old ``out`` is
+    back, and what a killed export left is cleaned first). An OSError without a file name names ``out``."""
     try:
-        write(tmp)
-        fsync_dir(tmp)
-        if out.is_dir() and any(out.iterdir()):
-            _check_out(out, overwrite)  # the directory may have filled since the first check
-            old = parent / f".{out.name}.export-old-{tag}"
-            old.mkdir()
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)  # atomic; an empty directory in the way is replaced
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():
-            os.replace(old / out.name, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if isinstance(e, OSError) and isinstance(e.filename, str) and e.filename.startswith(str(tmp)):
-            e.filename = str(out) + e.filename[len(str(tmp)):]  # name the directory the user knows
-        elif isinstance(e, OSError) and e.filename is None and e.errno is not None:
+        install_directory(out, "export", write, may_replace=lambda o: _check_out(o, overwrite))
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
             e.filename = str(out)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(parent)
-
-
-def clean_leftovers(out: Path) -> list[Path]:
-    """Remove what an export killed half way left beside ``out``: its hidden directories, named with its PID
-    (a live process's are left alone). An old ``out`` it had moved aside is put back where nothing took its
-    place. Returns the paths removed."""
-    prefix = f".{out.name}.export-"
-    try:
-        names = sorted(e.name for e in os.scandir(out.parent) if e.name.startswith(prefix))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    removed = []
-    for name in names:
-        rest = name[len(prefix):]
-        is_old = rest.startswith("old-")
-        pid = rest.removeprefix("old-").split("-")[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        path = out.parent / name
-        if is_old and not out.exists() and (path / out.name).is_dir():
-            os.replace(path / out.name, out)  # killed between moving the old export aside and installing the new
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (this process's own PID: no, nothing is staged yet when leftovers are cleaned)."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
