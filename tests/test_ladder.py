@@ -5,6 +5,7 @@ rules; moe's all-seeds multiplier; the whole command at --quick size."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import time
@@ -90,6 +91,19 @@ def test_synthetic_law_multiplier_and_trend_come_back_within_their_intervals():
     # wall clock: B runs at 0.8x A's speed, so its wall multiplier is its FLOPs multiplier x 0.8
     assert [r.wall.value for r in pair.rungs] == pytest.approx([0.8 * r.flops.value for r in pair.rungs], rel=0.02)
     assert all(r.difference.n == 8 and r.difference.hi < 0 for r in pair.rungs)  # B - A by seed, paired
+
+
+def test_wall_times_that_tie_leave_the_wall_figure_missing_not_the_ladder_failed():
+    """Runs of a second or less, timed to 0.1 s, can share a wall time at two rungs (CI's fast machine did,
+    and the law fit raised). The FLOPs figures stand; the wall figure of that baseline is missing."""
+    points = [dataclasses.replace(p, wall_s=0.5 if p.rung in ("r0", "r1", "r2") else 0.7) if p.arm == "A" else p
+              for p in synthetic(1, seeds=3, wall=True)]
+    a = law.analyze(points, [("B", "A")], c0=C0, n_resamples=49)
+    assert a.arms["A"].wall_law is None and a.arms["B"].wall_law is not None
+    assert all(r.wall is None and r.wall_status == "" for r in a.pairs[0].rungs)
+    timed = law.analyze(synthetic(1, seeds=3, wall=True), [("B", "A")], c0=C0, n_resamples=49)
+    assert [r.flops.value for r in a.pairs[0].rungs] == [r.flops.value for r in timed.pairs[0].rungs]
+    assert all(r.wall is not None and math.isfinite(r.wall.value) for r in timed.pairs[0].rungs)
 
 
 def test_the_intervals_cover_the_true_values_in_most_of_20_draws():

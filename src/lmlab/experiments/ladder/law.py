@@ -253,6 +253,14 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def wall_law(d: dict[str, np.ndarray]) -> Law | None:
+    """Loss against wall seconds, the law's other reading; None below 3 distinct wall times (runs of a
+    second or less, timed to the recorded precision, can tie), so a wall figure is missing, never an error."""
+    if len(np.unique(d["w"])) < 3:
+        return None
+    return fit_law(d["w"], d["y"], reference_compute(d["w"]))
+
+
 # ============================================================== one pass over a set of seeds
 class _Ladder:
     """The points grouped for fast resampling, and every figure computed from one multiset of seeds."""
@@ -299,7 +307,7 @@ class _Ladder:
             laws[arm] = law = fit_law(d["c"], d["y"], self.c0)
             out |= {f"{arm}/E": law.E, f"{arm}/A": law.A, f"{arm}/alpha": law.alpha}
             if self.wall:
-                walls[arm] = fit_law(d["w"], d["y"], reference_compute(d["w"]))
+                walls[arm] = wall_law(d)
             top = len(d["rungs"]) - 1
             if top >= 3:  # 3 rungs remain to fit
                 held = d["rung"] < top
@@ -316,7 +324,9 @@ class _Ladder:
                 out[f"{b}/{a}/{name}/flops"] = m = laws[a].compute_for(loss) / c
                 logs.append((c, m))
                 if self.wall:
-                    out[f"{b}/{a}/{name}/wall"] = walls[a].compute_for(loss) / float(d["w"][here].mean())
+                    w = walls[a]
+                    out[f"{b}/{a}/{name}/wall"] = (w.compute_for(loss) / float(d["w"][here].mean())
+                                                   if w else math.nan)
             out[f"{b}/{a}/slope"] = trend_slope([c for c, _ in logs], [m for _, m in logs])
         return out
 
@@ -408,7 +418,7 @@ def analyze(points: Sequence[Point], pairs: Sequence[tuple[str, str]], *, c0: fl
                            est(f"{arm}/heldout/predicted"), est(f"{arm}/heldout/measured"), est(f"{arm}/heldout/error"))
         arms[arm] = ArmFit(arm, law, est(f"{arm}/E"), est(f"{arm}/A"), est(f"{arm}/alpha"), len(d["y"]),
                            len({int(s) for s in d["seed"]}), held,
-                           fit_law(d["w"], d["y"], reference_compute(d["w"])) if wall else None)
+                           wall_law(d) if wall else None)
     out_pairs = []
     for b, a in pairs:
         d, rungs = lad._select(b, ones), []
@@ -416,11 +426,11 @@ def analyze(points: Sequence[Point], pairs: Sequence[tuple[str, str]], *, c0: fl
             here = d["rung"] == r
             c, loss = float(d["c"][here].mean()), float(d["y"][here].mean())
             flops = est(f"{b}/{a}/{name}/flops")
-            wall_est = est(f"{b}/{a}/{name}/wall") if wall else None
-            wall_c = arms[a].wall_law.compute_for(loss) if wall else math.nan
+            timed = arms[a].wall_law  # None: no wall times, or too few distinct ones for a law
+            wall_est = est(f"{b}/{a}/{name}/wall") if timed else None
             rungs.append(RungMultiplier(
                 name, c, loss, flops, _status(arms[a].law, arms[a].law.compute_for(loss)), wall_est,
-                _status(arms[a].wall_law, wall_c) if wall else "", _difference(lad, b, a, name)))
+                _status(timed, timed.compute_for(loss)) if timed else "", _difference(lad, b, a, name)))
         slope = est(f"{b}/{a}/slope")
         out_pairs.append(PairAnalysis(b, a, rungs, Trend(slope, _direction(slope), len(rungs))))
     return LadderAnalysis(arms, out_pairs, c0, lad.seeds, n_resamples if len(lad.seeds) > 1 else 0, level)
