@@ -130,7 +130,6 @@ def test_lookups_are_off_by_default_and_leave_every_run_identity_as_it_was():
     assert cfg.identity_dict() != RunConfig().identity_dict()  # a run with lookups is another run
 
 
-@pytest.mark.xfail(strict=True, reason="run/trainer.py passes train.repeats to its batches but not train.lookup yet")
 def test_the_trainer_plants_train_lookup(tmp_path):
     source = corpus(tmp_path / "c.txt")
     base = RunConfig(model=lmlab.ModelConfig.from_preset("llama", **TINY_MODEL), data=DataConfig(source=str(source)))

@@ -427,7 +427,7 @@ class Trainer:
             for j in micro_ids:
                 seed_dropout(mixed_seed(t.seed, DROPOUT_STREAM, step, j), self.device)
                 g = torch.Generator().manual_seed(mixed_seed(t.seed, DATA_STREAM, step, j))
-                yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g, t.repeats)
+                yield self.train_data.batch(t.batch_size, self.cfg.seq_len, g, t.repeats, lookup=t.lookup)
 
         if not self.train_model.training:  # evaluation and samples restore the mode they found; a callback may not
             self.train_model.train()
