@@ -796,16 +796,19 @@ def set_threads(n: int | None) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
-    from .experiments.registration import spec_status
-    from .experiments.sweep import SweepFailed, SweepInterrupted, check_parallel, load_spec, run_sweep
+    from .experiments.sweep import SweepFailed, SweepInterrupted, check_claims, check_parallel, load_spec, run_sweep
+    from .experiments.sweep.verdicts import sweep_registration
     from .experiments.sweep.workers import worker_count
     from .run.checkpoint.lock import locked
 
     check_parallel(args.jobs, args.threads)
     set_threads(args.threads)
     spec = load_spec(args.spec, quick=args.quick, seeds=args.seeds, profile=args.profile)
-    spec = dataclasses.replace(spec, registration_status=spec_status(args.spec))  # recorded in sweep.json
-    print(spec.registration_status.text(), flush=True)
+    check_claims(spec)
+    # before the lock: an unregistered spec under --register leaves the file system as it was
+    status = sweep_registration(args.spec, register=args.register)
+    spec = dataclasses.replace(spec, registration_status=status)  # recorded in sweep.json and summary.md
+    print(status.text(), flush=True)
     out = Path(args.out or Path("sweeps") / spec.name)
     try:
         with locked(out, "sweep directory"):
@@ -879,6 +882,10 @@ def build_sweep(s: argparse.ArgumentParser) -> None:
     s.add_argument("--quick", action="store_true", help="apply the spec's quick: overrides (a smoke-test size)")
     s.add_argument("--seeds", type=int, default=None, help="seeds per variant, 0..N-1; the spec's seeds when not given")
     s.add_argument("--profile", default=None, help="a named size from the spec's profiles: (e.g. gpu)")
+    s.add_argument("--register", action="store_true",
+                   help="refuse to start unless the spec is registered (committed, unchanged, with a registration: "
+                        "id), as lmlab experiment does; its commit is recorded in sweep.json, summary.md and "
+                        "verdict.json")
     s.add_argument(
         "--jobs", type=int, default=1, help="worker processes training runs in parallel (each run is claimed by one)"
     )

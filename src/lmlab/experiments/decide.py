@@ -123,7 +123,8 @@ def values(spec: ClaimSpec, rows: list[dict], endpoints: Mapping[str, Endpoint],
     return seeds, a, b
 
 
-LOSS_ENDPOINTS = ("final_val_loss", "best_over_rates", "sensitivity")  # a loss comparison needs an arm that learned
+# a loss comparison needs an arm that learned (best_over_variants: a sweep's, sweep/verdicts.py)
+LOSS_ENDPOINTS = ("final_val_loss", "best_over_rates", "sensitivity", "best_over_variants")
 
 
 def neither_learned(spec: ClaimSpec, rows: list[dict]) -> str:
@@ -180,15 +181,16 @@ def seeds_needed(effect: float, sd: float, alpha: float) -> int | None:
         return None
 
 
-def registration_text(record: Mapping[str, Any] | None) -> str:
-    """The correction and verdict rules, as the report states them before the numbers."""
+def registration_text(record: Mapping[str, Any] | None, family: str = "experiment") -> str:
+    """The correction and verdict rules, as the report states them before the numbers; ``family`` names
+    what Holm's correction runs over (this experiment's claims, or a sweep's)."""
     alpha = (record or {}).get("alpha", 0.05)
     return (f"Registered rules (``stats.decide_registered``), at alpha {alpha:g}: per claim, the paired differences "
             "over seeds (A - B, or A alone against 0) and Student's t. **TIE** when the 90% interval lies inside ± "
             "the claim's margin (two one-sided tests), even when a difference is also significant (then marked "
             "negligible: real, but smaller than the smallest effect registered as mattering); otherwise "
             "**REPRODUCED** when the one-sided test in the claimed direction rejects at alpha after Holm's "
-            "adjustment over this experiment's claims that were measured and testable; **OPPOSITE** when the "
+            f"adjustment over this {family}'s claims that were measured and testable; **OPPOSITE** when the "
             "one-sided test the other way rejects; otherwise **INCONCLUSIVE**. A non-inferiority claim (no worse) "
             "is reproduced when the test of the difference against +margin rejects, and has no tie. The sign-flip "
             "p-value (exact over all sign patterns) is reported beside the t test as a check that does not assume "

@@ -15,7 +15,7 @@ import functools
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -24,11 +24,12 @@ from ..run.config import RunConfig, build_config, config_changes, upgrade_keys
 from ..run.errors import one_line
 from ..schema import suggest
 from .claims import ClaimSpec, parse_claims
-from .registration import check_block
+from .registration import AMENDMENT_KEYS, check_block
 
 SEED_FIELDS = ("model.init_seed", "train.seed")  # what a sweep seed sets; a spec may name a subset
 SPEC_KEYS = ("name", "description", "base", "variants", "grid", "seeds", "seed_fields", "quick", "profiles",
-             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "registration", "claims")
+             "diverged_above", "match_active_params", "corpus", "final_eval", "tune", "registration", "claims",
+             "baseline")
 VARIANT_KEYS = ("name", "overrides", "init_from", "quick", "profiles", "seeds", "tune")
 PROFILE_KEYS = ("overrides", "seeds", "corpus", "final_eval", "tune")
 TUNE_KEYS = ("field", "values", "by", "at", "seeds", "overrides", "extend_factor", "max_extensions", "full_length")
@@ -38,6 +39,7 @@ AXIS_KEYS = ("axis", "levels", "extend")
 EXTEND_KEYS = ("by", "factor", "max", "field")
 CORPUS_KEYS = ("name", "max_bytes")
 FINAL_EVAL_KEYS = ("tokens", "batch_size")
+MATCH_KEYS = ("reference", "tolerance")
 MAX_SEEDS = 10_000  # one run per seed and variant: more than this is a typo, and listing them would exhaust memory
 
 
@@ -136,6 +138,7 @@ class SweepSpec:
     tuned: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> tuned overrides
     axis_extend: AxisExtend | None = None  # a grid axis that grows past its edge (sweep.extend)
     claims: list[ClaimSpec] = dataclasses.field(default_factory=list)  # registered before the runs (claims.py)
+    baseline: str | None = None  # the variant a sweep's summary compares every other with (None: the first)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -278,7 +281,10 @@ def _check_keys(raw: Mapping, allowed: tuple[str, ...], where: str) -> None:
         )
 
 
-def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Variant:
+def _variant(raw: Any, where: str, profile_names: Collection[str] | None = None) -> Variant:
+    """A variant (or a grid level) from its mapping; ``profile_names``, when given, are the spec's
+    profiles, which its ``profiles:`` and ``quick:`` must name (overrides for a profile the spec does not
+    have would never apply)."""
     if not isinstance(raw, Mapping) or "name" not in raw:
         raise ValueError(
             f"{where} must be a mapping with a name, e.g. {{name: deep, overrides: {{model.n_layers: 8}}}}"
@@ -294,6 +300,12 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
         raise ValueError(
             f"{where} ({name!r}): profiles must map a profile name to overrides, e.g. {{gpu: {{train.steps: 2000}}}}"
         )
+    if profile_names is not None:
+        unknown = [k for k in [*profiles, *(["quick"] if raw.get("quick") else [])] if str(k) not in profile_names]
+        if unknown:
+            raise ValueError(f"{where} ({name!r}): overrides for profile {unknown[0]!r}, which the spec does not "
+                             f"have (its profiles: {', '.join(sorted(profile_names)) or 'none'}); add the profile "
+                             "or drop them")
     max_seeds = raw.get("seeds")
     if max_seeds is not None and (not isinstance(max_seeds, int) or isinstance(max_seeds, bool) or max_seeds < 1):
         raise ValueError(
@@ -305,7 +317,7 @@ def _variant(raw: Any, where: str, labels: dict[str, str] | None = None) -> Vari
                          "tuned value (it then sets the tuned field itself), another variant's name to train at "
                          "that variant's tuned value, or leave it out")
     return Variant(name, _changes(raw.get("overrides"), f"variant {name!r} overrides"), raw.get("init_from"),
-                   _changes(raw.get("quick"), f"variant {name!r} quick"), dict(labels or {}),
+                   _changes(raw.get("quick"), f"variant {name!r} quick"), {},
                    {str(k): _changes(v, f"variant {name!r} profile {k!r}") for k, v in profiles.items()}, max_seeds,
                    raw.get("tune", True))
 
@@ -319,7 +331,7 @@ def _sweep_name(name: Any, source: str) -> str:
     return name
 
 
-def _grid(grid: Any, source: str) -> list[Variant]:
+def _grid(grid: Any, source: str, profile_names: Collection[str]) -> list[Variant]:
     if not isinstance(grid, list) or not all(isinstance(axis, Mapping) and "levels" in axis for axis in grid):
         raise ValueError(
             f"{source}: grid must be a list of axes, each {{axis: NAME, levels: [{{name:, overrides:}}, ...]}}"
@@ -329,7 +341,7 @@ def _grid(grid: Any, source: str) -> list[Variant]:
     axes = [
         (
             str(a.get("axis", f"axis{i}")),
-            [_variant(v, f"{source}: grid[{i}].levels[{j}]") for j, v in enumerate(a["levels"])],
+            [_variant(v, f"{source}: grid[{i}].levels[{j}]", profile_names) for j, v in enumerate(a["levels"])],
         )
         for i, a in enumerate(grid)
     ]
@@ -370,9 +382,20 @@ def _profiles(data: Mapping, source: str) -> dict[str, dict[str, Any]]:
             raise ValueError(f"{source}: profile {name!r} must be a mapping with some of {', '.join(PROFILE_KEYS)}")
         _check_keys(p, PROFILE_KEYS, f"{source}: profile {name!r}")
         prof = {**p, "overrides": _changes(p.get("overrides"), f"profile {name!r} overrides")}
+        for key, keys in (("corpus", CORPUS_KEYS), ("final_eval", FINAL_EVAL_KEYS)):
+            if p.get(key) is not None:
+                if not isinstance(p[key], Mapping):
+                    raise ValueError(f"{source}: profile {name!r} {key} must be a mapping of {', '.join(keys)}")
+                if data.get(key) is None:
+                    raise ValueError(f"{source}: profile {name!r} changes {key}:, which the spec does not have; "
+                                     f"give the spec a {key}: or drop it from the profile")
+                _check_keys(p[key], keys, f"{source}: profile {name!r} {key}")
         if "seeds" in p:
             prof["seeds"] = _seeds(p["seeds"], f"{source}: profile {name!r}")
         if p.get("tune") is not None:  # tune: null turns tuning off under this profile
+            if data.get("tune") is None:
+                raise ValueError(f"{source}: profile {name!r} changes tune:, which the spec does not have; give the "
+                                 "spec a tune: or drop it from the profile")
             if not isinstance(p["tune"], Mapping):
                 raise ValueError(f"{source}: profile {name!r} tune must be a mapping of tune fields to change, or null")
             _check_keys(p["tune"], TUNE_KEYS, f"{source}: profile {name!r} tune")
@@ -487,6 +510,11 @@ def _options(data: Mapping, source: str, names: list[str]) -> dict[str, Any]:
         raise ValueError(
             f"{source}: match_active_params needs reference: <a variant name> (and tolerance: 0.05); variants: {names}"
         )
+    if match is not None:
+        _check_keys(match, MATCH_KEYS, f"{source}: match_active_params")
+    baseline = data.get("baseline")
+    if baseline is not None and baseline not in names:
+        raise ValueError(f"{source}: baseline={baseline!r} is not a variant of the spec; choose one of {names}")
     seed_fields = tuple(data.get("seed_fields", SEED_FIELDS))
     if not seed_fields or any(f not in SEED_FIELDS for f in seed_fields):
         raise ValueError(
@@ -509,7 +537,16 @@ def _options(data: Mapping, source: str, names: list[str]) -> dict[str, Any]:
         _check_keys(final_eval, FINAL_EVAL_KEYS, f"{source}: final_eval")
     return {"diverged_above": diverged_above, "match_active_params": dict(match) if match else None,
             "seed_fields": seed_fields, "corpus": dict(corpus) if corpus else None,
-            "final_eval": dict(final_eval) if final_eval else None}
+            "final_eval": dict(final_eval) if final_eval else None, "baseline": baseline}
+
+
+def _amendments_checked(block: Any, source: str) -> Any:
+    """The registration block, each amendment's keys checked first (so that a misspelt key is named)."""
+    amendments = block.get("amendments") if isinstance(block, Mapping) else None
+    for i, a in enumerate(amendments if isinstance(amendments, list) else []):
+        if isinstance(a, Mapping):
+            _check_keys(a, AMENDMENT_KEYS, f"{source}: registration.amendments[{i}]")
+    return block
 
 
 def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
@@ -523,8 +560,9 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
     listed = data.get("variants") or []
     if not isinstance(listed, list):
         raise ValueError(f"{source}: variants must be a list of {{name:, overrides:}} mappings, got {listed!r}")
-    variants = [_variant(v, f"{source}: variants[{i}]") for i, v in enumerate(listed)]
-    variants += _grid(data["grid"], source) if data.get("grid") else []
+    profiles = _profiles(data, source)
+    variants = [_variant(v, f"{source}: variants[{i}]", profiles) for i, v in enumerate(listed)]
+    variants += _grid(data["grid"], source, profiles) if data.get("grid") else []
     if not variants:
         raise ValueError(f"{source}: no variants; list some under variants: or grid:")
     names = [v.name for v in variants]
@@ -535,7 +573,6 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         if v.init_from is not None and v.init_from not in names[:i]:
             raise ValueError(f"{source}: variant {v.name!r}: init_from={v.init_from!r} is not an earlier variant; "
                              f"choose one of {names[:i]}")
-    profiles = _profiles(data, source)
     tune = _tune(data.get("tune"), source)
     if tune is not None:
         _check_tuned_variants(tune, variants, source)
@@ -545,7 +582,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> SweepSpec:
         seeds=_seeds(data.get("seeds", [0]), source), quick=profiles.get("quick", {}).get("overrides", {}),
         description=str(data.get("description") or ""), source=source, profiles=profiles, tune=tune,
         axis_extend=_axis_extend(data.get("grid"), source, tune),
-        registration=check_block(data.get("registration"), source),
+        registration=check_block(_amendments_checked(data.get("registration"), source), source),
         claims=parse_claims(data.get("claims"), source, variants), **_options(data, source, names),
     )
 

@@ -28,6 +28,25 @@ A spec is a base run config plus variants, each a name and dotted overrides::
     match_active_params: {reference: shallow, tolerance: 0.05}   # optional equal-compute check
     corpus: {name: stdlib}    # optional: train on the deduplicated stdlib corpus (experiments.corpus)
     final_eval: {tokens: 65536}   # optional: the final loss over 65,536 tokens in windows spread over validation
+    baseline: shallow         # optional: the variant the summary's paired differences are against (default: the first)
+    registration: {id: depth-2026-12-10, correction: holm, alpha: 0.05, amendments: []}   # optional (--register)
+    claims:                   # optional: decided as an experiment's are (verdicts.py)
+      - {id: depth-helps, claim: "8 layers beat 2", compare: [deep, shallow], endpoint: final_val_loss,
+         claimed: lower, margin: 0.02, margin_source: "the smallest gain we would act on"}
+
+Every key of a spec, at every level, is one the format names: an unknown key (or overrides for a
+profile the spec does not have) is refused with one line naming it and where it is, never ignored.
+
+Comparisons (``verdicts.py``): summary.md gives each variant's final loss minus the baseline's, paired by
+seed, with its 95% t interval. A spec's ``claims:`` (the registered experiments' format: ``compare: [A, B]``
+is A - B by seed, or [A] against 0; an arm is a variant, or grid labels selecting variants;
+``endpoint`` is final_val_loss or best_over_variants; ``claimed`` lower, higher or not_higher; ``margin``
+the smallest effect of interest with its ``margin_source``; optionally ``unit``, ``effect``,
+``pilot_sd``, ``pilot_source``) are decided by ``decide.decide_claims``: one-sided paired t tests with
+Holm's adjustment over the sweep's claims, TOST against each margin for a tie, the sign-flip p, the
+power for each claim's effect, and a verdict, in summary.md, verdict.json and on the console.
+``lmlab sweep --register`` refuses a spec that is not registered (committed, unchanged, with a
+``registration: id``), as ``lmlab experiment`` does; every sweep records what git says in sweep.json.
 
 Tuning (``tune:``, optional): for each group (``by: variant``, the default: each variant; or the
 levels of grid axes, ``by: [norm]``), its first variant at the levels ``at`` trains once per value in
@@ -88,7 +107,9 @@ Out directory::
     extend.json               a grid axis's extension: each level's value, per group the levels tried,
                               why each was added, the best level and where the search stopped
     results.csv               one row per variant x seed
-    summary.md                mean ± std over seeds per variant (and whether the spec was committed)
+    summary.md                mean ± std over seeds per variant (and whether the spec was committed), the
+                              paired differences against the baseline, and the claims' verdicts
+    verdict.json              the claims decided (decide.py's schema), when the spec has claims:
     sweep.json                the spec file, whether it was committed and at which revision (registration)
     loss_curves.png           validation loss against training tokens, mean and ±1 std band over seeds
 
@@ -112,6 +133,7 @@ Modules, one concern each::
     tuning.py      the tuning stage before the main runs, extended past a grid edge; the rules a verdict's arms meet
     extend.py      a grid axis extended past its edge after the sweep's runs
     tables.py      results.csv, summary.md, loss curves
+    verdicts.py    paired differences against the baseline, the spec's claims decided, --register
     measure.py     the final loss over a spread slice, the unigram loss, a run's label
     layout.py      where each run lives, and the files a sweep adds to it (start.json, result.json, curve.jsonl)
 """
@@ -133,10 +155,11 @@ from .extend import extend_axis, only
 from .layout import check_out, clean_temporaries, write_sweep_record
 from .tables import plot_loss_curves, write_tables
 from .tuning import tune_and_apply
+from .verdicts import check_claims, compare_variants, sweep_registration, write_verdict
 from .workers import SweepFailed, check_parallel, execute
 
-__all__ = ["Hooks", "Outcome", "SweepFailed", "SweepInterrupted", "check_parallel", "load_spec", "run_sweep",
-           "sweep_outcome"]
+__all__ = ["Hooks", "Outcome", "SweepFailed", "SweepInterrupted", "check_claims", "check_parallel", "load_spec",
+           "run_sweep", "sweep_outcome", "sweep_registration"]
 
 
 def load_spec(
@@ -175,17 +198,25 @@ def run_sweep(
     trainer_cls: Any = None, log: Callable[[str], None] = print, jobs: int = 1, threads: int | None = None,
 ) -> list[dict[str, Any]]:
     """Train every variant x seed of a resolved ``spec`` in ``out`` (resuming and reusing what is
-    there; after a tuning sweep when the spec has ``tune``), then write results.csv, summary.md and
-    loss_curves.png. Returns the rows. ``jobs`` worker processes with ``threads`` torch threads each."""
+    there; after a tuning sweep when the spec has ``tune``), then write results.csv, summary.md (with
+    each variant's paired difference against the baseline and the spec's claims decided: ``verdicts``),
+    verdict.json when the spec has claims, and loss_curves.png; the comparisons are also logged. Returns
+    the rows. ``jobs`` worker processes with ``threads`` torch threads each."""
+    check_claims(spec)  # before any run: a claim the sweep cannot decide is refused, never ignored
+    if spec.registration_status is None:
+        spec = dataclasses.replace(spec, registration_status=sweep_registration(spec.source))
     return sweep_outcome(spec, out, hooks=hooks, quiet=quiet, trainer_cls=trainer_cls, log=log, jobs=jobs,
-                         threads=threads).rows
+                         threads=threads, comparisons=True).rows
 
 
 def sweep_outcome(
     spec: SweepSpec, out: str | Path, *, hooks: Hooks | None = None, quiet: bool = True,
     trainer_cls: Any = None, log: Callable[[str], None] = print, jobs: int = 1, threads: int | None = None,
+    comparisons: bool = False,
 ) -> Outcome:
-    """:func:`run_sweep`, returning everything the analysis needs (see :class:`Outcome`)."""
+    """:func:`run_sweep`, returning everything the analysis needs (see :class:`Outcome`). An experiment's
+    analysis decides its own claims: ``comparisons`` (the paired differences and the spec's claims in
+    summary.md, and verdict.json) is :func:`run_sweep`'s, for a user's sweep."""
     check_parallel(jobs, threads)
     if not spec.configs:
         spec = spec.resolve(profile=spec.profile)
@@ -214,8 +245,12 @@ def sweep_outcome(
 
         spec, rows, extended = extend_axis(spec, rows, out, run, log)
         sw, corpus_meta = setup(spec, out, hooks, trainer_cls, quiet, log)
-    write_tables(sw.spec, rows, out)
+    first = sw.data_dirs[sw.spec.variants[0].name]
+    found = compare_variants(sw.spec, rows, sw.limits[str(first)]["init"]) if comparisons else None
+    write_tables(sw.spec, rows, out, found.markdown if found else "")
+    if found:
+        write_verdict(out, sw.spec, found.decisions)
+        log(found.console.rstrip())
     with contextlib.suppress(ImportError):
         plot_loss_curves(sw.spec, out, out / "loss_curves.png")
-    first = sw.data_dirs[sw.spec.variants[0].name]
     return Outcome(sw.spec, rows, sw.limits[str(first)], first, corpus_meta, tune, extended)

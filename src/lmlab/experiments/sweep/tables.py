@@ -70,8 +70,9 @@ def eval_slice_text(spec: SweepSpec) -> str:
     )
 
 
-def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None:
-    """results.csv (every row, scalar columns) and summary.md (mean ± std over seeds per variant)."""
+def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path, comparisons: str = "") -> None:
+    """results.csv (every row, scalar columns) and summary.md (mean ± std over seeds per variant, then
+    ``comparisons``: a user's sweep's paired differences and claims, ``verdicts.compare_variants``)."""
     write_csv(rows, out / "results.csv", scalar_columns(rows))
     text = (f"# Sweep {spec.name}\n\n{spec.description}\n\nMean ± std over seeds {spec.seeds} (each seed sets "
             f"{' and '.join(spec.seed_fields)}). {eval_slice_text(spec)}; final_val_bpb: {BPB_TEXT}. "
@@ -80,7 +81,7 @@ def write_tables(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> None
             "ended at or above the loss of predicting token frequencies only.\n\n" + markdown_table(_summarize(rows)))
     if spec.registration_status is not None:
         text += f"\n{spec.registration_status.text()}.\n"
-    atomic_write_text(out / "summary.md", text)
+    atomic_write_text(out / "summary.md", text + (f"\n{comparisons}" if comparisons else ""))
 
 
 def seed_curves(
