@@ -437,24 +437,28 @@ def test_the_committed_readmes_match_the_committed_verdict_files():
         )
 
 
-def test_a_figure_traces_only_to_a_generated_results_file(tmp_path):
+def test_a_figure_traces_only_to_the_report_line_that_states_it(tmp_path):
     from lmlab.experiments import provenance
 
     results = tmp_path / "results"
     (results / "moe" / "previous").mkdir(parents=True)
-    (results / "moe" / "report.md").write_text("fg-m4-shared 3.273, dense 3.320; 1,228,800 tokens; 19.47 h\n")
+    (results / "moe" / "report.md").write_text(
+        "fg-m4-shared 3.273, dense 3.320; 1,228,800 tokens; 19.47 h\n| dense-common | -0.109 | 1.18x |\n")
     (results / "moe" / "verdict.json").write_text(json.dumps({"claims": [{"difference": -0.04712, "p": 0.0266}]}))
-    (results / "moe" / "previous" / "results.csv").write_text("variant,final_val_loss\ndense,3.45678\n")
-    (results / "README.md").write_text("hand-typed 2.22 h\n")  # a README is not evidence, not even its own
+    (results / "moe" / "previous" / "report.md").write_text("dense 3.456 before the rerun\n")
+    (results / "README.md").write_text("hand-typed dense 2.22 h\n")  # a README is not evidence, not even its own
     text = (f"{claims.BEGIN}\n| 9.999 |\n{claims.END}\n"  # the generated table is not read
-            "```bash\nlmlab train --lr 7.77\n```\n"  # nor a code block
-            "Dense 3.320 against 3.273 (-0.047, p 0.027, 2.66%), 1,228,800 tokens, 19.47 h, one run 3.457.\n"
-            "Drifted: 3.321, 1,228,801 tokens, 2.22 h, 0.5 nats, 12.5%; settings are not figures: 12 layers, "
-            "lr 3e-3, Python 3.11.7, sha256:d056d5f4.62.\n")
-    assert [f for f, _ in provenance.untraced(text, results)] == ["3.321", "1,228,801", "2.22", "0.5", "12.5%"]
+            "```bash\nlmlab train --lr 7.77\n```\n"  # nor a code block, nor `inline 8.88` code
+            "Dense 3.320 against fg-m4-shared 3.273, 1,228,800 tokens, 19.47 h in moe, `inline 8.88`. "
+            "Dense-common differs by −0.109, a 1.18× multiplier. The registered dense ended 3.456.\n"
+            "Unlabelled: 3.320 by itself. Rounded from data: dense −0.047 with p 0.027. Drifted: dense 3.321, "
+            "1,228,801 tokens, 2.22 h, 0.5 nats, 12.5%. Current dense 3.456; settings are not figures: "
+            "12 layers, lr 3e-3, Python 3.11.7, sha256:d056d5f4.62.\n")
+    assert [f for f, _ in provenance.untraced(text, results)] == [
+        "3.320", "0.047", "0.027", "3.321", "1,228,801", "2.22", "0.5", "12.5%", "3.456"]
     context = dict(provenance.untraced(text, results))["1,228,801"]
-    assert "Drifted: 3.321, 1,228,801 tokens" in context
-    readme = "# lmlab\nPython 3.10.5\n## The design's claims, measured\nmoe 4.44\n## Next\n7.77\n"
+    assert context.startswith("Drifted: dense 3.321, 1,228,801 tokens")
+    readme = "# lmlab\nPython 3.10.5\n## The design's claims, measured\nmoe dense 4.44\n## Next\n7.77\n"
     assert [f for f, _ in provenance.untraced(provenance.claims_prose(readme), results)] == ["4.44"]
     with pytest.raises(ValueError, match="claims, measured"):
         provenance.claims_prose("# no such section\n")
@@ -467,7 +471,8 @@ def test_every_figure_the_readmes_give_about_the_claims_is_in_a_results_file():
 
     root = Path(__file__).resolve().parents[1]
     pages = {"README.md": provenance.claims_prose((root / "README.md").read_text()),
-             "results/README.md": (root / "results" / "README.md").read_text()}
+             "results/README.md": (root / "results" / "README.md").read_text(),
+             "docs/experiments.md": (root / "docs" / "experiments.md").read_text()}
     bad = [f"{page}: {figure!r} in '...{context}...'" for page, text in pages.items()
            for figure, context in provenance.untraced(text, root / "results")]
     assert not bad, "figures found in no generated results file:\n" + "\n".join(bad)
