@@ -6,7 +6,7 @@ run's ``config.yaml``.
     build_config(config_changes(mapping, "spec.yaml: base"))  # the same reading, for a sweep's base: and variants
 
     train:       what is trained, for how long, on what device (TrainConfig)
-    optim:       AdamW and its warmup + cosine schedule (OptimConfig; run/optim.py)
+    optim:       AdamW (or Muon for the hidden matrices) and its warmup + cosine schedule (OptimConfig; run/optim.py)
     eval:        validation passes (EvalConfig)
     checkpoint:  when checkpoints are written, how many are kept, sync or async (CheckpointConfig)
     log:         metrics.jsonl, samples, and the trackers: TensorBoard, W&B, MLflow (LogConfig; run/trackers.py)
@@ -227,11 +227,49 @@ class TrainConfig(Section):
             ) from None
 
 
+OptimizerName = Literal["adamw", "muon"]  # run/optim.py: build_optimizer
+MuonScaling = Literal["original", "match_rms_adamw"]  # torch.optim.Muon's adjust_lr_fn
+_MUON = "Muon (torch.optim.Muon) for the hidden matrices"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MuonConfig(Section):
+    """Muon's settings (``optim.muon``, used with ``optim.name=muon``): momentum SGD whose update of
+    each hidden matrix is orthogonalized by Newton-Schulz iterations (Jordan et al. 2024;
+    ``torch.optim.Muon``). The other parameters (embeddings, head, norms, biases, routers, gates) keep
+    AdamW with the optim fields. Muon's rate follows the same warmup and cosine schedule, in
+    proportion: lr x (the schedule's rate / optim.lr) (run/optim.py)."""
+
+    section: ClassVar[str] = "optim.muon"
+    lr: float = added(0.02, since=_MUON)  # peak rate of the hidden matrices (Keller Jordan's Muon default)
+    momentum: float = added(0.95, since=_MUON)
+    nesterov: bool = added(True, since=_MUON)
+    weight_decay: float = added(0.0, since=_MUON)  # decoupled: every step multiplies by 1 - lr * weight_decay
+    ns_steps: int = added(5, since=_MUON)  # Newton-Schulz iterations (torch's default quintic)
+    # original: the step of an out x in matrix times sqrt(max(1, out/in)) (Jordan's; a width-independent
+    # spectral norm, what μP needs); match_rms_adamw: times 0.2 sqrt(max(out, in)), the RMS of an AdamW
+    # step, so that AdamW's rate and decay carry over (Liu et al. 2025, Moonlight, arXiv:2502.16982)
+    adjust_lr: MuonScaling = added("original", since=_MUON)
+
+    def validate(self) -> None:
+        self.positive("lr")
+        self.positive("weight_decay", allow_zero=True)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"optim.muon.momentum={self.momentum!r} is out of range; it must be in [0, 1), "
+                             "e.g. 0.95")
+        if not 1 <= self.ns_steps <= 99:  # torch refuses 100 and more
+            raise ValueError(f"optim.muon.ns_steps={self.ns_steps!r} is out of range; it must be in [1, 99], "
+                             "e.g. 5")
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class OptimConfig(Section):
-    """AdamW and its schedule: linear warmup, then cosine decay to ``min_lr`` at the last step (run/optim.py)."""
+    """The optimizer (AdamW, or Muon for the hidden matrices with AdamW for the rest) and its
+    schedule: linear warmup, then cosine decay to ``min_lr`` at the last step (run/optim.py)."""
 
     section: ClassVar[str] = "optim"
+    # adamw: every parameter; muon: Muon for the hidden matrices (optim.muon), AdamW (below) for the rest
+    name: OptimizerName = added("adamw", since=_MUON)
     lr: float = 2e-3  # peak learning rate; small models tolerate a high one
     min_lr: float | None = None  # cosine decay ends here; None = lr / 10 (as in Chinchilla)
     warmup_steps: int = 100  # linear warmup from lr / warmup_steps
@@ -239,6 +277,18 @@ class OptimConfig(Section):
     betas: tuple[float, ...] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    muon: MuonConfig | None = added(None, since=_MUON)  # Muon's settings under name=muon (its defaults if unset)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name == "muon" and self.muon is None:  # explicit in the saved config
+            object.__setattr__(self, "muon", MuonConfig())
+
+    def _editable_dict(self) -> dict[str, Any]:
+        data = super()._editable_dict()
+        if data["muon"] == MuonConfig()._editable_dict():  # resolved again: name may change
+            data["muon"] = None
+        return data
 
     def validate(self) -> None:
         self.positive("lr", "eps")
@@ -249,6 +299,9 @@ class OptimConfig(Section):
             raise ValueError(f"optim.betas={list(self.betas)} is not valid; give two numbers, e.g. 0.9,0.95")
         for i, b in enumerate(self.betas):
             check_range(f"optim.betas[{i}]", b, 0.0, 0.9999)
+        if self.name != "muon" and self.muon is not None:
+            raise ValueError(f"optim.muon sets Muon, and optim.name={self.name!r}; set optim.name=muon, or leave "
+                             "optim.muon unset")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -373,6 +426,11 @@ class RunConfig(Config):
             if experts % n:
                 raise ValueError(f"parallel.experts={n} does not divide the {experts} routed experts of each MoE "
                                  f"layer; choose parallel.experts in {[d for d in divisors(experts) if d > 1]}")
+        muon = self.optim.muon
+        if muon is not None and muon.adjust_lr == "match_rms_adamw" and self.model.parametrization == "mup":
+            raise ValueError("optim.muon.adjust_lr=match_rms_adamw scales each matrix's step by 0.2 sqrt(max(out, "
+                             "in)), which grows with width, so a rate tuned at μP's base would not transfer; use "
+                             "optim.muon.adjust_lr=original with model.parametrization=mup")
         if self.checkpoint.mode == "async" and self.parallel.strategy == "ddp" and n == 1:
             raise ValueError("checkpoint.mode=async writes sharded (DCP) checkpoints, which parallel.strategy=fsdp or "
                              "parallel.experts > 1 use; set checkpoint.mode=sync under ddp")
