@@ -69,6 +69,35 @@ class MLAConfig(Config):
             )
 
 
+_DSA = "DeepSeek sparse attention: DeepSeek-V3.2"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class DSAConfig(Config):
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2-Exp, sec. 2.1); ``ModelConfig.dsa``, the section
+    of the ``dsa`` variant, which is multi-head latent attention (its section ``mla``) whose queries each attend to
+    the ``topk`` keys the indexer scores highest (``sparse_attention.py``).
+
+    The indexer has ``indexer_heads`` heads of ``indexer_head_dim``: queries from MLA's query latent, one key per
+    token, and a weight per head; a key's score is the heads' weighted sum of ReLU(q·k) (eq. 1). V3.2 uses 64 heads
+    of 128 and keeps 2048 keys; the defaults are that at laptop scale. The indexer learns from its own KL loss to
+    the main attention (sec. 2.1.1), weighted by ``indexer_loss_coef``; its inputs are detached, so that weight sets
+    only how fast the indexer learns."""
+
+    # every field is new with ModelConfig.dsa (added after the first hashed runs), so each is declared with ``added``
+    indexer_heads: int = added(4, since=_DSA)  # H^I (V3.2: 64)
+    indexer_head_dim: int = added(32, since=_DSA)  # d^I (V3.2: 128); its first qk_rope_head_dim dimensions rotate
+    topk: int = added(64, since=_DSA)  # k: the keys each query attends to (V3.2: 2048)
+    indexer_loss_coef: float = added(1.0, since=_DSA)  # the indexer's KL loss (training only)
+
+    def validate(self) -> None:
+        for name in ("indexer_heads", "indexer_head_dim", "topk"):
+            check_size(f"dsa.{name}", getattr(self, name))
+        if not (math.isfinite(self.indexer_loss_coef) and self.indexer_loss_coef >= 0):
+            raise ValueError(f"dsa.indexer_loss_coef={self.indexer_loss_coef} must be a number >= 0 (0: the indexer "
+                             "does not learn)")
+
+
 # ============================================================== what each module is built from
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionArgs:
@@ -101,6 +130,15 @@ class LatentAttentionArgs:
     dropout: float
     qkv_bias: bool
     out_bias: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseAttentionArgs:
+    """DeepSeek Sparse Attention's own config (``sparse_attention.SparseLatentAttention``): MLA's, and the indexer's
+    section ``dsa``."""
+
+    latent: LatentAttentionArgs
+    dsa: DSAConfig
 
 
 # ============================================================== the variants
@@ -251,8 +289,45 @@ class LatentVariant(AttentionVariant):
         return cfg.n_heads * (m.v_head_dim * cfg.d_model + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim))
 
 
+class SparseVariant(LatentVariant):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2-Exp sec. 2.1; ``sparse_attention.py``), its parameters in the sections
+    ``dsa`` (the indexer) and ``mla``: latent attention over the ``dsa.topk`` keys a lightning indexer selects per
+    query."""
+
+    sections = ("dsa", "mla")
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        m, dsa = cfg.mla, cfg.dsa
+        if m.q_lora_rank is None:
+            raise ValueError("attention.variant='dsa' reads MLA's query latent, and mla.q_lora_rank is null; set "
+                             "mla.q_lora_rank (DeepSeek-V3.2: 1536)")
+        if dsa.indexer_head_dim < m.qk_rope_head_dim:
+            raise ValueError(f"dsa.indexer_head_dim={dsa.indexer_head_dim} is narrower than the "
+                             f"mla.qk_rope_head_dim={m.qk_rope_head_dim} dimensions it rotates; choose "
+                             f"indexer_head_dim >= {m.qk_rope_head_dim}")
+        if cfg.mtp is not None:
+            raise ValueError("mtp with attention.variant='dsa' is not implemented (the MTP blocks' indexers would not "
+                             "learn); set mtp=null")
+
+    def module_config(self, cfg: ModelConfig) -> SparseAttentionArgs:
+        return SparseAttentionArgs(latent=super().module_config(cfg), dsa=cfg.dsa)
+
+    def cache_widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        # MLA's latent, and beside its rotary key the indexer's key (sec. 2.1: the indexer scores every cached token)
+        return 1, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim + cfg.dsa.indexer_head_dim
+
+    def score_flops(self, cfg: ModelConfig, seq_len: int) -> float:
+        """MLA's over the min(topk, seq_len) selected keys, plus the indexer's scores over all seq_len keys, forward
+        and backward (its loss trains it): 6 H^I d^I T."""
+        dsa = cfg.dsa
+        indexer = 6.0 * dsa.indexer_heads * dsa.indexer_head_dim * seq_len
+        return super().score_flops(cfg, min(dsa.topk, seq_len)) + indexer
+
+
 # attention.variant -> its facts; model.ATTENTIONS holds the module of each name
-ATTENTION_VARIANTS: dict[str, AttentionVariant] = {"standard": StandardVariant(), "mla": LatentVariant()}
+ATTENTION_VARIANTS: dict[str, AttentionVariant] = {"standard": StandardVariant(), "mla": LatentVariant(),
+                                                   "dsa": SparseVariant()}
 
 
 # ============================================================== which variant a config means
@@ -263,8 +338,12 @@ def check_variant_name(name: str) -> None:
 
 
 def implied_variant(cfg: ModelConfig) -> str:
-    """The variant ``cfg``'s sections imply: the one whose first section is set (``mla`` -> "mla"), else standard."""
+    """The variant ``cfg``'s sections imply: the one whose first section is set (``mla`` -> "mla", ``dsa`` -> "dsa"),
+    else standard."""
     implied = [name for name, v in ATTENTION_VARIANTS.items() if v.sections and getattr(cfg, v.sections[0]) is not None]
+    # a variant that holds another's section beside its own (dsa: dsa and mla) is the one meant where both are set
+    implied = [name for name in implied if not any(
+        ATTENTION_VARIANTS[name].sections[0] in ATTENTION_VARIANTS[other].sections[1:] for other in implied)]
     if len(implied) > 1:
         raise ValueError(f"the sections {[ATTENTION_VARIANTS[n].sections[0] for n in implied]} each imply a variant; "
                          f"set attention.variant to one of {implied}")

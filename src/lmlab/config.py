@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from .attention_variants import (
     ATTENTION_VARIANTS,
+    DSAConfig,
     MLAConfig,
     check_sections,
     check_variant_name,
@@ -319,7 +320,8 @@ class AttentionConfig(Config):
     2023, arXiv:2309.17453, found models make one of the first token).
 
     ``variant``: which attention computes the scores, a name of ``attention_variants.ATTENTION_VARIANTS``
-    (``standard``, ``mla``); unset, the one the model config's sections imply (``mla`` where ``mla`` is set)."""
+    (``standard``, ``mla``, ``dsa``); unset, the one the model config's sections imply (``mla`` where ``mla`` is set,
+    ``dsa`` where ``dsa`` is)."""
 
     # W tokens a local layer's query sees, itself included; None = no local layers
     window: int | None = added(None, since="sliding windows: Mistral, gpt-oss, Gemma 3")
@@ -463,6 +465,9 @@ class ModelConfig(Config):
     moe: MoEConfig | None = None  # None = dense feed-forward in every layer
     # the section of attention.variant 'mla', multi-head latent attention (DeepSeek-V2); set, it implies that variant
     mla: MLAConfig | None = added(None, since="multi-head latent attention: DeepSeek-V2/V3")
+    # the indexer of attention.variant 'dsa', DeepSeek sparse attention (V3.2): MLA over the keys it selects; set
+    # (with mla), it implies that variant
+    dsa: DSAConfig | None = added(None, since="DeepSeek sparse attention: DeepSeek-V3.2")
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)

@@ -114,19 +114,30 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: Context, cache: KVCache | StaticKVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        n, r, v, c = self.widths
-        H = self.n_heads
-        q = self.q(x).view(B, T, H, n + r).transpose(1, 2)  # (B, H, T, n + r)
-        q_nope, q_rope = q.split([n, r], dim=-1)
-        latent, k_rope = self.kv_down(x).split([c, r], dim=-1)  # (B, T, c), (B, T, r)
-        latent = self.kv_norm(latent)[:, None]  # (B, 1, T, c): one "head" shared by all heads
-        q_rope, k_rope = self.term.rotate(q_rope, ctx), self.term.rotate(k_rope[:, None], ctx)  # (B, H|1, T, r)
+        v = self.widths[2]
+        q_nope, q_rope = self.queries(self.q(x), ctx)  # (B, H, T, n), (B, H, T, r)
+        latent, k_rope = self.latents(x, ctx)  # (B, 1, T, c), (B, 1, T, r)
         attend = self.attend
         if cache is not None:
             latent, k_rope = cache.update(self.layer, latent, k_rope)  # (B, 1, S, c), (B, 1, S, r)
             attend = self.attend_cached
         y = attend(q_nope, q_rope, latent, k_rope, ctx)  # (B, H, T, v)
-        return self.out(y.transpose(1, 2).reshape(B, T, H * v))
+        return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * v))
+
+    def queries(self, q: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's query (B, H, T, n), and its rotary part, rotated (B, H, T, r), from the query projection's
+        output ``q`` (B, T, H (n + r))."""
+        B, T, _ = q.shape
+        n, r, _, _ = self.widths
+        q_nope, q_rope = q.view(B, T, self.n_heads, n + r).transpose(1, 2).split([n, r], dim=-1)
+        return q_nope, self.term.rotate(q_rope, ctx)
+
+    def latents(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a token leaves in the cache: its normalized latent (B, 1, T, c), one "head" shared by all heads, and
+        its rotary key, rotated (B, 1, T, r)."""
+        _, r, _, c = self.widths
+        latent, k_rope = self.kv_down(x).split([c, r], dim=-1)  # (B, T, c), (B, T, r)
+        return self.kv_norm(latent)[:, None], self.term.rotate(k_rope[:, None], ctx)
 
     # ---- the expanded path: keys and values up-projected from every latent
     def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

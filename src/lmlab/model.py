@@ -45,6 +45,7 @@ from .positions import (
 )
 from .residual import build_connection, build_streams
 from .schema import check_choice
+from .sparse_attention import SparseLatentAttention
 
 
 # ============================================================== blocks
@@ -133,7 +134,7 @@ class ReorderedNormBlock(ResidualBlock):
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
 # attention.variant -> the module that computes it, built from the config its variant makes (module_config); the
 # variant's facts (widths, cache layout, accounting, what it supports) are attention_variants.ATTENTION_VARIANTS'
-ATTENTIONS = {"standard": Attention, "mla": LatentAttention}
+ATTENTIONS = {"standard": Attention, "mla": LatentAttention, "dsa": SparseLatentAttention}
 
 
 class LayerContexts:
@@ -203,7 +204,7 @@ class LMOutput:
     loss: torch.Tensor | None  # ce_loss + aux_loss; None without targets
     ce_loss: torch.Tensor | None  # mean next-token cross-entropy over non-ignored targets
     aux_loss: torch.Tensor  # sum of aux_losses (0 for a dense model without MTP)
-    aux_losses: dict[str, torch.Tensor]  # each MoE auxiliary loss summed over layers, and "mtp"; weighted
+    aux_losses: dict[str, torch.Tensor]  # each MoE auxiliary loss summed over layers, "mtp", "indexer"; weighted
     head: Callable[[torch.Tensor], torch.Tensor] = dataclasses.field(repr=False, compare=False)
 
     @functools.cached_property
@@ -255,6 +256,8 @@ class Transformer(nn.Module):
         # MTP blocks are global layers with the model's position scheme (DeepSeek-V3 has no windows)
         self.mtp = build_mtp(cfg, lambda layer: BLOCKS[cfg.norm_position](cfg, layer, self.positions.attention_term()))
         self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
+        # every sublayer with auxiliary losses of its own: the MoE layers, and attention with a learned selection (dsa)
+        self.aux_layers = [b.attn for b in self.blocks if hasattr(b.attn, "aux_losses")] + self.moe_layers
         self.set_loss_impl("chunked")
         if not self.embed.weight.is_meta:  # built on the meta device (shapes only, for accounting): no values to draw
             init_weights(self, cfg)
@@ -316,7 +319,7 @@ class Transformer(nn.Module):
                 "the token that follows idx[b, t] (IGNORE_INDEX = -100 to skip it), so the shapes must match"
             )
         h, ctx = self.hidden_and_context(idx, cache, attention_mask)  # (B, T, C)
-        named = [(n, v) for moe in self.moe_layers for n, v in moe.aux_losses.items()]
+        named = [(n, v) for layer in self.aux_layers for n, v in layer.aux_losses.items()]
         if targets is not None:  # multi-token prediction ("mtp", and its MoE layers' own) trains with targets only
             named += self.mtp.losses(h, targets, ctx, self.embed_tokens, self.head.weight, self.head_loss).items()
         aux_losses: dict[str, torch.Tensor] = {}
@@ -460,8 +463,8 @@ class SequenceClassifier(nn.Module):
         last = (torch.arange(idx.shape[1], device=idx.device) * not_pad).argmax(-1)  # last non-pad index
         logits = self.score(h[torch.arange(idx.shape[0], device=idx.device), last])  # (B, n_classes)
         loss = None
-        if labels is not None:  # the MoE layers' auxiliary losses count here too, as in Transformer.forward
-            aux = [v for moe in self.body.moe_layers for v in moe.aux_losses.values()]
+        if labels is not None:  # the auxiliary losses count here too, as in Transformer.forward
+            aux = [v for layer in self.body.aux_layers for v in layer.aux_losses.values()]
             loss = F.cross_entropy(logits.float(), labels.long()) + sum(aux, torch.zeros((), device=logits.device))
         return logits, loss
 

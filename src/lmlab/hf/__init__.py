@@ -39,14 +39,16 @@ Families: a registry keyed by config.json's ``model_type``
 - ``with_tensors(cfg, hf, names)`` (optional): the config completed by what the checkpoint's tensor
   names show, for parts config.json does not decide (DeepSeek-V3's MTP layers, present or not).
 
-The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- export <- this
-file:
+The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- deepseek_v32 <- export
+<- this file:
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
   config helpers of both directions;
 - ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
 - ``moe.py``: mixtral, qwen2_moe and glm4_moe, on the Llama layout, and DeepSeek-V3's MoE layers;
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
+- ``deepseek_v32.py``: deepseek_v32 (sparse attention: MLA with a lightning indexer) and glm4_moe_lite, on
+  ``deepseek.py``'s mapping;
 - ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``smollm3.py``: smollm3 (NoPE layers); ``gemma.py``: gemma3_text (sandwich norms, 1 + w gains, local rotary base);
@@ -69,7 +71,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
+from . import deepseek, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, check_hf_config, family_for, name_list, register

@@ -32,7 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, install_directory
-from . import deepseek, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, StateDict, Tensors, computed, departures, described, name_list
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it

@@ -182,7 +182,8 @@ EVERY_ARCHITECTURE: Mapping[str, Any] = {
 # what an architecture that does not name a field in its computes lacks, for messages; a field without a line
 # here is described by its default ("computes only 'none'")
 LACKS: Mapping[str, str] = {
-    "mla": "has no multi-head latent attention", "moe": "has no mixture-of-experts layers",
+    "mla": "has no multi-head latent attention", "dsa": "has no sparse attention (DeepSeek-V3.2's lightning indexer)",
+    "moe": "has no mixture-of-experts layers",
     "mtp": "holds no multi-token prediction modules", "attn_gate": "has no gate on the attention output",
     "embed_scale": "does not scale its embeddings", "norm_gain": "stores each RMSNorm's gain itself",
     "attention.scale_dim": "scales attention scores by 1/sqrt(head_dim)",

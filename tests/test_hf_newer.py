@@ -1,0 +1,230 @@
+"""The newer families of transformers 5.25 both ways, on tiny random configs built here: each checkpoint loads with
+``from_hf`` with transformers' logits (full, left-padded, decoded through lmlab's cache) and greedy tokens, comes
+back through ``to_hf`` bit for bit with the same config; lmlab models export as each family with the same logits in
+transformers; what a family cannot hold is refused by name. The largest logit differences measured are printed by
+the last test (run with -s)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_comes_back_identical, decoded_logits
+from test_export import lm as lmlab_model
+from test_export import load_hf, randomized_hf, relative_difference
+from test_hf import assert_left_padded_parity, assert_parity
+
+import lmlab
+from lmlab.hf import config_from_hf, to_hf
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+V = 97
+T = 24
+# DeepSeek-V3's attention and router at tiny widths (the MLA families)
+MLA_BODY = dict(
+    vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+    max_position_embeddings=32, n_group=4, topk_group=2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1e4,
+        "mscale": 0.707, "mscale_all_dim": 1.0}
+# 16 indexer heads: a key's score is exactly 0 only where every head's ReLU is (2^-16), so no tie between zeros
+# decides a selection, which would make it depend on rounding (with 4 heads a query's sixth and seventh keys tie)
+INDEXER = dict(index_topk=6, index_head_dim=16, index_n_heads=16)
+# name -> (transformers config class, its arguments, {lmlab config field (dotted): the value it must load as})
+HF_CASES = {
+    "deepseek_v32": ("DeepseekV32Config", dict(MLA_BODY, first_k_dense_replace=1, **INDEXER),
+                     {"attention_variant": "dsa", "dsa.topk": 6, "rope.layout": "interleaved", "moe.first_dense": 1}),
+    "deepseek_v32_yarn_two_dense": ("DeepseekV32Config", dict(
+        MLA_BODY, mlp_layer_types=["dense", "dense", "sparse"], first_k_dense_replace=2, rope_parameters=YARN,
+        **INDEXER),
+        {"attention_variant": "dsa", "rope.scaling": "yarn", "moe.first_dense": 2}),
+}
+MEASURED: dict[str, float] = {}  # the largest |logit difference| per check and family, printed by the last test
+
+
+def field(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def tokens(length: int = T, seed: int = 0, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, idx):
+    with torch.no_grad():
+        return model(idx).logits
+
+
+def hf_model(case: str):
+    config_class, kwargs, _ = HF_CASES[case]
+    torch.manual_seed(0)
+    return randomized_hf(AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs)))
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """case -> (transformers' model, its checkpoint directory, lmlab's model from it), each built once."""
+    cache: dict = {}
+
+    def get(case: str):
+        if case not in cache:
+            path = tmp_path_factory.mktemp(case)
+            hf = hf_model(case)
+            hf.save_pretrained(path)
+            cache[case] = hf, path, lmlab.from_hf(path)
+        return cache[case]
+
+    return get
+
+
+def measured(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    MEASURED[name] = max(MEASURED.get(name, 0.0), float((ours - ref).abs().max()))
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_from_hf_gives_transformers_logits(loaded, case):
+    hf, _, ours = loaded(case)
+    expected = HF_CASES[case][2]
+    assert {k: field(ours.config, k) for k in expected} == expected
+    idx = tokens()
+    a, b = logits(ours, idx), logits(hf, idx)
+    measured(f"from_hf {case}", a, b)
+    assert_parity(a, b)
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_checkpoint_through_lmlab_comes_back_identical(loaded, tmp_path, case):
+    hf, path, ours = loaded(case)
+    done = to_hf(ours, tmp_path / "out", architecture=hf.config.model_type)
+    assert_comes_back_identical(path, done.path)
+    before, after = (AutoConfig.from_pretrained(p).to_dict() for p in (path, done.path))
+    differ = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)} - {"_name_or_path"}
+    assert not differ, {k: (before.get(k), after.get(k)) for k in differ}
+    idx = tokens()
+    assert torch.equal(logits(load_hf(done.path), idx), logits(hf, idx))
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_left_padded_batch_matches_transformers(loaded, case):
+    hf, _, ours = loaded(case)
+    assert_left_padded_parity(hf, ours, tokens(seed=2))
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_cached_decoding_equals_transformers_full_logits(loaded, case):
+    hf, _, ours = loaded(case)
+    idx = tokens(seed=3)
+    a, b = decoded_logits(ours, idx, prefill=9), logits(hf, idx)
+    measured(f"from_hf {case}, decoded", a, b)
+    assert_parity(a, b)
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_padded_batch_greedy_equals_transformers_generate(loaded, case):
+    from lmlab.generate import generate, left_pad
+
+    hf, _, ours = loaded(case)
+    prompts = [[5, 9, 3, 17, 2, 40, 8, 61, 12], [11, 4, 30], [33]]
+    idx, mask = left_pad(prompts)
+    ref = hf.generate(idx, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)[:, idx.shape[1]:]
+    mine = torch.stack(list(generate(ours, prompts, 8, temperature=0)), dim=1)
+    assert torch.equal(mine, ref)
+
+
+# ================================================================== lmlab -> transformers
+MLA = dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+SIGMOID_MOE = dict(n_experts=4, top_k=2, d_expert=16, n_shared=1, first_dense=1, scoring="sigmoid",
+                   normalize_top_k=True, n_groups=2, topk_groups=1, group_score="top2", routed_scale=2.5)
+DSA = dict(indexer_heads=16, indexer_head_dim=8, topk=5)
+# name -> (preset or None, lmlab fields, the family chosen)
+LMLAB_CASES = {
+    "dsa_moe_half_rope": (None, dict(mla=MLA, dsa=DSA, n_layers=3, moe=SIGMOID_MOE), "deepseek_v32"),
+    "dsa_dense_interleaved_yarn": (None, {
+        "mla": MLA, "dsa": DSA | dict(indexer_head_dim=4, topk=3), "rope.layout": "interleaved",
+        "rope.scaling": "yarn", "rope.factor": 4.0, "rope.original_max_seq_len": 8, "rope.mscale": 0.707,
+        "rope.mscale_all_dim": 1.0}, "deepseek_v32"),
+}
+
+
+@pytest.mark.parametrize("case", LMLAB_CASES)
+def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, case):
+    preset, fields, family = LMLAB_CASES[case]
+    model = lmlab_model(preset, **fields)
+    done = to_hf(model, tmp_path / "out")
+    assert done.model_type == family
+    hf = load_hf(done.path)
+    assert type(hf).__name__ == lmlab.hf.FAMILIES[family].export.architecture
+    idx = tokens(model.config.max_seq_len + 8)
+    ours, ref = logits(model, idx), logits(hf, idx)
+    assert ref.std() > 0.5
+    measured(f"to_hf {family}", ours, ref)
+    assert relative_difference(ours, ref)[1] <= 1e-4
+    back = lmlab.from_hf(done.path)  # as the family holds it (a half-layout model comes back interleaved)
+    assert relative_difference(logits(back, idx), ours)[1] <= 1e-5
+
+
+# ================================================================== DeepSeek-V3.2: the selection decides
+def test_the_indexers_selection_changes_the_logits(loaded):
+    """With every key kept (topk past the context), or the indexer's scores replaced by others, the loaded model's
+    logits leave transformers': the parity above is of sparse attention, not of MLA."""
+    hf, _, ours = loaded("deepseek_v32")
+    idx = tokens()
+    ref = logits(hf, idx)
+    dense = lmlab.Transformer(ours.config.override({"dsa.topk": 64})).eval()
+    dense.load_state_dict(ours.state_dict())
+    assert not torch.allclose(logits(dense, idx), ref, atol=1e-2)
+    other = lmlab.Transformer(ours.config).eval()
+    other.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        for block in other.blocks:
+            block.attn.indexer.weights.weight.neg_()
+    assert not torch.allclose(logits(other, idx), ref, atol=1e-2)
+
+
+def test_mlp_layer_types_decides_the_dense_layers():
+    """transformers builds the layers mlp_layer_types names (first_k_dense_replace only fills it in when unset)."""
+    hf = transformers.DeepseekV32Config(**MLA_BODY, **INDEXER, first_k_dense_replace=3).to_dict()
+    assert config_from_hf({**hf, "mlp_layer_types": ["dense", "sparse", "sparse"]}).moe.first_dense == 1
+    assert config_from_hf({**hf, "mlp_layer_types": None}).moe is None  # three dense layers of three
+
+
+V32_REFUSALS = [
+    (dict(q_lora_rank=None), "q_lora_rank=None: DeepSeek-V3.2's indexer reads the query latent"),
+    (dict(mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types=['sparse', 'dense', 'sparse']: lmlab's"),
+    (dict(index_head_dim=4), "dsa.indexer_head_dim=4 is narrower than the mla.qk_rope_head_dim=8"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types=['full_attention', 'full_attention', 'full_attention']"),
+]
+
+
+@pytest.mark.parametrize("changes, message", V32_REFUSALS)
+def test_v32_configs_lmlab_cannot_express_are_refused(changes, message):
+    hf = {**transformers.DeepseekV32Config(**MLA_BODY, **INDEXER).to_dict(), **changes}
+    with pytest.raises(ValueError) as err:
+        config_from_hf(hf)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fields, asked, message", [
+    (dict(mla=MLA, dsa=DSA), "deepseek_v3", "cannot export as 'deepseek_v3': dsa set (DeepSeek-V3 has no sparse "
+     "attention (DeepSeek-V3.2's lightning indexer))"),
+    (dict(mla=MLA), "deepseek_v32", "cannot export as 'deepseek_v32': attention.variant='mla' (DeepSeek-V3.2's layers "
+     "all attend through the lightning indexer"),
+    (dict(mla=MLA, dsa=DSA, bias=True), None, "deepseek_v32: bias=True (DeepSeek-V3 has no biases)"),
+])
+def test_models_deepseek_v32_cannot_hold_are_refused_by_name(tmp_path, fields, asked, message):
+    with pytest.raises(ValueError) as err:
+        to_hf(lmlab_model(**fields), tmp_path / "out", architecture=asked)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_zz_report_largest_logit_differences(capsys):
+    """Not a check: prints what the parity tests above measured (run the file with -s to see it)."""
+    with capsys.disabled():
+        for name, diff in sorted(MEASURED.items()):
+            print(f"\n{name}: max |logit difference| {diff:.2e}", end="")
