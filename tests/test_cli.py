@@ -296,9 +296,19 @@ def test_train_prints_next_steps_that_run(capsys, tmp_path, monkeypatch):
     for command in commands:  # each runs as printed
         assert cli.main(command[1:]) == 0, (command, capsys.readouterr().err)
     assert (tmp_path / "exported" / "my run" / "config.json").is_file()
-    code, out, _ = run(capsys, "train", "--run-dir", "runs/quiet", "--data.source", source, *TINY, *FAST,
-                       "--train.steps", "1")
-    assert code == 0 and "done: step 1" in out and "next:" not in out  # --quiet: no messages
+    capsys.readouterr()
+    code, out, err = run(capsys, "train", "--run-dir", "runs/quiet", "--data.source", source, *TINY, *FAST,
+                         "--train.steps", "1", "--optim.lr", "1e-9")  # a sample, and a note: no better than unigram
+    assert code == 0 and (out, err) == ("", "")  # --quiet: no done:, note:, sample:, time: or next: lines
+    assert json.loads(Path("runs/quiet/metrics.jsonl").read_text().splitlines()[-1])["step"] == 1  # trained
+
+
+def test_next_steps_follow_the_task():
+    """After a classifier run, next: suggested 'perplexity and loss by position' (a language model's)."""
+    lm, clf = cli.next_steps(Path("runs/a"), "lm"), cli.next_steps(Path("runs/c"), "classify")
+    assert [line.split("#")[1].strip() for line in lm.splitlines()[1:]] == [
+        "sample text", "validation loss, perplexity and loss by position", "a Hugging Face transformers checkpoint"]
+    assert clf == "next:\n  lmlab eval runs/c  # validation loss, accuracy and the confusion matrix"
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
@@ -321,7 +331,8 @@ def test_prepare_takes_threads_for_torch_and_the_tokenizer(capsys, tmp_path, mon
     try:
         code, out, err = run(capsys, "prepare", source, "--out", tmp_path / "data", "--tokenizer", "bpe",
                              "--vocab-size", "300", "--quiet", "--threads", str(threads))
-        assert code == 0 and out.startswith("prepared "), err
+        assert code == 0 and out == "", err  # --quiet: not even the summary line
+        assert (tmp_path / "data" / "meta.json").is_file()
         assert torch.get_num_threads() == threads and os.environ["RAYON_NUM_THREADS"] == str(threads)
     finally:
         torch.set_num_threads(before)
@@ -541,7 +552,7 @@ def test_signal_saves_a_checkpoint_and_resume_continues(capsys, tmp_path, sig):
     (step, path), = ckpt.list_checkpoints(run_dir / "checkpoints")
     assert step >= 2 and f"stopped at step {step}; checkpoint {path}" in out and "--resume" in out
     assert ckpt.load_state(path)["step"] == step
-    code, out, _ = run(capsys, "train", "--run-dir", run_dir, "--resume", "--train.steps", str(step + 2), "--quiet")
+    code, out, _ = run(capsys, "train", "--run-dir", run_dir, "--resume", "--train.steps", str(step + 2))
     assert code == 0 and f"done: step {step + 2}" in out
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == step + 2

@@ -272,3 +272,104 @@ def test_a_full_disk_leaves_no_comparison_and_no_temporaries(tmp_path, monkeypat
     assert err.startswith("lmlab compare: error: no space left on the device holding") and err.count("\n") == 1
     assert f"{str(tmp_path / 'cmp')!r}" in err  # the directory the user named, not the temporary one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+# ============================================================== a terminal's width, classifiers, downstream tasks
+@pytest.fixture(autouse=True)
+def no_columns(monkeypatch):
+    """Output to a pipe or a capture is the whole table unless COLUMNS says a width: none here unless a test sets it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
+def wide_runs(root, n=3):
+    """``n`` runs whose configs differ in a dozen fields: the table runs to several hundred characters."""
+    fields = ["d_model: 32", "n_layers: 1", "n_heads: 4", "max_seq_len: 32"]
+    for i in range(n):
+        config = ("model: {" + ", ".join(fields) + f", init_seed: {i}, norm_eps: 1.0e-0{i + 5}, dropout: 0.{i}, "
+                  f"relative_clip: {16 + i}, init_std: 0.0{i + 1}, tie_embeddings: {str(i % 2 == 1).lower()}}}\n"
+                  f"train: {{steps: {10 + i}, batch_size: {4 + i}, seed: {i}, grad_accum: {1 + i}}}\n"
+                  f"optim: {{lr: 0.00{i + 1}, warmup_steps: {i}, weight_decay: 0.{i}}}\n"
+                  f"eval: {{every: {2 + i}, batches: {3 + i}}}\n")
+        fake_run(root / f"variant-{i}", config=config)
+    return root
+
+
+def test_the_table_fits_a_terminal_and_compare_md_holds_it_whole(tmp_path, capsys, monkeypatch):
+    """The table ran to 945 characters on an 80-column terminal; now it is cut into parts of whole columns,
+    each led by the run's name, and compare.md keeps every column in one table."""
+    wide_runs(tmp_path / "runs")
+    runs, _ = compare.read_runs(compare.find_runs([str(tmp_path / "runs")])[0])
+    rows, columns = compare.comparison_rows(runs, "nats")
+    whole = compare.comparison_text(runs, "nats")
+    assert max(len(line) for line in whole.splitlines()) > 300  # as wide as before, without a width
+    parts = compare.fit_table(rows, columns, 80)
+    assert len(parts) >= 4 and all(p[0] == "run" and len(p) >= 2 for p in parts)
+    assert [c for p in parts for c in p[1:]] == columns[1:]  # every column once, in order
+    monkeypatch.setenv("COLUMNS", "80")  # what a terminal of 80 columns (or a user) sets
+    assert cli.main(["compare", str(tmp_path / "runs"), "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out.split("\nwrote ")[0]  # the files written: paths, not cut
+    assert max(len(line) for line in printed.splitlines()) <= 80, printed
+    headers = [line.split() for line in printed.splitlines() if line.startswith("run ")]
+    assert len(headers) == len(parts) and sorted(c for h in headers for c in h[1:]) == sorted(
+        c for c in columns[1:] for c in c.split())  # the same columns, cut at the same places
+    for name in ("variant-0", "variant-1", "variant-2"):
+        assert sum(line.startswith(name + " ") for line in printed.splitlines()) == len(parts)  # a line per part
+    assert f"cut into {len(parts)} parts to fit 80 columns" in " ".join(printed.split())
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    header_line = next(line for line in md.splitlines() if line.startswith("| run |"))
+    assert header_line == "| " + " | ".join(columns) + " |"  # the whole table, one row of columns
+    # a column wider than the terminal is never cut, nor left without a part of its own; nor is a long run name
+    assert compare.fit_table([{"run": "x", "a": "y" * 100}], ["run", "a", "b"], 40) == [["run", "a"], ["run", "b"]]
+    assert compare.fit_table([{"run": "r" * 100, "a": 1}], ["run", "a", "b"], 40) == [["run", "a"], ["run", "b"]]
+    assert compare.fit_table([{"run": "r", "a": 1}], ["run", "a", "b"], 40) == [["run", "a", "b"]]
+
+
+def test_terminal_width_is_none_for_a_pipe_and_columns_where_set(monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
+    assert compare.terminal_width() is None  # a pipe or a file: the whole table, for grep and less -S
+    monkeypatch.setenv("COLUMNS", "132")
+    assert compare.terminal_width() == 132
+
+
+CLASSIFY = "task: classify\n" + CONFIG
+
+
+def test_a_classifier_has_no_bits_per_byte_and_the_table_says_why(tmp_path, capsys):
+    """A classifier among language models showed `nan` bits per byte without a word; its accuracy was not shown."""
+    fake_run(tmp_path / "lm", [{"step": 2, "loss": 2.9, "tokens": 256, "tokens_per_s": 100.0},
+                               {"step": 2, "val_loss": 2.8, "val_bits_per_byte": 4.0}])
+    fake_run(tmp_path / "clf", [{"step": 2, "loss": 0.6, "tokens": 256, "tokens_per_s": 100.0},
+                                {"step": 2, "val_loss": 0.5, "val_accuracy": 0.75, "val_perplexity": 1.65}],
+             config=CLASSIFY)
+    assert cli.main(["compare", str(tmp_path / "lm"), str(tmp_path / "clf")]) == 0
+    out = capsys.readouterr().out
+    rows = table(out)
+    clf, lm = (dict(zip(rows["columns"], rows[n])) for n in ("clf", "lm"))
+    assert clf["final val bpb"] == clf["best val bpb"] == "n/a" and clf["final val loss"] == "0.5000"
+    assert clf["final val accuracy"] == "0.7500" and lm["final val bpb"] == "4.0000"
+    assert "final val perplexity" not in rows["columns"]  # a loss, not another measure
+    assert "nan" not in out
+    head = " ".join(out.split("\n\n")[0].split())
+    assert ("Classifiers (clf): their loss is cross-entropy over their labels, not over text, so they have no bits "
+            "per byte (n/a)") in head
+    assert "Bits per byte unknown" not in head  # not for want of data: a classifier has none
+
+
+def test_downstream_task_scores_are_columns(tmp_path, capsys):
+    """``tasks/<task>/<metric>`` records (the downstream evaluations) show as a column each: the last value."""
+    fake_run(tmp_path / "a", [{"step": 1, "loss": 3.0, "tokens": 128, "tokens_per_s": 100.0},
+                              {"step": 1, "val_loss": 3.1, "tasks/arith/acc": 0.25, "tasks/arith/acc_stderr": 0.1},
+                              {"step": 2, "loss": 2.9, "tokens": 256, "tokens_per_s": 100.0},
+                              {"step": 2, "val_loss": 2.8, "tasks/arith/acc": 0.5, "tasks/arith/acc_stderr": 0.125,
+                               "tasks/copy/exact_match": 1}])
+    fake_run(tmp_path / "b")  # logged no task: its cells are empty
+    assert cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
+    rows = table(capsys.readouterr().out)
+    tasks = ["tasks/arith/acc", "tasks/arith/acc_stderr", "tasks/copy/exact_match"]
+    assert [c for c in rows["columns"] if c.startswith("tasks/")] == tasks
+    a = dict(zip(rows["columns"], rows["a"]))
+    assert (a["tasks/arith/acc"], a["tasks/arith/acc_stderr"], a["tasks/copy/exact_match"]) == ("0.5000", "0.1250", "1")
+    (_, b), _ = compare.comparison_rows(compare.read_runs([tmp_path / "a", tmp_path / "b"])[0], "nats")
+    assert [b[t] for t in tasks] == ["", "", ""]
+    assert "| tasks/arith/acc | tasks/arith/acc_stderr | tasks/copy/exact_match |" in (
+        tmp_path / "cmp" / "compare.md").read_text()

@@ -78,7 +78,7 @@ def test_prepare_bpe_then_train_on_it_resume_elsewhere_eval_and_generate(capsys,
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # relative paths given above must not matter any more
     (tmp_path / "corpus").rename(tmp_path / "corpus-moved")  # nor the raw source: it is never read again
-    code, out, _ = run(capsys, "train", "--run-dir", tmp_path / "run", "--resume", "--train.steps", "9", "--quiet")
+    code, out, _ = run(capsys, "train", "--run-dir", tmp_path / "run", "--resume", "--train.steps", "9")
     assert code == 0 and "done: step 9" in out
     prov = config_yaml(tmp_path / "run")["provenance"]
     assert [p["step"] for p in prov] == [0, 6] and prov[1]["data"] == prov[0]["data"]
@@ -222,13 +222,14 @@ def test_train_and_evaluate_a_classifier(capsys, tmp_path):
     code, out, _ = run(capsys, "train", "--task", "classify", "--data", tmp_path / "data",
                        "--run-dir", tmp_path / "run",
                        *TINY, *fast, "--train.batch_size", "16", "--train.steps", "60", "--optim.lr", "3e-3",
-                       "--eval.every", "30", "--eval.batches", "50", "--quiet")
+                       "--eval.every", "30", "--eval.batches", "50")
     assert code == 0, out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["val_accuracy"] for r in records if "val_accuracy" in r}
     assert sorted(accuracy) == [30, 60] and accuracy[60] >= 0.9  # the first word decides: easy to learn
     done = next(line for line in out.splitlines() if line.startswith("done:"))
     assert f"(accuracy {accuracy[60]:.4f})" in done and "perplexity" not in done  # a classifier's measure
+    assert out.split("\nnext:\n")[1].split("#")[1].strip() == "validation loss, accuracy and the confusion matrix"
     code, out, _ = run(capsys, "eval", tmp_path / "run", "--json", "--checkpoint", "latest", "--max-batches", "0")
     report = json.loads(out)
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())

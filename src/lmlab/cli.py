@@ -278,7 +278,8 @@ def build_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--errors", default=d.errors, help="undecodable bytes: strict (report file and offset) or replace")
     p.add_argument("--seq-len", type=int, default=None, help="check that each split holds at least one context")
     p.add_argument("--overwrite", action="store_true", help="replace data prepared differently in --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or messages (warnings and errors still on "
+                   "stderr)")
     add_threads_arg(p)
 
 
@@ -311,7 +312,9 @@ def build_train(t: argparse.ArgumentParser) -> None:
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     mode.add_argument("--overwrite", action="store_true", help="replace the run in --run-dir")
-    t.add_argument("--quiet", action="store_true", help="no progress bar or messages")
+    t.add_argument("--quiet", action="store_true",
+                   help="no progress bar or messages: nothing on stdout but a stop's 'continue with' line "
+                        "(warnings and errors still on stderr)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     add_threads_arg(t)
 
@@ -425,44 +428,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    try:
-        return COMMANDS[args.command].run(args, overrides, argv)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError as e:
-        if e.filename is None and args.command in REPORTERS:
-            return stdout_closed()
-        code, line = exit_status(e)
-        if e.filename is None:  # stdout: the command had not finished
-            line = ("the reader of its output went away (a closed pipe) before it finished; run it again without "
-                    "the pipe, or with --quiet")
-        print(f"{prog}: error: {line}", file=sys.stderr)
-        return code
-    except Exception as e:
-        status = exit_status(e)
-        if status is None:  # a bug: keep the traceback
-            raise
-        print(f"{prog}: error: {status[1]}", file=sys.stderr)
-        return status[0]
+    from .run.progress import readers_may_go
+
+    # `lmlab eval RUN | head`, `lmlab train | tee log` stopped by Ctrl-C: a reader of stdout or stderr that goes
+    # away sends the rest of the output to /dev/null; the command finishes its work and ends with its own status
+    with readers_may_go():
+        try:
+            return COMMANDS[args.command].run(args, overrides, argv)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        except Exception as e:
+            status = exit_status(e)
+            if status is None:  # a bug: keep the traceback
+                raise
+            print(f"{prog}: error: {status[1]}", file=sys.stderr)
+            return status[0]
 
 
 BAD_PATHS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)  # a path the user gave
-
-
-# commands whose work is done when they print, or whose printing is the work: a reader of stdout that went away
-# (``lmlab eval RUN | head``) ends them quietly. The others (train, prepare, sweep, ...) print while they work.
-REPORTERS = ("eval", "generate", "compare", "tb", "export", "consolidate")
-
-
-def stdout_closed() -> int:
-    """``lmlab eval ... | head``: the reader of stdout is gone, and the command (one of REPORTERS) had written
-    every file it writes, so it ends quietly with status 0, as ``generate`` does, instead of 'Broken pipe'
-    (exit 3); stdout is pointed at /dev/null so that Python's own flush at exit finds no broken pipe either."""
-    import os
-
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
 
 
 def exit_status(e: Exception) -> tuple[int, str] | None:
@@ -503,8 +487,9 @@ def cmd_prepare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
                      label_field=args.label_field, errors=args.errors)
     meta = prepare(cfg, args.out, seq_len=args.seq_len, overwrite=args.overwrite, task=args.task,
                    progress=not args.quiet)
-    print(f"prepared {args.out}: {meta.describe()}")
-    if meta.separator_warning is not None:
+    if not args.quiet:
+        print(f"prepared {args.out}: {meta.describe()}")
+    if meta.separator_warning is not None:  # a warning: on stderr, --quiet or not
         print(meta.separator_warning, file=sys.stderr)
     return 0
 
@@ -516,6 +501,11 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
     from .run.trainer import Trainer
 
     set_threads(args.threads)
+    if args.threads is None and not (args.quiet or args.print_config):
+        from .run.progress import machine_busy_note
+
+        if (busy := machine_busy_note()) is not None:  # torch's threads on a busy machine: the first thing said
+            print(busy, flush=True)
     run_dir = Path(args.run_dir)
     if args.data is not None:
         overrides = {**overrides, "data.prepared": args.data}
@@ -542,10 +532,12 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
         result = trainer.fit()
     if trainer.dist.rank != 0:
         return 128 + result.stopped_by if result.stopped_by else 0
-    if result.stopped_by:
+    if result.stopped_by:  # said even with --quiet: how to continue
         print(f"stopped at step {result.step}; checkpoint {result.checkpoint}; continue with: "
               f"lmlab train --run-dir {run_dir} --resume")
         return 128 + result.stopped_by
+    if args.quiet:  # no messages: the run directory and the exit status say how it went
+        return 0
     best = "none" if result.best_val_loss is None else f"{result.best_val_loss:.4f}"  # None: no finite val loss
     metrics = dict(result.val_metrics)
     bpb = metrics.pop("bits_per_byte", None)  # a language model's, beside its perplexity
@@ -561,18 +553,22 @@ def cmd_train(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int
               "frequencies alone); train longer or check the learning rate")
     if result.sample is not None:
         print("sample:\n" + result.sample)
-    if not args.quiet:
-        from .run.phases import summary
+    from .run.phases import summary
 
-        print(summary(result.phases))  # where the time went: setup, step, eval, save, ... (docs/speed.md)
-        print(next_steps(run_dir, cfg.task))
+    print(summary(result.phases))  # where the time went: setup, step, eval, save, ... (docs/speed.md)
+    print(next_steps(run_dir, cfg.task))
     return 0
 
 
+EVALUATES = {"lm": "validation loss, perplexity and loss by position",  # what `lmlab eval` reports, by task
+             "classify": "validation loss, accuracy and the confusion matrix"}
+
+
 def next_steps(run_dir: Path, task: str) -> str:
-    """What to do with a finished run, as commands to copy: generate, eval and export (a classifier: eval)."""
+    """What to do with a finished run, as commands to copy: generate, eval and export a language model;
+    evaluate a classifier (it writes no text, and export writes language models)."""
     run = shlex.quote(str(run_dir))
-    steps = [(f"lmlab eval {run}", "validation loss, perplexity and loss by position")]
+    steps = [(f"lmlab eval {run}", EVALUATES.get(task, "validation loss"))]
     if task == "lm":
         steps = [(f"lmlab generate {run}", "sample text"), *steps,
                  (f"lmlab export {run} --out {shlex.quote(str(Path('exported') / run_dir.name))}",
@@ -724,27 +720,24 @@ def cmd_generate(args: argparse.Namespace, overrides: dict, argv: list[str]) -> 
     # auto's choice for this model and device, named in --json output
     decoder = auto_decoder(run.model, run.model.head.weight.device) if args.decoder == "auto" else args.decoder
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, decoder=decoder)
-    out = sys.stdout
-    try:
-        if len(prompts) == 1 and not args.json:  # stream it
-            out.write(prompts[0])
-            out.flush()
-            pieces = sample_text(run.model, run.tokenizer, prompts[0], args.max_new_tokens, stop=args.stop, **sampling)
-            for piece in pieces:
-                out.write(piece)
-                out.flush()
-            out.write("\n")
-        else:
-            done = complete(run.model, run.tokenizer, prompts, args.max_new_tokens, stop=args.stop, **sampling)
-            blocks = [json.dumps({"prompt": p, "text": c.text, "finish": c.finish, "decoder": decoder}) if args.json
-                      else p + c.text
-                      for p, c in zip(prompts, done)]
-            out.write(("\n" if args.json else "\n-----\n").join(blocks) + "\n")
+    out = sys.stdout  # `lmlab generate ... | head`: see main
+    if len(prompts) == 1 and not args.json:  # stream it
+        out.write(prompts[0])
         out.flush()
-    except BrokenPipeError:  # `lmlab generate ... | head`
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        pieces = sample_text(run.model, run.tokenizer, prompts[0], args.max_new_tokens, stop=args.stop, **sampling)
+        for piece in pieces:
+            out.write(piece)
+            out.flush()
+            if getattr(out, "gone", False):  # nobody reads the rest: stop generating it
+                break
+        out.write("\n")
+    else:
+        done = complete(run.model, run.tokenizer, prompts, args.max_new_tokens, stop=args.stop, **sampling)
+        blocks = [json.dumps({"prompt": p, "text": c.text, "finish": c.finish, "decoder": decoder}) if args.json
+                  else p + c.text
+                  for p, c in zip(prompts, done)]
+        out.write(("\n" if args.json else "\n-----\n").join(blocks) + "\n")
+    out.flush()
     return 0
 
 
@@ -1034,7 +1027,7 @@ def cmd_compare(args: argparse.Namespace, overrides: dict, argv: list[str]) -> i
     files = []
     if args.out is not None:  # before printing: a reader of stdout that goes away never stops the files
         files = compare.write_comparison(runs, Path(args.out), unit, command=shlex.join(["lmlab", *argv]))
-    print(compare.comparison_text(runs, unit), end="")
+    print(compare.comparison_text(runs, unit, width=compare.terminal_width()), end="")
     if files:
         print(f"wrote {', '.join(str(f) for f in files)}")
     return max(statuses, default=0)

@@ -3,8 +3,8 @@
     paths, failed = find_runs(["runs/a", "sweeps/ablation", "runs/lr-*"])   # run directories; what is not one
     runs, unread = read_runs(paths)                # a RunSummary per readable run; the others with their error
     unit = choose_unit(runs, "auto")               # bits per byte when the tokenizers differ
-    print(comparison_text(runs, unit))
-    write_comparison(runs, Path("cmp"), unit, command="lmlab compare ...")   # compare.md and three PNGs
+    print(comparison_text(runs, unit, width=terminal_width()))   # split into parts that fit a terminal
+    write_comparison(runs, Path("cmp"), unit, command="lmlab compare ...")   # compare.md (the whole table), PNGs
 
 A RUN is a run directory (what ``lmlab train`` writes), a directory holding runs at any depth (a
 sweep's or an experiment's ``runs/<variant>/seed<s>/``), or a glob of either. Everything comes
@@ -21,6 +21,13 @@ Wall time is rebuilt from metrics.jsonl: each record's tokens since the previous
 tokens/s (the trainer's throughput window runs from one logged step to the next, evaluation
 included). Runs that differ only in their seeds (``train.seed``, ``model.init_seed``) form a group,
 drawn as its mean with a ±1 std band.
+
+Columns. After the losses comes the final value of each other evaluation measure a run logs
+(``val_accuracy`` of a classifier; ``tasks/<task>/<metric>`` of the downstream evaluations), then the
+budget and the config fields that differ. A classifier's loss is cross-entropy over its labels, not
+over text: it has no bits per byte (``n/a``, said in the header), and compares only with classifiers
+on the same labels. On a terminal the table is cut into parts of whole columns that fit its width,
+each led by the run's name; compare.md holds it whole.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ import glob
 import json
 import math
 import os
+import shutil
 import statistics
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,15 +51,18 @@ from ..run.data.config import run_data_dir
 from ..run.data.meta import DataMeta
 from ..run.errors import CorruptFile, EnvironmentFailure, one_line
 from ..run.metrics import read_metrics
-from .report import band_plot, figure, markdown_table, save, text_table
+from .report import band_plot, cell, figure, markdown_table, save, text_table
 
 __all__ = ["MARKER", "RunSummary", "check_out", "choose_unit", "comparison_rows", "comparison_text", "find_runs",
-           "groups", "read_runs", "write_comparison"]
+           "fit_table", "groups", "read_runs", "terminal_width", "write_comparison"]
 
 MARKER = ".lmlab-compare"  # in every --out compare writes: --overwrite replaces only such a directory
 SEED_FIELDS = ("train.seed", "model.init_seed")  # runs differing only here are seeds of one group
 UNITS = {"nats": "nats/token", "bpb": "bits/byte"}
 X_AXES = {"steps": "optimizer steps", "tokens": "training tokens", "wall_time": "wall time (s)"}
+LOSS_KEYS = ("val_loss", "val_perplexity", "val_bits_per_byte")  # the table's loss columns; other val_* are measures
+TASK_PREFIX = "tasks/"  # a downstream evaluation's score in metrics.jsonl: tasks/<task>/<metric>
+NO_BPB = "n/a"  # the bits-per-byte cells of a classifier: its loss is over labels, not over text
 Failure = tuple[str, Exception]  # (what the user gave or the run found, why it cannot be read)
 
 
@@ -150,6 +163,22 @@ class RunSummary:
 
     def val_records(self) -> list[dict[str, Any]]:
         return [r for r in self.records if _finite(r.get("val_loss"))]
+
+    @property
+    def is_lm(self) -> bool:
+        """A language model: its losses are over text, so they have bits per byte (a classifier's are over labels)."""
+        return self.config.task == "lm"
+
+    def measures(self) -> dict[str, float]:
+        """The last finite value of each evaluation measure other than the losses: ``val_accuracy`` as
+        "final val accuracy", a downstream task's ``tasks/<task>/<metric>`` under its own key."""
+        last: dict[str, float] = {}
+        for r in self.records:
+            for key, value in r.items():
+                measure = (key.startswith("val_") and key not in LOSS_KEYS) or key.startswith(TASK_PREFIX)
+                if measure and _finite(value):
+                    last[f"final val {key[4:]}" if key.startswith("val_") else key] = value
+        return last
 
     def diverged(self) -> bool:
         """Whether the last evaluation's loss is not finite (null in metrics.jsonl): the run diverged,
@@ -308,23 +337,28 @@ def groups(runs: Sequence[RunSummary]) -> dict[str, list[RunSummary]]:
 
 
 def comparison_rows(runs: Sequence[RunSummary], unit: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """A row per run, and the columns in order: bits per byte first when that is the unit compared."""
+    """A row per run, and the columns in order: bits per byte first when that is the unit compared, the other
+    evaluation measures (accuracy, downstream tasks), the budget, and the config fields that differ."""
     diff = differing_fields([r.config for r in runs])
+    measures = [r.measures() for r in runs]
+    extra = sorted(set().union(*measures), key=lambda k: (k.startswith(TASK_PREFIX), k))  # accuracy, then tasks
     rows = []
     for i, r in enumerate(runs):
         final = "diverged" if r.diverged() else r.final_val()
         speed = r.tokens_per_s()
+        bpb = (final if r.diverged() else r.in_unit(r.final_val(), "bpb"), r.in_unit(r.best_val(), "bpb"))
         row = {"run": r.name, "tokenizer": printable(r.tokenizer),
-               "final val bpb": final if r.diverged() else r.in_unit(r.final_val(), "bpb"),
-               "best val bpb": r.in_unit(r.best_val(), "bpb"), "final val loss": final, "best val loss": r.best_val(),
+               "final val bpb": bpb[0] if r.is_lm else NO_BPB, "best val bpb": bpb[1] if r.is_lm else NO_BPB,
+               "final val loss": final, "best val loss": r.best_val(),
                "steps": max((x["step"] for x in r.records), default=0), "tokens": r.tokens(),
                "wall s": f"{r.wall_s():.1f}", "tokens/s": round(speed) if math.isfinite(speed) else math.nan,
                "params": r.parameters}
+        row.update({k: measures[i].get(k, "") for k in extra})
         row.update({k: _short(v[i]) for k, v in diff.items()})
         rows.append(row)
     losses = ["final val loss", "best val loss"]
     bpb = ["final val bpb", "best val bpb"]
-    order = ["run", "tokenizer", *(bpb + losses if unit == "bpb" else losses + bpb),
+    order = ["run", "tokenizer", *(bpb + losses if unit == "bpb" else losses + bpb), *extra,
              "steps", "tokens", "wall s", "tokens/s", "params", *diff]
     return rows, order
 
@@ -347,7 +381,12 @@ def header(runs: Sequence[RunSummary], unit: str) -> str:
         first = (f"One tokenizer ({kinds[0]}): losses are compared in "
                  f"{'nats per token' if unit == 'nats' else 'bits per byte'}; bpb = summed validation loss / ln 2 / "
                  "the UTF-8 bytes the evaluated tokens cover.")
-    missing = [r.name for r in runs if not r.tokens_per_byte]
+    classifiers = [r.name for r in runs if not r.is_lm]
+    if classifiers:
+        first += (f" Classifiers ({', '.join(classifiers)}): their loss is cross-entropy over their labels, not "
+                  f"over text, so they have no bits per byte ({NO_BPB}) and compare only with classifiers on the same "
+                  "labels (accuracy in 'final val accuracy').")
+    missing = [r.name for r in runs if r.is_lm and not r.tokens_per_byte]
     if missing:
         first += f" Bits per byte unknown (no val_bits_per_byte logged, no prepared data): {', '.join(missing)}."
     diverged = [r.name for r in runs if r.diverged()]
@@ -357,10 +396,48 @@ def header(runs: Sequence[RunSummary], unit: str) -> str:
     return first
 
 
-def comparison_text(runs: Sequence[RunSummary], unit: str) -> str:
-    """The header line, then the table, for a terminal."""
+def comparison_text(runs: Sequence[RunSummary], unit: str, width: int | None = None) -> str:
+    """The header, then the table, for a terminal: lines of at most ``width`` characters where it is given
+    (the table cut into parts by :func:`fit_table`; a single cell wider than that stays whole), else the
+    table in one piece."""
     rows, columns = comparison_rows(runs, unit)
-    return header(runs, unit) + "\n\n" + text_table(rows, columns)
+    if width is None:
+        return header(runs, unit) + "\n\n" + text_table(rows, columns)
+    parts = fit_table(rows, columns, width)
+    text = textwrap.fill(header(runs, unit), width) + "\n\n" + "\n".join(text_table(rows, p) for p in parts)
+    if len(parts) > 1:
+        text += textwrap.fill(f"(the table is cut into {len(parts)} parts to fit {width} columns; compare.md, written "
+                              "with --out DIR, holds it whole)", width) + "\n"
+    return text
+
+
+def fit_table(rows: list[dict[str, Any]], columns: Sequence[str], width: int) -> list[list[str]]:
+    """``columns`` cut into consecutive parts, each led by the first (the run) and as many more whole
+    columns as fit ``width`` characters in :func:`text_table`'s layout (at least one more per part)."""
+    def column_width(c: str) -> int:
+        return max(len(c), *(len(cell(r.get(c, ""))) for r in rows))
+
+    lead, *rest = columns
+    parts: list[list[str]] = []
+    used = width + 1  # no part open yet
+    for c in rest:
+        w = 2 + column_width(c)  # two spaces before each column
+        if used + w > width and (not parts or len(parts[-1]) > 1):
+            parts.append([lead])
+            used = column_width(lead)
+        parts[-1].append(c)
+        used += w
+    return parts or [[lead]]
+
+
+def terminal_width() -> int | None:
+    """The width to fit the table to: the terminal's where stdout is one, or ``COLUMNS`` where it is set (as
+    shutil reads it); None (the table whole) where the output goes to a file or a pipe."""
+    try:
+        fits = sys.stdout.isatty() or "COLUMNS" in os.environ
+    except (AttributeError, ValueError):  # replaced or closed streams
+        fits = "COLUMNS" in os.environ
+    return max(shutil.get_terminal_size().columns, 40) if fits else None
 
 
 # ============================================================== files

@@ -10,7 +10,9 @@ Under ``lmlab train ... | tee log``, Ctrl-C reaches every process of the termina
 group and stops ``tee`` as well: from then on each write to stdout fails with BrokenPipeError
 (EPIPE), and a buffered one fails at exit, which turns the exit status into 120. A message must
 never cost the checkpoint that a stop saves, so once stdout's reader is gone it is pointed at
-/dev/null (:func:`mute_stdout_if_closed`) and the run carries on.
+/dev/null (:func:`mute_stdout_if_closed`) and the run carries on. Every command of ``lmlab`` runs
+inside :func:`readers_may_go`, which does the same for any write to stdout or stderr
+(``lmlab eval RUN | head``, ``lmlab sweep spec.yaml | head``): the work goes on, the status is its own.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..config import MoEConfig
+from ..config import ModelConfig, MoEConfig
 from .config import RunConfig
 
 
@@ -97,20 +99,50 @@ class Progress:
 
 def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_per_step: int, device: Any,
            world: int, data: str) -> str:
-    """The lines a run starts with: what it trains, where, on what, and its data."""
+    """The lines a run starts with: what it trains (its attention, positions and experts), where, on what, and
+    its data."""
     m, t = cfg.model, cfg.train
     start = f", starting from {t.init_from}" if t.init_from else ""
     p = cfg.parallel
     layout = ", ".join([p.strategy] + ([f"expert parallel {p.experts}"] if p.experts > 1 else []))
     return (
         f"training {noun} in {run_dir}: {parameters:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
-        f"{m.positions} positions), vocab {m.vocab_size}{start}; {t.steps} steps of {tokens_per_step:,} tokens "
-        f"({t.batch_size} x {cfg.seq_len} x {t.grad_accum} accum) on {device}"
+        f"{attention_kind(m)}, {m.positions} positions{moe_kind(m)}), vocab {m.vocab_size}{start}; {t.steps} steps "
+        f"of {tokens_per_step:,} tokens ({t.batch_size} x {cfg.seq_len} x {t.grad_accum} accum) on {device}"
         + (f" x {world} processes ({layout})" if world > 1 else "")
         + f"\ndata: {data}" + (f"\n{moe_balancing(m.moe)}" if m.moe is not None else "")
         + (f"\nmtp: {m.mtp.depth} multi-token prediction module(s), loss weight {m.mtp.loss_weight:g}"
            if m.mtp is not None else "")
     )
+
+
+VARIANT_LABELS = {"mla": "MLA"}  # attention.variant -> its name in the banner; others by their own name
+
+
+def attention_kind(m: ModelConfig) -> str:
+    """The banner's words for the attention: a variant by its name (``MLA attention, 8 heads``), standard
+    attention by its key/value heads (MHA, GQA or MQA); and a sliding window where the layers have one."""
+    variant = m.attention_variant
+    if variant != "standard":
+        kind = f"{VARIANT_LABELS.get(variant, variant)} attention, {m.n_heads} heads"
+    elif m.n_kv_heads == m.n_heads:
+        kind = f"MHA, {m.n_heads} heads"
+    elif m.n_kv_heads == 1:
+        kind = f"MQA, {m.n_heads} heads sharing 1 key/value head"
+    else:
+        kind = f"GQA, {m.n_heads} heads sharing {m.n_kv_heads} key/value heads"
+    a = m.attention
+    return kind + (f", window {a.window} on {'/'.join(a.pattern)} layers" if a.window is not None else "")
+
+
+def moe_kind(m: ModelConfig) -> str:
+    """The banner's words for a mixture of experts (``, MoE 8 experts top 2``), or nothing for a dense model."""
+    moe = m.moe
+    if moe is None:
+        return ""
+    shared = f" + {moe.n_shared} shared" if moe.n_shared else ""
+    where = f" in {m.n_moe_layers} of {m.n_layers} layers" if m.n_moe_layers != m.n_layers else ""
+    return f", MoE {moe.routed_experts} experts top {moe.active_experts}{shared}{where}"
 
 
 def moe_balancing(moe: MoEConfig) -> str:
@@ -119,6 +151,30 @@ def moe_balancing(moe: MoEConfig) -> str:
         return f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: {', '.join(moe.balancing)}"
     return (f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: OFF (every balancing coefficient "
             "and moe.bias_update_rate set to 0): experts may go unused; leave moe.expert_balance_coef unset to balance")
+
+
+def busy_note(load: float, cores: int, threads: int) -> str | None:
+    """A note for the first lines of ``lmlab train`` when torch's ``threads`` and the machine's 1-minute
+    ``load`` average (what other programs run) are more than its ``cores``: the threads then wait on each
+    other, and one thread runs several times faster. None when they fit, or with one thread already."""
+    if threads <= 1 or load + threads <= cores + 0.5:
+        return None
+    return (f"note: this machine is busy (load average {load:.1f} on {cores} cores) and torch computes with {threads} "
+            "threads, which then wait on each other: add --threads 1 (on a busy 2-core machine a run went from "
+            "300-600 to 2,300-5,400 tokens/s)")
+
+
+def machine_busy_note() -> str | None:
+    """:func:`busy_note` for this machine now: its load average, the cores this process may use, torch's threads
+    (None where the system reports no load average)."""
+    import torch
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows has none
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return busy_note(load, cores, torch.get_num_threads())
 
 
 def on_terminal() -> bool:
@@ -143,7 +199,11 @@ def mute_stdout_if_closed() -> None:
 
 def mute_stdout() -> None:
     """Send everything written to stdout from now on (what Python still buffers too) to /dev/null."""
-    fd = stdout_fd()
+    mute(stdout_fd())
+
+
+def mute(fd: int | None) -> None:
+    """Point file descriptor ``fd`` (None: nothing to do) at /dev/null."""
     if fd is None:
         return
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -155,7 +215,62 @@ def mute_stdout() -> None:
 
 def stdout_fd() -> int | None:
     """The file descriptor behind sys.stdout, or None where it has none (captured by a test, a notebook)."""
+    return stream_fd(sys.stdout)
+
+
+def stream_fd(stream: Any) -> int | None:
+    """The file descriptor behind ``stream``, or None where it has none."""
     try:
-        return sys.stdout.fileno()
+        return stream.fileno()
     except (AttributeError, OSError, ValueError):
         return None
+
+
+class ReaderGone:
+    """A text stream (stdout or stderr) that never raises BrokenPipeError: once the reader of its pipe has
+    gone (``lmlab eval RUN | head``, ``lmlab train | tee log`` stopped by Ctrl-C), its file descriptor is
+    pointed at /dev/null and the write, and every later one, succeeds there. Everything else is the stream's."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self.gone = False  # the reader went away: what is written goes to /dev/null (a stream may stop early)
+
+    def _closed_reader(self) -> None:
+        self.gone = True
+        mute(stream_fd(self._stream))
+        with contextlib.suppress(BrokenPipeError):  # what was buffered now goes to /dev/null
+            self._stream.flush()
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed_reader()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed_reader()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, buffer, ...
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def readers_may_go() -> Iterator[None]:
+    """For the duration, stdout and stderr (those with a file descriptor) are :class:`ReaderGone`: a reader of
+    the output that goes away never stops the work, nor changes the exit status. What lmlab's commands run in."""
+    saved = sys.stdout, sys.stderr
+    if stream_fd(sys.stdout) is not None:
+        sys.stdout = ReaderGone(sys.stdout)
+    if stream_fd(sys.stderr) is not None:
+        sys.stderr = ReaderGone(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()  # while still guarded: a closed pipe is muted, not raised at exit
+        sys.stdout, sys.stderr = saved

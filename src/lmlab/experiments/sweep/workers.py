@@ -104,17 +104,21 @@ def _work(sw: Sweep, tasks: Sequence[tuple[int, str, int]], log: Callable[[str],
 
 
 def _worker(sw: Sweep, tasks: list, number: int, threads: int | None) -> None:
-    """A worker process: its own process group (the main process forwards signals), one thread count."""
+    """A worker process: its own process group (the main process forwards signals), one thread count, and
+    output that a reader going away (``lmlab sweep ... | head``) never stops, as in the main process."""
     import torch
+
+    from ...run.progress import readers_may_go
 
     os.setpgid(0, 0)
     if threads:
         torch.set_num_threads(threads)
-    try:
-        _work(sw, tasks, lambda m: print(f"[worker {number}] {m}", flush=True), announce=number == 1)
-    except SweepInterrupted as e:
-        print(f"[worker {number}] {e}", flush=True)
-        os._exit(_INTERRUPTED)
+    with readers_may_go():
+        try:
+            _work(sw, tasks, lambda m: print(f"[worker {number}] {m}", flush=True), announce=number == 1)
+        except SweepInterrupted as e:
+            print(f"[worker {number}] {e}", flush=True)
+            os._exit(_INTERRUPTED)
 
 
 def execute(sw: Sweep, jobs: int, threads: int | None, log: Callable[[str], None]) -> list[dict[str, Any]]:

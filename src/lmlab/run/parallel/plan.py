@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -206,9 +207,7 @@ class Parallel:
             names = [name for name, p in module.named_parameters() if id(p) in ignore]
             ddp_ignore(module, names)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        # buffers stay in sync without broadcasts: constants, or MoE router biases that every rank
-        # updates identically from all-reduced loads
-        return DDP(module, device_ids=ids, broadcast_buffers=False)
+        return DDP(module, device_ids=ids, **no_buffer_broadcasts())
 
     def no_sync(self, trained: nn.Module) -> Callable[[], ContextManager]:
         """A context for the micro-batches before a step's last (``trained``: the module called):
@@ -358,6 +357,18 @@ def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     finally:
         model.set_requires_gradient_sync(True)
         model.set_reshard_after_backward(True)
+
+
+def no_buffer_broadcasts() -> dict[str, bool]:
+    """DistributedDataParallel's argument that turns off its broadcast of the buffers at every forward: the
+    buffers stay in sync without it (constants, and MoE router biases that every rank updates identically
+    from all-reduced loads). torch 2.13 names it ``forward_sync_buffers`` and deprecates ``broadcast_buffers``
+    with a FutureWarning on every process; the older torch that lmlab supports knows only ``broadcast_buffers``.
+    The new flag still broadcasts the buffers once, when DDP starts: they are equal then anyway."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    new = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers" if new else "broadcast_buffers": False}
 
 
 # ============================================================== applying it
