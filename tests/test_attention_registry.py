@@ -93,7 +93,7 @@ def test_a_name_not_registered_is_refused_where_it_is_missing(monkeypatch):
 
 
 def test_both_registries_name_the_same_variants():
-    assert set(ATTENTION_VARIANTS) == set(ATTENTIONS) == {"standard", "mla", "dsa"}
+    assert set(ATTENTION_VARIANTS) == set(ATTENTIONS) == {"standard", "mla", "dsa", "compressed"}
 
 
 # ============================================================== old configs, one model one config

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
-from .schema import Config, added, check_size, suggest
+from .schema import Config, added, check_positive, check_size, divisor_choices, suggest
 
 # config.py imports this module, so it cannot import ModelConfig: the name says what every ``cfg`` here is
 ModelConfig = Any
@@ -98,6 +98,82 @@ class DSAConfig(Config):
                              "does not learn)")
 
 
+# ============================================================== DeepSeek-V4's compressed attention's section
+_V4 = "compressed attention: DeepSeek-V4"
+CompressedKind = Literal["sliding", "csa", "hca"]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CompressedConfig(Config):
+    """DeepSeek-V4's attention (DeepSeek-AI 2026, "DeepSeek-V4", sec. 2.3; transformers' ``DeepseekV4Attention``);
+    ``ModelConfig.compressed``, the section of the ``compressed`` variant (``compressed_attention.py``).
+
+    One key/value head whose keys are its values (``n_kv_heads=1``); queries through a normalized rank-
+    ``q_lora_rank`` latent and a weightless RMSNorm per head; rotary on each head's trailing ``rope_head_dim``
+    dimensions, the output's turned back; a learned sink per head (``attention.sinks``); the heads' outputs
+    projected in ``o_groups`` groups to ``o_lora_rank`` each, then to d_model. Every layer sees a sliding ``window``
+    of raw keys and, by its kind in ``layers`` (repeated over the layers, as ``attention.pattern``):
+      sliding  nothing more;
+      csa      one compressed entry per ``csa_rate`` tokens, pooled over two overlapping windows by a learned gate
+               and position bias, of which a lightning indexer (``index_heads`` x ``index_head_dim``) keeps the
+               ``index_topk`` best per query (compressed sparse attention, sec. 2.3.1);
+      hca      one entry per ``hca_rate`` tokens, non-overlapping, all kept (heavily compressed, sec. 2.3.2).
+    Sliding layers rotate with the model's ``rope``; compressed layers, their compressors and the indexer with
+    base ``rope_base`` and YaRN by ``yarn_factor`` (1: none), whose temperature V4 leaves out (transformers'
+    ``compress`` rotary set). The defaults are V4's shape at laptop scale; V4-Flash's values are in comments."""
+
+    # every field is new with ModelConfig.compressed (added after the first hashed runs), so each is declared with added
+    q_lora_rank: int = added(64, since=_V4)  # the query latent (V4-Flash: 1024)
+    rope_head_dim: int = added(16, since=_V4)  # the trailing dimensions of each head that rotate (V4: 64 of 512)
+    window: int = added(64, since=_V4)  # raw keys each query sees, itself included (n_win; V4: 128)
+    layers: tuple[CompressedKind, ...] = added(("hca", "csa"), since=_V4)  # each layer's kind, repeated
+    csa_rate: int = added(4, since=_V4)  # m: tokens per CSA entry (V4: 4)
+    hca_rate: int = added(32, since=_V4)  # m': tokens per HCA entry (V4: 128)
+    index_heads: int = added(4, since=_V4)  # the indexer's query heads n_h^I (V4: 64)
+    index_head_dim: int = added(32, since=_V4)  # ... their width c^I (V4: 128); the trailing rope_head_dim rotate
+    index_topk: int = added(16, since=_V4)  # CSA entries each query keeps (V4: 512)
+    # the indexer's KL loss to the attention over the entries it keeps (training only; its inputs are detached, as
+    # DeepSeek-V3.2's lightning indexer learns, sec. 2.1.1): the selection itself passes no gradient
+    index_loss_coef: float = added(1.0, since=_V4)
+    o_groups: int = added(2, since=_V4)  # g: groups of heads in the output projection (V4-Flash: 8)
+    o_lora_rank: int = added(64, since=_V4)  # d_g: each group's projection (V4: 1024)
+    rope_base: float = added(160000.0, since=_V4)  # compressed layers' rotary base (compress_rope_theta)
+    yarn_factor: float = added(1.0, since=_V4)  # compressed layers' YaRN factor, 1 = none (V4: 16)
+    yarn_original_max_seq_len: int | None = added(None, since=_V4)  # YaRN's original context; None: max_seq_len
+    yarn_beta_fast: float = added(32.0, since=_V4)  # YaRN's ramp (Peng et al. 2023, as rope.beta_fast)
+    yarn_beta_slow: float = added(1.0, since=_V4)
+
+    def validate(self) -> None:
+        for name in ("q_lora_rank", "rope_head_dim", "window", "csa_rate", "hca_rate", "index_heads",
+                     "index_head_dim", "index_topk", "o_groups", "o_lora_rank"):
+            check_size(f"compressed.{name}", getattr(self, name))
+        if self.rope_head_dim % 2:
+            raise ValueError(f"compressed.rope_head_dim={self.rope_head_dim} must be even: rotary turns pairs of "
+                             f"dimensions; choose {self.rope_head_dim + 1}")
+        if not self.layers:
+            raise ValueError("compressed.layers=[] is empty; give each layer's kind, e.g. ['hca', 'csa']")
+        if self.index_head_dim < self.rope_head_dim:
+            raise ValueError(f"compressed.index_head_dim={self.index_head_dim} is narrower than the "
+                             f"compressed.rope_head_dim={self.rope_head_dim} dimensions it rotates; choose "
+                             f"index_head_dim >= {self.rope_head_dim}")
+        check_positive("compressed.rope_base", self.rope_base)
+        check_positive("compressed.index_loss_coef", self.index_loss_coef, allow_zero=True)
+        if self.yarn_factor < 1:
+            raise ValueError(f"compressed.yarn_factor={self.yarn_factor} is not valid; use 1 (no scaling) or more")
+        if self.yarn_original_max_seq_len is not None:
+            check_size("compressed.yarn_original_max_seq_len", self.yarn_original_max_seq_len)
+        if self.yarn_beta_fast <= self.yarn_beta_slow:
+            raise ValueError(f"compressed.yarn_beta_fast={self.yarn_beta_fast} must be greater than "
+                             f"compressed.yarn_beta_slow={self.yarn_beta_slow}")
+
+    def kind(self, layer: int) -> str:
+        return self.layers[layer % len(self.layers)]
+
+    def rate(self, kind: str) -> int:
+        """Tokens per compressed entry of a layer of ``kind`` (0: a sliding layer has none)."""
+        return {"sliding": 0, "csa": self.csa_rate, "hca": self.hca_rate}[kind]
+
+
 # ============================================================== what each module is built from
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionArgs:
@@ -141,6 +217,23 @@ class SparseAttentionArgs:
     dsa: DSAConfig
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompressedAttentionArgs:
+    """DeepSeek-V4's attention's own config (``compressed_attention.CompressedAttention``): its section ``compressed``
+    and the sizes, rotary and norms around it."""
+
+    d_model: int
+    n_heads: int
+    head_dim: int
+    section: CompressedConfig
+    scale: float  # the factor of every score (ModelConfig.attention_scale: 1 / sqrt(head_dim))
+    dropout: float
+    sinks: str  # attention.sinks: none, learned
+    norm_eps: float  # its RMSNorms' (V4: rms_norm_eps)
+    rope: Any  # ModelConfig.rope (a RopeConfig): the sliding layers' rotary, and the layout of every rotation
+    max_seq_len: int
+
+
 # ============================================================== the variants
 class AttentionVariant:
     """The facts of one attention variant that the config, the memory estimate and the model's accounting need.
@@ -177,9 +270,14 @@ class AttentionVariant:
         raise NotImplementedError
 
     def cache_values(self, cfg: ModelConfig) -> int:
-        """Values the decode cache holds per token and layer (``memory.kv_cache_bytes``)."""
+        """Values the decode cache holds per token and layer."""
         heads, key_width, value_width = self.cache_widths(cfg)
         return heads * (key_width + value_width)
+
+    def cache_values_for(self, cfg: ModelConfig, length: int) -> int:
+        """Values the decode cache holds per row after ``length`` tokens, every layer (``memory.kv_cache_bytes``):
+        ``cache_values`` per token and layer, where the cache grows with every token."""
+        return cfg.n_layers * length * self.cache_values(cfg)
 
     def score_flops(self, cfg: ModelConfig, seq_len: int) -> float:
         """Training FLOPs per token and layer of the scores and their mix of values over a context of ``seq_len``:
@@ -325,9 +423,101 @@ class SparseVariant(LatentVariant):
         return super().score_flops(cfg, min(dsa.topk, seq_len)) + indexer
 
 
+class CompressedVariant(AttentionVariant):
+    """DeepSeek-V4's attention (``compressed_attention.py``), its parameters in the section ``compressed``: one key/
+    value head over a sliding window, plus compressed entries in CSA and HCA layers, a learned sink per head and a
+    grouped output projection."""
+
+    sections = ("compressed",)
+
+    def check(self, cfg: ModelConfig) -> None:
+        c = cfg.compressed
+        if cfg.positions != "rope":
+            raise ValueError(f"attention.variant='compressed' rotates its queries and keys, not positions="
+                             f"{cfg.positions!r}; set positions='rope'")
+        if cfg.n_kv_heads != 1:
+            raise ValueError(f"attention.variant='compressed' has one key/value head whose keys are its values; set "
+                             f"n_kv_heads=1 (it is {cfg.n_kv_heads})")
+        for name in ("qk_norm", "attn_gate"):
+            if getattr(cfg, name) != "none":
+                raise ValueError(f"{name}={getattr(cfg, name)!r} is an option of standard attention, not of compressed "
+                                 f"attention (whose queries have a norm of their own); set {name}='none'")
+        if cfg.qkv_bias:
+            raise ValueError("qkv_bias=True: compressed attention has no biases (as DeepSeek-V4); set qkv_bias=false")
+        a, rope = cfg.attention, cfg.rope
+        if (a.window, tuple(a.pattern), rope.partial, rope.nope_every, rope.local_base) != (
+                None, ("global",), 1.0, 0, None) or rope.scaling == "dynamic":
+            raise ValueError("attention.window/pattern, rope.partial, rope.nope_every, rope.local_base and "
+                             "rope.scaling='dynamic' do not apply to compressed attention (its window is "
+                             "compressed.window, its rotated width compressed.rope_head_dim); leave them at their "
+                             "defaults")
+        if c.rope_head_dim > cfg.head_dim:
+            raise ValueError(f"compressed.rope_head_dim={c.rope_head_dim} exceeds head_dim={cfg.head_dim}; choose "
+                             f"rope_head_dim <= {cfg.head_dim}")
+        if cfg.n_heads * cfg.head_dim % c.o_groups or c.o_groups > cfg.n_heads:
+            raise ValueError(f"compressed.o_groups={c.o_groups} does not split the {cfg.n_heads} heads into groups "
+                             f"of equal width; choose o_groups in {divisor_choices(cfg.n_heads, c.o_groups)}")
+        if cfg.mtp is not None:
+            raise ValueError("mtp with attention.variant='compressed' is not implemented (DeepSeek-V4's MTP layers "
+                             "are not in transformers either); set mtp=null")
+
+    def module_config(self, cfg: ModelConfig) -> CompressedAttentionArgs:
+        return CompressedAttentionArgs(
+            d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, section=cfg.compressed,
+            scale=cfg.attention_scale, dropout=cfg.dropout, sinks=cfg.attention.sinks, norm_eps=cfg.norm_eps,
+            rope=cfg.rope, max_seq_len=cfg.max_seq_len,
+        )
+
+    def widths(self, cfg: ModelConfig) -> tuple[int, int]:
+        return cfg.head_dim, cfg.head_dim
+
+    def rotary_width(self, cfg: ModelConfig) -> int:
+        return cfg.compressed.rope_head_dim
+
+    def cache_widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        return 1, cfg.head_dim, 0  # one head whose keys are its values (the window; entries: cache_values_for)
+
+    def cache_values_for(self, cfg: ModelConfig, length: int) -> int:
+        """What ``compressed_attention.CompressedKVCache`` holds per row after ``length`` tokens: in every layer the
+        window's last window - 1 keys; in a compressed layer its compressor's (and CSA's indexer's) projections of
+        the last 2m (CSA) or m (HCA) tokens, [kv; gate] of each series, and its entries, one per m tokens (room for
+        length // m + 2)."""
+        c, d = cfg.compressed, cfg.head_dim
+        total = 0
+        for layer in range(cfg.n_layers):
+            kind = c.kind(layer)
+            total += min(c.window - 1, length) * d
+            parts = {"sliding": [], "csa": [(c.csa_rate, 2, d), (c.csa_rate, 2, c.index_head_dim)],
+                     "hca": [(c.hca_rate, 1, d)]}[kind]
+            for rate, series, width in parts:
+                total += series * rate * 2 * series * width + (length // rate + 2) * width
+        return total
+
+    def parameter_floor(self, cfg: ModelConfig) -> int:
+        c, heads = cfg.compressed, cfg.n_heads * cfg.head_dim  # the query up-projection and the grouped output one
+        return heads * c.q_lora_rank + heads * c.o_lora_rank
+
+    def score_flops(self, cfg: ModelConfig, seq_len: int) -> float:
+        """Per token, averaged over the layers' kinds: the window's min(window, T) keys, plus CSA's min(topk, T / m)
+        entries and its indexer's scores over all T / m, or HCA's T / m'."""
+        c, d = cfg.compressed, cfg.head_dim
+        total = 0.0
+        for layer in range(cfg.n_layers):
+            kind = c.kind(layer)
+            keys = min(c.window, seq_len)
+            if kind == "csa":
+                entries = seq_len / c.csa_rate
+                keys += min(c.index_topk, entries)
+                total += 6.0 * c.index_heads * c.index_head_dim * entries
+            elif kind == "hca":
+                keys += seq_len / c.hca_rate
+            total += 6.0 * cfg.n_heads * 2 * d * keys
+        return total / cfg.n_layers
+
+
 # attention.variant -> its facts; model.ATTENTIONS holds the module of each name
 ATTENTION_VARIANTS: dict[str, AttentionVariant] = {"standard": StandardVariant(), "mla": LatentVariant(),
-                                                   "dsa": SparseVariant()}
+                                                   "dsa": SparseVariant(), "compressed": CompressedVariant()}
 
 
 # ============================================================== which variant a config means

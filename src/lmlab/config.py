@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from .attention_variants import (
     ATTENTION_VARIANTS,
+    CompressedConfig,
     DSAConfig,
     MLAConfig,
     check_sections,
@@ -320,8 +321,8 @@ class AttentionConfig(Config):
     2023, arXiv:2309.17453, found models make one of the first token).
 
     ``variant``: which attention computes the scores, a name of ``attention_variants.ATTENTION_VARIANTS``
-    (``standard``, ``mla``, ``dsa``); unset, the one the model config's sections imply (``mla`` where ``mla`` is set,
-    ``dsa`` where ``dsa`` is)."""
+    (``standard``, ``mla``, ``dsa``, ``compressed``); unset, the one the model config's sections imply (``mla`` where
+    ``mla`` is set, ``dsa`` where ``dsa`` is, ``compressed`` where ``compressed`` is)."""
 
     # W tokens a local layer's query sees, itself included; None = no local layers
     window: int | None = added(None, since="sliding windows: Mistral, gpt-oss, Gemma 3")
@@ -468,6 +469,9 @@ class ModelConfig(Config):
     # the indexer of attention.variant 'dsa', DeepSeek sparse attention (V3.2): MLA over the keys it selects; set
     # (with mla), it implies that variant
     dsa: DSAConfig | None = added(None, since="DeepSeek sparse attention: DeepSeek-V3.2")
+    # the section of attention.variant 'compressed', DeepSeek-V4's attention (a window, plus CSA or HCA entries per
+    # layer); set, it implies that variant
+    compressed: CompressedConfig | None = added(None, since="compressed attention: DeepSeek-V4")
 
     # ---- details
     bias: bool = False  # biases in linear layers (GPT-2: true; Llama: false)

@@ -127,9 +127,16 @@ def rotary_table_bytes(cfg: ModelConfig, positions: int) -> int:
 
 def kv_cache_bytes(cfg: ModelConfig, batch_size: int, length: int, bytes_per_value: int = 4) -> int:
     """Keys and values of every layer for ``batch_size`` rows of ``length`` tokens (``attention.KVCache``), as
-    the attention variant lays them out (``cache_values``): under MLA the compressed latent and the shared rotary
-    key instead."""
-    return cfg.n_layers * batch_size * length * variant_of(cfg).cache_values(cfg) * bytes_per_value
+    the attention variant lays them out (``cache_values_for``): under MLA the compressed latent and the shared rotary
+    key instead; under DeepSeek-V4's compressed attention a window of keys and one entry per m tokens."""
+    return batch_size * variant_of(cfg).cache_values_for(cfg, length) * bytes_per_value
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, length: int, bytes_per_value: int = 2) -> float:
+    """The cache of one row of ``length`` tokens per token: for a cache that grows with every token its bytes per
+    token at any length; for one that holds a fixed window and one entry per m tokens (compressed attention),
+    the window's share falls with the length."""
+    return kv_cache_bytes(cfg, 1, length, bytes_per_value) / length
 
 
 def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, parameters: int | None = None,

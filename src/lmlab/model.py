@@ -24,6 +24,7 @@ from torch import nn
 
 from .attention import Attention, KVCache, StaticKVCache
 from .attention_variants import variant_of
+from .compressed_attention import CompressedAttention
 from .config import ModelConfig
 from .feedforward import FFNS, feedforward_args
 from .init import Init, init_module
@@ -134,7 +135,8 @@ class ReorderedNormBlock(ResidualBlock):
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock, "sandwich": SandwichNormBlock, "reordered": ReorderedNormBlock}
 # attention.variant -> the module that computes it, built from the config its variant makes (module_config); the
 # variant's facts (widths, cache layout, accounting, what it supports) are attention_variants.ATTENTION_VARIANTS'
-ATTENTIONS = {"standard": Attention, "mla": LatentAttention, "dsa": SparseLatentAttention}
+ATTENTIONS = {"standard": Attention, "mla": LatentAttention, "dsa": SparseLatentAttention,
+              "compressed": CompressedAttention}
 
 
 class LayerContexts:
@@ -363,8 +365,10 @@ class Transformer(nn.Module):
         ``mtp``: the cache of the multi-token prediction modules' blocks instead of the main blocks'."""
         p, cfg = self.head.weight, self.config
         layers = range(cfg.n_layers, cfg.n_layers + self.mtp.depth) if mtp else range(cfg.n_layers)
-        return KVCache(cfg, batch_size, max_len or cfg.max_seq_len, device=p.device, dtype=dtype or p.dtype,
-                       layers=layers)
+        # a variant whose cache is not keys per slot names its own class (compressed attention's)
+        cache = getattr(ATTENTIONS[cfg.attention_variant], "cache_class", KVCache)
+        return cache(cfg, batch_size, max_len or cfg.max_seq_len, device=p.device, dtype=dtype or p.dtype,
+                     layers=layers)
 
     def reserve_positions(self, n: int, device: torch.device) -> None:
         """Build now the position tables of positions below ``n`` (see ``PositionScheme.reserve``)."""
