@@ -246,6 +246,7 @@ def test_design_page_layout_tables_name_every_module_and_only_real_ones():
 
 
 # ============================================================== the offline lm-eval task of docs/export.md
+@pytest.mark.slow  # lm_eval in its own process: ~16 s of CPU
 def test_the_documented_lm_eval_task_is_local_and_runs_where_lm_eval_is_installed(tmp_path):
     """docs/export.md's local task: a well-formed lm-evaluation-harness task YAML that reads the JSONL its next
     line writes (no download), named by the lm_eval line that runs it; the lm_eval line itself runs where
@@ -272,6 +273,7 @@ def test_the_documented_lm_eval_task_is_local_and_runs_where_lm_eval_is_installe
     if importlib.util.find_spec("lm_eval") is None:
         pytest.skip("lm_eval is not installed here (pip install 'lm_eval[hf]'); its task file and data are checked")
     env = {**os.environ, "DOC_PYTHON": sys.executable, "DOC_EXTRA": "", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1",  # lm_eval asks the hub about the local model and task otherwise: no network here
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     model = lmlab_tiny_export(tmp_path / "exported" / "mine")
     assert model.is_dir()
