@@ -42,6 +42,30 @@ HF_CASES = {
         **INDEXER),
         {"attention_variant": "dsa", "rope.scaling": "yarn", "moe.first_dense": 2}),
 }
+# the Llama layout at tiny widths (the dense families), four layers so that a window pattern repeats
+LLAMA_BODY = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+W = 5  # a window; 24 tokens cross it several times
+HF_CASES.update({
+    "olmo3": ("Olmo3Config", dict(LLAMA_BODY, sliding_window=W), {
+        "norm_position": "reordered", "qk_norm": "full", "attention.window": W, "rope.base": 5e5,
+        "attention.pattern": ("local", "local", "local", "global")}),
+    # the full layers scaled (YaRN), the sliding ones at their own base
+    "olmo3_yarn_local_base": ("Olmo3Config", dict(LLAMA_BODY, sliding_window=W, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                           "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        layer_types=["sliding_attention", "full_attention"] * 2), {
+        "rope.scaling": "yarn", "rope.base": 1e4, "rope.local_base": 100.0, "attention.pattern": ("local", "global")}),
+    # full layers without rotary (NoPE) every second layer, between rotating sliding ones
+    "exaone4": ("Exaone4Config", dict(LLAMA_BODY, sliding_window=W, sliding_window_pattern=2), {
+        "norm_position": "reordered", "qk_norm": "head", "rope.nope_every": 2,
+        "attention.pattern": ("local", "global")}),
+    "exaone4_no_window": ("Exaone4Config", dict(LLAMA_BODY, sliding_window=None, layer_types=["full_attention"] * 4,
+                                                head_dim=12, tie_word_embeddings=True), {
+        "rope.nope_every": 0, "attention.window": None, "head_dim": 12, "tie_embeddings": True}),
+})
 MEASURED: dict[str, float] = {}  # the largest |logit difference| per check and family, printed by the last test
 
 
@@ -148,6 +172,17 @@ LMLAB_CASES = {
         "mla": MLA, "dsa": DSA | dict(indexer_head_dim=4, topk=3), "rope.layout": "interleaved",
         "rope.scaling": "yarn", "rope.factor": 4.0, "rope.original_max_seq_len": 8, "rope.mscale": 0.707,
         "rope.mscale_all_dim": 1.0}, "deepseek_v32"),
+    "olmo3_windows": ("olmo2", {"n_kv_heads": 2, "attention.window": 4, "attention.pattern": ["local", "global"]},
+                      "olmo3"),
+    "olmo3_local_base_interleaved": ("olmo2", {
+        "attention.window": 4, "attention.pattern": ["local", "local", "global"], "n_layers": 3, "rope.base": 1e4,
+        "rope.local_base": 100.0, "rope.scaling": "linear", "rope.factor": 2.0, "rope.layout": "interleaved"},
+        "olmo3"),
+    "exaone4_nope": (None, {"norm_position": "reordered", "qk_norm": "head", "n_layers": 3, "n_kv_heads": 2,
+                            "attention.window": 4, "attention.pattern": ["local", "local", "global"],
+                            "rope.nope_every": 3}, "exaone4"),
+    "exaone4_no_window": (None, {"norm_position": "reordered", "qk_norm": "head", "head_dim": 12,
+                                 "tie_embeddings": True}, "exaone4"),
 }
 
 
@@ -217,6 +252,56 @@ def test_v32_configs_lmlab_cannot_express_are_refused(changes, message):
     (dict(mla=MLA, dsa=DSA, bias=True), None, "deepseek_v32: bias=True (DeepSeek-V3 has no biases)"),
 ])
 def test_models_deepseek_v32_cannot_hold_are_refused_by_name(tmp_path, fields, asked, message):
+    with pytest.raises(ValueError) as err:
+        to_hf(lmlab_model(**fields), tmp_path / "out", architecture=asked)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ================================================================== OLMo 3 and EXAONE 4: what parity rests on
+@pytest.mark.parametrize("case, changes", [
+    ("olmo3_yarn_local_base", [{"rope.local_base": None}, {"attention.window": None, "attention.pattern": ["global"],
+                                                           "rope.local_base": None}]),
+    ("exaone4", [{"rope.nope_every": 0}, {"qk_norm": "none"}]),
+])
+def test_each_choice_the_family_loads_changes_the_logits(loaded, case, changes):
+    hf, _, ours = loaded(case)
+    idx = tokens()
+    ref = logits(hf, idx)
+    for change in changes:
+        other = lmlab.Transformer(ours.config.override(change)).eval()
+        other.load_state_dict(ours.state_dict(), strict=change != {"qk_norm": "none"})
+        assert not torch.allclose(logits(other, idx), ref, atol=1e-2), change
+
+
+@pytest.mark.parametrize("config_class, changes, message", [
+    ("Olmo3Config", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "give sliding_attention rope_type 'default'"),
+    ("Olmo3Config", dict(attention_bias=True), "attention_bias=True"),
+    ("Olmo3Config", dict(sliding_window=None), "sliding_window null"),
+    ("Exaone4Config", dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"]),
+     "NoPE layers are every n-th layer"),
+    ("Exaone4Config", dict(sliding_window=None, layer_types=["sliding_attention", "full_attention"] * 2),
+     "its sliding_attention layers need a sliding_window"),
+])
+def test_configs_the_dense_families_cannot_express_are_refused(config_class, changes, message):
+    hf = {**getattr(transformers, config_class)(**dict(LLAMA_BODY, sliding_window=W)).to_dict(), **changes}
+    with pytest.raises(ValueError) as err:
+        config_from_hf(hf)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fields, asked, message", [
+    ({"norm_position": "reordered", "qk_norm": "head", "attention.window": 4, "attention.pattern": ["local", "global"]},
+     "exaone4", "rope.nope_every=0 with attention.pattern=['local', 'global'] (EXAONE 4's layers without rotary are "
+     "exactly its full-attention layers"),
+    ({"norm_position": "reordered", "qk_norm": "full", "rope.nope_every": 2}, "olmo3",
+     "rope.nope_every=2 (OLMo 3 has no NoPE layers)"),
+    ({"norm_position": "pre", "qk_norm": "full", "attention.window": 4, "attention.pattern": ["local"]}, "olmo3",
+     "norm_position='pre' (OLMo 3 normalizes each sublayer's output)"),
+])
+def test_models_the_dense_families_cannot_hold_are_refused_by_name(tmp_path, fields, asked, message):
     with pytest.raises(ValueError) as err:
         to_hf(lmlab_model(**fields), tmp_path / "out", architecture=asked)
     assert message in str(err.value) and "\n" not in str(err.value)

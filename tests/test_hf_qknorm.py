@@ -189,7 +189,9 @@ def test_config_from_hf_refuses_what_lmlab_cannot_express(model_type, changes, m
 
 @pytest.mark.parametrize("fields, message", [
     (dict(norm_position="sandwich"), "olmo2: norm_position='sandwich' (OLMo 2 normalizes each sublayer's output)"),
-    (dict(qk_norm="head", norm_position="reordered"), "olmo2: qk_norm='head' (OLMo 2 normalizes the whole query"),
+    # (EXAONE 4 computes per-head q/k norms with reordered norms, but not partial rotary)
+    ({"qk_norm": "head", "norm_position": "reordered", "rope.partial": 0.5},
+     "olmo2: qk_norm='head' (OLMo 2 normalizes the whole query"),
     (dict(qk_norm="full"), "olmo2: norm_position='pre' (OLMo 2 normalizes each sublayer's output)"),
     (dict(qk_norm="head", bias=True), "qwen3: bias=True (Qwen3 has no biases outside attention)"),
     (dict(attn_gate="elementwise"), "attn_gate='elementwise' has no exact transformers architecture"),

@@ -278,7 +278,9 @@ HF_VALUES: Mapping[str, str] = {
         "vocab_size", "max_position_embeddings", "head_dim", "moe_intermediate_size", "num_experts_per_tok", "n_embd",
         "n_layer", "n_head", "n_positions", "n_inner", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
         "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "decoder_sparse_step", "moe_layer_freq",
-        "no_rope_layer_interval", "sliding_window_pattern", "original_max_position_embeddings"), WHOLE),
+        "no_rope_layer_interval", "original_max_position_embeddings", "index_topk", "index_head_dim",
+        "index_n_heads"), WHOLE),
+    # not sliding_window_pattern: Gemma 3 reads a whole number, EXAONE 4 also 0 (no window) or a string ("LLLG")
     # 0 experts: the family names the dense model_type to load it as; a window of 0: the attention config refuses it
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "sliding_window",
                      "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "max_window_layers",
