@@ -172,7 +172,16 @@ def help_sections(text: str) -> dict[str, str]:
 
 
 def test_train_help_names_presets_and_every_default_by_section(capsys):
-    from lmlab.config import PRESETS, MLAConfig, MoEConfig, MTPConfig, MupConfig, StreamsConfig
+    from lmlab.config import (
+        PRESETS,
+        CompressedConfig,
+        DSAConfig,
+        MLAConfig,
+        MoEConfig,
+        MTPConfig,
+        MupConfig,
+        StreamsConfig,
+    )
     from lmlab.run.config import LookupConfig, RepeatsConfig, RunConfig, flatten
 
     code, out, _ = run(capsys, "train", "--help")
@@ -186,6 +195,7 @@ def test_train_help_names_presets_and_every_default_by_section(capsys):
     assert cfg.train.repeats is None and "repeats.* is off" in sections["train"]  # planted repeats: off too
     defaults = {**cfg.to_dict(), "model": {**cfg.model.to_dict(), "moe": MoEConfig().to_dict(),
                                            "mla": MLAConfig().to_dict(), "mtp": MTPConfig().to_dict(),
+                                           "dsa": DSAConfig().to_dict(), "compressed": CompressedConfig().to_dict(),
                                            "mup": MupConfig().to_dict(),
                                            "residual_streams": StreamsConfig().to_dict()},
                 "train": {**cfg.train.to_dict(), "repeats": RepeatsConfig().to_dict(),

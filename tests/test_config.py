@@ -57,7 +57,7 @@ CHOICES = {
     "positions": ["none", "sinusoidal", "learned", "relative", "alibi", "rope"],
     "ffn": ["mlp", "glu"],
     "activation": ["gelu", "gelu_tanh", "silu", "relu", "quick_gelu"],
-    "glu_variant": ["plain", "clamped"],
+    "glu_variant": ["plain", "clamped", "limited"],
     "residual_scaling": ["none", "gpt2", "deepnorm"],
     "embed_scale": ["none", "sqrt_d"],
     "norm_gain": ["plain", "offset"],

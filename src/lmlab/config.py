@@ -44,12 +44,12 @@ AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
 Activation = Literal["gelu", "gelu_tanh", "silu", "relu", "quick_gelu"]
-GLUVariant = Literal["plain", "clamped"]
+GLUVariant = Literal["plain", "clamped", "limited"]
 ResidualScaling = Literal["none", "gpt2", "deepnorm"]
 EmbedScale = Literal["none", "sqrt_d"]
 RopeScaling = Literal["none", "linear", "ntk", "dynamic", "yarn", "llama3"]
 RopeLayout = Literal["half", "interleaved"]
-Scoring = Literal["softmax", "sigmoid"]
+Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 GroupScore = Literal["max", "top2"]
 SecondExpert = Literal["always", "random"]
 SharedGate = Literal["none", "sigmoid"]
@@ -162,7 +162,8 @@ class MoEConfig(Config):
     every: int = 1  # layer l is MoE if l >= first_dense and (l - first_dense) % every == 0
     first_dense: int = 0  # the first k layers stay dense (DeepSeekMoE 16B, DeepSeek-V3)
     # ---- router
-    scoring: Scoring = "softmax"  # sigmoid: independent affinities (DeepSeek-V3 sec. 2.1.2)
+    # sigmoid: independent affinities (DeepSeek-V3 sec. 2.1.2); sqrtsoftplus: sqrt(softplus(logit)) (DeepSeek-V4)
+    scoring: Scoring = "softmax"
     normalize_top_k: bool = False  # rescale the K chosen weights to sum to 1 (GShard, Mixtral, V3)
     routed_scale: float = 1.0  # multiply the routed output (DeepSeek-V3's routed_scaling_factor, 2.5)
     n_groups: int = 1  # contiguous expert groups: devices of group-limited routing and the device loss
@@ -179,6 +180,10 @@ class MoEConfig(Config):
     bias_update_rate: float = 0.0  # gamma of DeepSeek-V3's loss-free balancing (V3 used 1e-3); 0 = off
     # a learned bias on the router logits, x·centroid + b: it shifts both the choice and the weights (gpt-oss)
     router_bias: bool = added(False, since="gpt-oss")
+    # the first k layers route each token to the experts a fixed table names for its id, the centroids only
+    # weighing them (DeepSeek-V4's hash MoE, sec. 2.1: its first 3 layers); the table is a buffer, drawn at init,
+    # loaded and saved
+    hash_layers: int = added(0, since="hash routing: DeepSeek-V4")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -228,7 +233,7 @@ class MoEConfig(Config):
     def validate(self) -> None:
         for name in ("n_experts", "top_k", "granularity", "every", "n_groups"):
             check_size(f"moe.{name}", getattr(self, name))
-        for name in ("n_shared", "first_dense"):
+        for name in ("n_shared", "first_dense", "hash_layers"):
             check_size(f"moe.{name}", getattr(self, name), allow_zero=True)
         check_size("moe.n_experts*granularity", self.routed_experts)
         for name in ("load_balance_coef", "z_loss_coef", "expert_balance_coef", "device_balance_coef",
@@ -293,6 +298,13 @@ class MoEConfig(Config):
                 f"moe.first_dense={self.first_dense} leaves no MoE layer among n_layers={n_layers}; "
                 f"choose first_dense < {n_layers}"
             )
+        dense = [i for i in range(min(self.hash_layers, n_layers)) if not self.applies_to(i)]
+        if self.hash_layers > n_layers or dense:
+            raise ValueError(
+                f"moe.hash_layers={self.hash_layers} routes the first {self.hash_layers} layers by token id, and "
+                + (f"layer {dense[0]} is dense (moe.first_dense, moe.every)" if dense else f"n_layers={n_layers}")
+                + f"; choose hash_layers <= {min([n_layers, *dense])}"
+            )
         width = self.d_expert or d_ff
         if width % self.granularity:
             name = "moe.d_expert" if self.d_expert else "d_ff (the expert width while moe.d_expert is unset)"
@@ -303,6 +315,10 @@ class MoEConfig(Config):
 
     def applies_to(self, layer: int) -> bool:
         return layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
+
+    def hashes(self, layer: int) -> bool:
+        """Does MoE layer ``layer`` route by token id (``hash_layers``)?"""
+        return layer < self.hash_layers
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -450,6 +466,8 @@ class ModelConfig(Config):
     activation: Activation = "silu"  # glu + silu = SwiGLU; quick_gelu: x sigmoid(1.702 x) (Hendrycks & Gimpel 2016)
     # plain: act(gate) * up; clamped: act(min(gate, 7)) * (clamp(up, -7, 7) + 1), gpt-oss's experts (with quick_gelu)
     glu_variant: GLUVariant = added("plain", since="gpt-oss")
+    # limited: act(min(gate, L)) * clamp(up, -L, L), L this (DeepSeek-V4's swiglu_limit, 10: experts and shared expert)
+    glu_limit: float = added(10.0, since="DeepSeek-V4's clamped SwiGLU")
     residual_scaling: ResidualScaling = "none"  # gpt2: out-proj init / sqrt(2L); deepnorm: Wang et al. 2022
     embed_scale: EmbedScale = "none"  # sqrt_d: multiply embeddings by sqrt(d_model) (Vaswani et al. 2017, sec. 3.4)
     # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
@@ -578,6 +596,10 @@ class ModelConfig(Config):
             )
         if self.glu_variant != "plain" and self.ffn != "glu":
             raise ValueError(f"glu_variant={self.glu_variant!r} is a form of the gated feed-forward; set ffn='glu'")
+        check_positive("glu_limit", self.glu_limit)
+        if self.glu_limit != 10.0 and self.glu_variant != "limited":
+            raise ValueError(f"glu_limit={self.glu_limit} is the clamp of glu_variant='limited', not "
+                             f"{self.glu_variant!r}; set glu_variant='limited' or leave glu_limit at 10")
         if self.norm_gain != "plain" and self.norm != "rmsnorm":
             raise ValueError(
                 f"norm_gain={self.norm_gain!r} is a parametrization of RMSNorm's gain; set norm='rmsnorm' or "

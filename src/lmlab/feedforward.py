@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,24 @@ def clamped_glu(z: torch.Tensor, activation: str) -> torch.Tensor:
     return (up + 1) * ACTIVATIONS[activation](gate)
 
 
-GLUS = {"plain": glu, "clamped": clamped_glu}  # ModelConfig.glu_variant -> the gated unit
+SWIGLU_LIMIT = 10.0  # DeepSeek-V4's swiglu_limit: ModelConfig.glu_limit's default
+
+
+def limited_glu(z: torch.Tensor, activation: str, limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """act(min(gate, L)) * clamp(up, -L, L) for z = [gate, up] (..., 2F) -> (..., F): DeepSeek-V4's routed and shared
+    experts (swiglu_limit L = 10; transformers' ``DeepseekV4Experts``), gpt-oss's clamps without its + 1. Written
+    out, autograd differentiates it."""
+    gate, up = z.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+GLUS = {"plain": glu, "clamped": clamped_glu, "limited": limited_glu}  # ModelConfig.glu_variant -> the gated unit
+
+
+def gated_unit(variant: str, limit: float) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """The gated unit ``GLUS[variant]`` as (z, activation) -> (..., F), with ``limit`` (ModelConfig.glu_limit) bound
+    where the unit takes one: ``limited``'s."""
+    return functools.partial(limited_glu, limit=limit) if variant == "limited" else GLUS[variant]
 
 
 # ============================================================== the dense feed-forwards (ModelConfig.ffn)
@@ -117,12 +135,13 @@ class FeedForwardArgs:
     bias: bool
     activation: str  # a name of ACTIVATIONS
     glu_variant: str  # a name of GLUS (the gated unit only)
+    glu_limit: float = SWIGLU_LIMIT  # the clamp of glu_variant 'limited'
 
 
 def feedforward_args(cfg: ModelConfig) -> FeedForwardArgs:
     """What the dense feed-forward of ``cfg`` is built from, and nothing else of the model config."""
     return FeedForwardArgs(d_model=cfg.d_model, d_ff=cfg.d_ff, bias=cfg.bias, activation=cfg.activation,
-                           glu_variant=cfg.glu_variant)
+                           glu_variant=cfg.glu_variant, glu_limit=cfg.glu_limit)
 
 
 class MLP(nn.Module):
@@ -154,7 +173,7 @@ class GLU(nn.Module):
         self.gate_up = nn.Linear(args.d_model, 2 * self.d_ff, bias=args.bias)
         self.down = nn.Linear(self.d_ff, args.d_model, bias=args.bias)
         self.activation = args.activation
-        self.glu = GLUS[args.glu_variant]
+        self.glu = gated_unit(args.glu_variant, args.glu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.glu(self.gate_up(x), self.activation))

@@ -30,7 +30,7 @@ from .feedforward import FFNS, feedforward_args
 from .init import Init, init_module
 from .loss import LOSSES
 from .mla import LatentAttention
-from .moe import MoE, moe_args
+from .moe import HashRouter, MoE, moe_args
 from .mtp import build_mtp
 from .mup import build_readout, rescale_init
 from .norm import build_norm
@@ -183,7 +183,7 @@ def build_attention(cfg: ModelConfig, layer: int, term: AttentionTerm) -> nn.Mod
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
     """The feed-forward sublayer of block ``layer``: dense, or mixture-of-experts where configured."""
-    return MoE(moe_args(cfg)) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](feedforward_args(cfg))
+    return MoE(moe_args(cfg, layer)) if cfg.is_moe_layer(layer) else FFNS[cfg.ffn](feedforward_args(cfg))
 
 
 def deepnorm_alpha(n_layers: int) -> float:
@@ -258,6 +258,8 @@ class Transformer(nn.Module):
         # MTP blocks are global layers with the model's position scheme (DeepSeek-V3 has no windows)
         self.mtp = build_mtp(cfg, lambda layer: BLOCKS[cfg.norm_position](cfg, layer, self.positions.attention_term()))
         self.moe_layers = [b.ffn for b in self.blocks if hasattr(b.ffn, "aux_loss")]
+        # routers that route by token id (moe.hash_layers): each forward hands them its ids before the blocks run
+        self.hash_routers = [m.router for m in self.moe_layers if isinstance(m.router, HashRouter)]
         # every sublayer with auxiliary losses of its own: the MoE layers, and attention with a learned selection (dsa)
         self.aux_layers = [b.attn for b in self.blocks if hasattr(b.attn, "aux_losses")] + self.moe_layers
         self.set_loss_impl("chunked")
@@ -296,6 +298,8 @@ class Transformer(nn.Module):
                            attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Context]:
         """:meth:`hidden`, and the context it ran with (the MTP modules run at the same positions)."""
         ctx = self.context(idx, cache, attention_mask)
+        for router in self.hash_routers:
+            router.tokens = idx  # (B, T): what the hash-routed layers route by
         x = self.drop(self.positions.embed(self.embed_tokens(idx), ctx))  # (B, T, C)
         x = self.streams.widen(x)  # (B, T, n, C) under hyper and mhc; plain: x itself
         for block, layer_ctx in zip(self.blocks, self.layer_contexts(ctx)):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
-from .feedforward import ACTIVATION_GRADS, ACTIVATIONS, GLUS, FeedForwardArgs, feedforward_args
+from .feedforward import ACTIVATION_GRADS, ACTIVATIONS, SWIGLU_LIMIT, FeedForwardArgs, feedforward_args, gated_unit
 from .grouped_mm import grouped_matmul, grouped_mm
 from .init import Init, init_module
 from .schema import check_choice
@@ -70,7 +70,14 @@ def sigmoid_scores(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scores_TE, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
 
-SCORINGS = {"softmax": softmax_scores, "sigmoid": sigmoid_scores}
+def sqrtsoftplus_scores(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqrt(softplus(logit)): DeepSeek-V4's affinities (transformers' ``sqrtsoftplus``), positive as sigmoid's, not
+    bounded by 1."""
+    scores_TE = F.softplus(logits_TE).sqrt()
+    return scores_TE, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+
+SCORINGS = {"softmax": softmax_scores, "sigmoid": sigmoid_scores, "sqrtsoftplus": sqrtsoftplus_scores}
 
 GROUP_SCORES = {
     "max": lambda s_TGe: s_TGe.amax(dim=-1),  # DeepSeek-V2
@@ -143,6 +150,45 @@ class Router(nn.Module):
         return send_TK
 
 
+class HashRouter(nn.Module):
+    """Hash routing (DeepSeek-V4 sec. 2.1; transformers' ``DeepseekV4HashRouter``), for the first ``moe.hash_layers``
+    layers: token id t goes to the K experts a fixed table names, ``table[t]`` (V, K), a buffer (``tid2eid``)
+    saved and loaded with the weights; the learned centroids still weigh them, as the top-k router's chosen scores
+    are weighed (normalized where ``moe.normalize_top_k``, times ``moe.routed_scale``). No selection bias: nothing
+    is chosen by score. The model hands it each forward's token ids (``tokens``, T) before its blocks run."""
+
+    def __init__(self, moe: MoEConfig, d_model: int, vocab_size: int):
+        super().__init__()
+        E = moe.routed_experts
+        self.n_experts, self.top_k = E, moe.active_experts
+        self.weight = nn.Parameter(torch.empty(E, d_model))  # one centroid per expert
+        self.register_buffer("table", torch.zeros(vocab_size, self.top_k, dtype=torch.long))  # token id -> experts
+        self.score = SCORINGS[moe.scoring]
+        self.routed_scale = moe.routed_scale
+        self.normalize = normalize_weights if moe.normalize_top_k else (lambda w_TK: w_TK)
+        self.tokens: torch.Tensor | None = None  # (T,) the ids of the tokens routed next
+
+    def init_params(self, init: Init) -> None:
+        """Centroids ~ N(0, std); each token id's K experts distinct and drawn uniformly from the init generator (a
+        random hash; a checkpoint brings its own table)."""
+        init.normal(self.weight, init.std)
+        if not self.table.is_meta:
+            V, E = self.table.shape[0], self.n_experts
+            self.table.copy_(torch.rand(V, E, generator=init.generator).argsort(dim=-1)[:, : self.top_k])
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        if self.tokens is None or self.tokens.numel() != x_TD.shape[0]:
+            raise ValueError("a hash-routed MoE layer routes by token id and was given none for these tokens; run it "
+                             "inside the model (Transformer.forward hands it the ids)")
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())  # fp32 even under autocast
+        scores_TE, probs_TE = self.score(logits_TE)
+        expert_TK = self.table[self.tokens.reshape(-1)]  # (T, K): the table's experts, whatever the scores
+        weight_TK = self.normalize(scores_TE.gather(1, expert_TK)) * self.routed_scale
+        send_TK = torch.ones_like(expert_TK, dtype=torch.bool)
+        return Routing(logits_TE, probs_TE, expert_TK, weight_TK, send_TK, count_per_expert(expert_TK, self.n_experts))
+
+
 def count_per_expert(expert_X: torch.Tensor, n: int) -> torch.Tensor:
     """How many entries of ``expert_X`` (any shape, values in [0, n)) name each of the n experts.
     ``torch.bincount`` would do, but its output size depends on the data, which breaks a compiled graph."""
@@ -198,7 +244,7 @@ class Experts(nn.Module):
     the devices that hold their experts, call it there, send the results back)."""
 
     def __init__(self, n: int, d_model: int, width: int, ffn: str, activation: str, bias: bool,
-                 glu_variant: str = "plain"):
+                 glu_variant: str = "plain", glu_limit: float = SWIGLU_LIMIT):
         super().__init__()
         self.n, self.width = n, width
         self.in_name = "gate_up" if ffn == "glu" else "up"
@@ -208,7 +254,7 @@ class Experts(nn.Module):
         self.in_bias = nn.Parameter(torch.zeros(n, rows)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
         self.activation = activation
-        self.glu = GLUS[glu_variant]  # ModelConfig.glu_variant
+        self.glu = gated_unit(glu_variant, glu_limit)  # ModelConfig.glu_variant and its clamp
         self.hidden = self.glu_hidden if ffn == "glu" else ACTIVATIONS[activation]
         self.weighted_down = self.gate_then_down if self.down_bias is None else self.down_then_gate
         # the CPU path (RoutedExperts) covers experts without biases whose activation has a written-out gradient
@@ -507,8 +553,8 @@ class SharedExperts(Experts):
     is ``MoEConfig.shared_width``: the routed F, or a checkpoint's own shared width."""
 
     def __init__(self, n_shared: int, d_model: int, width: int, ffn: str, activation: str, bias: bool,
-                 glu_variant: str = "plain"):
-        super().__init__(1, d_model, n_shared * width, ffn, activation, bias, glu_variant)
+                 glu_variant: str = "plain", glu_limit: float = SWIGLU_LIMIT):
+        super().__init__(1, d_model, n_shared * width, ffn, activation, bias, glu_variant, glu_limit)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """:meth:`Experts.one` of the one fused expert, reading its weights through views (the backward of
@@ -555,11 +601,14 @@ class MoEArgs:
     moe: MoEConfig
     unit: str  # "mlp" | "glu": what each expert computes (ModelConfig.ffn)
     ffn: FeedForwardArgs
+    hash_vocab: int | None = None  # routed by a token-id table of this many ids (moe.hash_layers); None: top-k
 
 
-def moe_args(cfg: ModelConfig) -> MoEArgs:
-    """What the MoE layers of ``cfg`` are built from, and nothing else of the model config."""
-    return MoEArgs(moe=cfg.moe, unit=cfg.ffn, ffn=feedforward_args(cfg))
+def moe_args(cfg: ModelConfig, layer: int | None = None) -> MoEArgs:
+    """What the MoE layer ``layer`` of ``cfg`` is built from (None: any learned-routing layer), and nothing else of
+    the model config."""
+    hashed = layer is not None and cfg.moe.hashes(layer)
+    return MoEArgs(moe=cfg.moe, unit=cfg.ffn, ffn=feedforward_args(cfg), hash_vocab=cfg.vocab_size if hashed else None)
 
 
 class MoE(nn.Module):
@@ -577,8 +626,9 @@ class MoE(nn.Module):
         super().__init__()
         moe, ffn = args.moe, args.ffn
         self.n_experts, self.top_k = moe.routed_experts, moe.active_experts
-        unit = (args.unit, ffn.activation, ffn.bias, ffn.glu_variant)  # the feed-forward every expert computes
-        self.router = Router(moe, ffn.d_model)
+        unit = (args.unit, ffn.activation, ffn.bias, ffn.glu_variant, ffn.glu_limit)  # what every expert computes
+        hashed = args.hash_vocab is not None
+        self.router = HashRouter(moe, ffn.d_model, args.hash_vocab) if hashed else Router(moe, ffn.d_model)
         self.experts = Experts(self.n_experts, ffn.d_model, moe.expert_width(ffn.d_ff), *unit)
         if moe.n_shared == 0:
             self.shared = NoSharedExperts()
@@ -595,7 +645,7 @@ class MoE(nn.Module):
             "device_balance": (moe.device_balance_coef, functools.partial(device_balance_loss, n_groups=moe.n_groups)),
         }
         self.loss_terms = {name: (coef, fn) for name, (coef, fn) in terms.items() if coef > 0}
-        self.bias_update_rate = moe.bias_update_rate
+        self.bias_update_rate = 0.0 if hashed else moe.bias_update_rate  # a hash layer chooses by its table
         self.register_buffer("load", torch.zeros(self.n_experts), persistent=False)  # sent since update_bias
         self.aux_losses: dict[str, torch.Tensor] = {}
         # (sent_E, kept, entropy sum, forwards) of the last forward, or summed over forwards while ``summing``
