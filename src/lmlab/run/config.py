@@ -312,9 +312,19 @@ class EvalConfig(Section):
     every: int = 250  # steps between validation passes
     batches: int = 20  # validation batches of train.batch_size sequences per pass
     windows: Literal["first", "spread"] = "first"  # the split's first windows, or as many spread evenly over it
+    # lm-evaluation-harness tasks run at each validation pass (run/eval_harness.py): task YAML files (data on
+    # disk) or names of the harness's tasks whose data is in the Hugging Face cache; nothing is downloaded
+    tasks: tuple[str, ...] = added((), since="downstream evaluations while training: lm-evaluation-harness")
+    task_limit: int | None = added(None, since="downstream evaluations while training")  # documents per task; None: all
 
     def validate(self) -> None:
-        self.positive("every", "batches")
+        self.positive("every", "batches", "task_limit")
+        for i, task in enumerate(self.tasks):
+            if not task.strip():
+                raise ValueError(f"eval.tasks[{i}] is empty; name a task YAML file or a task lm-evaluation-harness "
+                                 "ships")
+            if task in self.tasks[:i]:
+                raise ValueError(f"eval.tasks names {task!r} twice; name each task once")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -409,6 +419,9 @@ class RunConfig(Config):
         if mtp is not None and mtp.depth >= self.seq_len:  # module k's targets lie k + 1 ahead in the window
             raise ValueError(f"model.mtp.depth={mtp.depth} leaves module {mtp.depth} no target in a window of "
                              f"train.seq_len={self.seq_len} tokens; choose mtp.depth at most {self.seq_len - 1}")
+        if self.eval.tasks and self.task != "lm":
+            raise ValueError(f"eval.tasks scores a language model's text; task={self.task!r} trains a classifier, "
+                             "leave eval.tasks empty")
         r = self.train.repeats
         if r is not None and self.task != "lm":
             raise ValueError(f"train.repeats plants repeats in a token stream; task={self.task!r} trains on rows, "
