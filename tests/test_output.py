@@ -181,3 +181,57 @@ def test_ddp_starts_without_the_broadcast_buffers_future_warning():
             DistributedDataParallel(model, broadcast_buffers=False)
     finally:
         dist.destroy_process_group()
+
+
+# ============================================================== balancing off, from Python too
+def unbalanced_model(**moe) -> lmlab.Transformer:
+    return lmlab.Transformer(lmlab.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
+                                               moe=lmlab.MoEConfig(n_experts=4, top_k=2, **moe)))
+
+
+def test_a_mixture_of_experts_trained_without_balancing_is_warned_about_in_python():
+    """The command line said "balancing: OFF" in a run's first lines; a model trained from Python (its own loop,
+    or Trainer(quiet=True)) said nothing. Now its first training forward warns, once; evaluating never does."""
+    from lmlab.moe import UnbalancedExperts, balancing_line
+
+    model = unbalanced_model(expert_balance_coef=0.0)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model.eval()(idx)  # evaluating: nothing to say
+        model.train()
+        with torch.no_grad():
+            model(idx)  # no gradients: not training either
+        unbalanced_model()(idx, targets=idx).loss.backward()  # balanced by default: nothing to say
+        unbalanced_model(bias_update_rate=1e-3)(idx, targets=idx).loss.backward()  # loss-free balancing
+    with pytest.warns(UnbalancedExperts) as caught:
+        for _ in range(3):
+            model(idx, targets=idx).loss.backward()
+    assert len(caught) == 1 and str(caught[0].message) == balancing_line(model.config.moe)
+    assert str(caught[0].message).startswith("moe: 4 experts, top 2; balancing: OFF (every balancing coefficient")
+    assert caught[0].filename == __file__  # it points at the line that trained the model
+
+
+def test_the_trainer_warns_when_quiet_and_prints_it_otherwise(tmp_path, capsys):
+    """Trainer(quiet=True), as docs/training.md calls it, trained an unbalanced MoE without a word."""
+    from lmlab.moe import UnbalancedExperts
+    from lmlab.run.trainer import Trainer
+
+    cfg = RunConfig().override({"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.max_seq_len": 32,
+                                "model.moe.n_experts": 4, "model.moe.top_k": 2, "model.moe.expert_balance_coef": 0.0,
+                                "data.source": str(corpus(tmp_path / "c.txt", 2000)), "train.steps": 1,
+                                "train.batch_size": 2, "eval.every": 1, "eval.batches": 1, "log.sample_tokens": 0,
+                                "log.tensorboard": False, "train.device": "cpu"})
+    with pytest.warns(UnbalancedExperts, match="balancing: OFF"):
+        with Trainer(cfg, tmp_path / "quiet", quiet=True) as trainer:
+            trainer.fit()
+    assert capsys.readouterr().out == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnbalancedExperts)  # said once, in the first lines, not twice
+        with Trainer(cfg, tmp_path / "shown") as trainer:
+            trainer.fit()
+    lines = capsys.readouterr().out.splitlines()
+    said = [i for i, line in enumerate(lines) if "balancing: OFF" in line]
+    assert len(said) == 1 and lines[said[0]].startswith("moe: 4 experts, top 2; balancing: OFF")
+    assert lines[said[0] - 1].startswith("data: ") and lines[said[0] - 2].startswith("training ")  # the first lines

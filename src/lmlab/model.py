@@ -30,7 +30,7 @@ from .feedforward import FFNS, feedforward_args
 from .init import Init, init_module
 from .loss import LOSSES
 from .mla import LatentAttention
-from .moe import HashRouter, MoE, moe_args
+from .moe import HashRouter, MoE, UnbalancedExperts, balancing_line, moe_args
 from .mtp import build_mtp
 from .mup import build_readout, rescale_init
 from .norm import build_norm
@@ -262,6 +262,8 @@ class Transformer(nn.Module):
         self.hash_routers = [m.router for m in self.moe_layers if isinstance(m.router, HashRouter)]
         # every sublayer with auxiliary losses of its own: the MoE layers, and attention with a learned selection (dsa)
         self.aux_layers = [b.attn for b in self.blocks if hasattr(b.attn, "aux_losses")] + self.moe_layers
+        # experts with no balancing term: said once, when the model first trains (see warn_unbalanced)
+        self.warn_unbalanced = cfg.moe is not None and not cfg.moe.balancing
         self.set_loss_impl("chunked")
         if not self.embed.weight.is_meta:  # built on the meta device (shapes only, for accounting): no values to draw
             init_weights(self, cfg)
@@ -297,6 +299,9 @@ class Transformer(nn.Module):
     def hidden_and_context(self, idx: torch.Tensor, cache: KVCache | StaticKVCache | None = None,
                            attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Context]:
         """:meth:`hidden`, and the context it ran with (the MTP modules run at the same positions)."""
+        if self.warn_unbalanced and self.training and torch.is_grad_enabled():
+            self.warn_unbalanced = False
+            warn_caller(balancing_line(self.config.moe), UnbalancedExperts)
         ctx = self.context(idx, cache, attention_mask)
         for router in self.hash_routers:
             router.tokens = idx  # (B, T): what the hash-routed layers route by
@@ -445,6 +450,20 @@ class Transformer(nn.Module):
         n += D * self.head.weight.numel()  # each MTP module reads the shared head once more
         mixing = sum(m.mixing_flops() for m in self.modules() if hasattr(m, "mixing_flops"))
         return 6.0 * n + (cfg.n_layers + D) * variant_of(cfg).score_flops(cfg, T) + mixing
+
+
+def warn_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` pointing at the line that called the model: the first frame outside this file and
+    torch.nn (whose ``Module.__call__`` runs ``forward``), however deep the call."""
+    import os
+    import sys
+    import warnings
+
+    inside = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(nn.__file__)))
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class SequenceClassifier(nn.Module):

@@ -201,6 +201,22 @@ def normalize_weights(weight_TK: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================== balancing losses
+class UnbalancedExperts(UserWarning):
+    """A mixture of experts trains with every balancing term off (an explicit choice, see ``MoEConfig``): experts
+    may go unused. ``Transformer`` warns once, at its first training forward; ``lmlab train`` says it in its
+    first lines instead."""
+
+
+def balancing_line(moe: MoEConfig) -> str:
+    """How a mixture of experts is balanced, in one line, saying so loudly when it is not (the text of
+    :class:`UnbalancedExperts`, and of a run's first lines)."""
+    experts = f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: "
+    if moe.balancing:
+        return experts + ", ".join(moe.balancing)
+    return experts + ("OFF (every balancing coefficient and moe.bias_update_rate set to 0): experts may go unused; "
+                      "leave moe.expert_balance_coef unset to balance")
+
+
 # Each takes the routing and returns an unweighted scalar; with uniform router probabilities every
 # balance loss equals 1 whatever the assignment, and the z-loss equals ln(E)^2.
 def load_balance_loss(r: Routing) -> torch.Tensor:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..config import ModelConfig, MoEConfig
+from ..config import ModelConfig
 from .config import RunConfig
 
 
@@ -101,6 +101,8 @@ def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_
            world: int, data: str) -> str:
     """The lines a run starts with: what it trains (its attention, positions and experts), where, on what, and
     its data."""
+    from ..moe import balancing_line  # imports torch: not for commands that only read files
+
     m, t = cfg.model, cfg.train
     start = f", starting from {t.init_from}" if t.init_from else ""
     p = cfg.parallel
@@ -110,7 +112,7 @@ def banner(cfg: RunConfig, *, noun: str, run_dir: Path, parameters: int, tokens_
         f"{attention_kind(m)}, {m.positions} positions{moe_kind(m)}), vocab {m.vocab_size}{start}; {t.steps} steps "
         f"of {tokens_per_step:,} tokens ({t.batch_size} x {cfg.seq_len} x {t.grad_accum} accum) on {device}"
         + (f" x {world} processes ({layout})" if world > 1 else "")
-        + f"\ndata: {data}" + (f"\n{moe_balancing(m.moe)}" if m.moe is not None else "")
+        + f"\ndata: {data}" + (f"\n{balancing_line(m.moe)}" if m.moe is not None else "")
         + (f"\nmtp: {m.mtp.depth} multi-token prediction module(s), loss weight {m.mtp.loss_weight:g}"
            if m.mtp is not None else "")
     )
@@ -143,14 +145,6 @@ def moe_kind(m: ModelConfig) -> str:
     shared = f" + {moe.n_shared} shared" if moe.n_shared else ""
     where = f" in {m.n_moe_layers} of {m.n_layers} layers" if m.n_moe_layers != m.n_layers else ""
     return f", MoE {moe.routed_experts} experts top {moe.active_experts}{shared}{where}"
-
-
-def moe_balancing(moe: MoEConfig) -> str:
-    """The banner's line on how a mixture of experts is balanced, saying so loudly when it is not."""
-    if moe.balancing:
-        return f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: {', '.join(moe.balancing)}"
-    return (f"moe: {moe.routed_experts} experts, top {moe.active_experts}; balancing: OFF (every balancing coefficient "
-            "and moe.bias_update_rate set to 0): experts may go unused; leave moe.expert_balance_coef unset to balance")
 
 
 def busy_note(load: float, cores: int, threads: int) -> str | None:

@@ -350,6 +350,9 @@ class Trainer:
         p = self.cfg.parallel
         self.model = self.task.build_model(self.cfg.model, self.meta).to(self.device)
         self.transformer = self.task.body(self.model)  # the Transformer itself, for accounting and MoE biases
+        # experts with no balancing: the first lines say so (rank 0); where they are not shown (quiet) rank 0's
+        # model warns at its first step (UnbalancedExperts), and other ranks say nothing
+        self.transformer.warn_unbalanced &= self.dist.main and not self.progress.show
         if self.model is not self.transformer and (p.strategy == "fsdp" or p.experts > 1):
             raise ValueError(f"task={self.cfg.task!r} trains with parallel.strategy=ddp and parallel.experts=1; "
                              "FSDP and expert parallelism shard language models only")
