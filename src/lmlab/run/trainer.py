@@ -341,8 +341,7 @@ class Trainer:
         self.data = self.data or RunData.open(Path(where), prepared_now=fresh)  # the other ranks read rank 0's
         self.tokenizer, self.data_dir, self.meta = self.data.tokenizer, self.data.dir, self.data.meta
         self.train_data, self.val_data = self.task.open(self.data_dir, "train"), self.task.open(self.data_dir, "val")
-        note = check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size)
-        if note:
+        if note := check_tokenizer(self.data, cfg.train.init_from, cfg.model.vocab_size):
             self.progress.print(note)
         return with_data_vocab(cfg, self.tokenizer.vocab_size)
 
@@ -350,9 +349,7 @@ class Trainer:
         p = self.cfg.parallel
         self.model = self.task.build_model(self.cfg.model, self.meta).to(self.device)
         self.transformer = self.task.body(self.model)  # the Transformer itself, for accounting and MoE biases
-        # experts with no balancing: the first lines say so (rank 0); where they are not shown (quiet) rank 0's
-        # model warns at its first step (UnbalancedExperts), and other ranks say nothing
-        self.transformer.warn_unbalanced &= self.dist.main and not self.progress.show
+        self.transformer.warn_unbalanced &= self.dist.main and not self.progress.show  # else the first lines say it
         if self.model is not self.transformer and (p.strategy == "fsdp" or p.experts > 1):
             raise ValueError(f"task={self.cfg.task!r} trains with parallel.strategy=ddp and parallel.experts=1; "
                              "FSDP and expert parallelism shard language models only")
