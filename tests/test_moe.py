@@ -3,6 +3,7 @@ statistics, configuration errors, and the whole model with every MoE preset."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import lmlab
 from lmlab import ModelConfig, MoEConfig, Transformer
 from lmlab.config import MOE_PRESETS
 from lmlab.feedforward import GLU, MLP, feedforward_args
+from lmlab.gradient_pool import GradientPool
 from lmlab.grouped_mm import grouped_mm, grouped_mm_kernel_ok, grouped_mm_split, probe_grouped_mm
 from lmlab.init import Init
 from lmlab.moe import (
@@ -254,6 +256,8 @@ FAST_PATHS = {
     "fused_hidden_first": dict(hidden_first=True),
     "fused_rows_first": dict(hidden_first=False),
     "portable": dict(fused=False),
+    # every weight gradient into a reused buffer of the pool, as 32 MiB ones are (gradient_pool.py)
+    "fused_pooled": dict(hidden_first=True, grad_pool=GradientPool(min_bytes=0)),
 }
 
 
@@ -352,6 +356,67 @@ def test_grouped_matmul_forms_equal_a_matmul_per_group():
             torch.testing.assert_close(fn(g_AI.T, x, offs), want_gw_EID)
         torch.testing.assert_close(fn(g_AI.T.contiguous().T, w_EID, offs), want_gx_AD)
         assert fn(w_EID, x_AD.T[:, :0], offs.clamp(max=0)).shape == (12, 0)  # no rows at all
+    out = torch.full((3, 12, 8), float("nan"))  # the empty group's zeros are written too
+    assert grouped_matmul_split(g_AI.T, x_AD, offs, out=out) is out
+    torch.testing.assert_close(out, want_gw_EID)
+    with pytest.raises(ValueError, match="2D x 2D"):
+        grouped_matmul_split(x_AD, w_EID.transpose(1, 2), offs, out=out)
+
+
+def test_gradient_pool_gives_a_buffer_again_only_when_no_tensor_holds_it():
+    pool = GradientPool(min_bytes=64, buffers=2)
+    w = torch.zeros(4, 8)  # 128 bytes
+    assert GradientPool().take(w) is None and pool.take(torch.zeros(4, 2)) is None  # small: malloc reuses those
+    assert pool.take(w.to("meta")) is None
+    first = pool.take(w)
+    assert first.shape == w.shape and first.dtype == w.dtype and first.is_contiguous()
+    address = first.data_ptr()
+    second = pool.take(w)
+    assert second.data_ptr() != address  # the first is held
+    assert pool.take(w) is None  # both held: the caller allocates as usual
+    row = first[1]  # a view keeps the storage, and so the buffer, in use
+    del first
+    assert pool.take(w) is None
+    del row
+    again = pool.take(w)
+    assert again.data_ptr() == address
+    assert pool.take(w.to(torch.bfloat16)).dtype == torch.bfloat16  # its own buffers, in bytes
+    assert copy.deepcopy(pool).arrays == {}
+
+
+def test_pooled_weight_gradients_are_adopted_reused_and_never_overwrite_a_kept_one():
+    """Over steps of the CPU path with every weight gradient pooled: each step's gradients equal the portable
+    path's; autograd adopts the pooled buffer as ``.grad`` and the next step reuses it; gradients accumulated
+    over two backward passes are right (the second is written into the other buffer and added); a gradient
+    someone kept is not overwritten."""
+    layer = make_moe(dict(n_experts=4, top_k=2, granularity=4, d_expert=96)).train()
+    twin = copy.deepcopy(layer)
+    layer.experts.grad_pool = GradientPool(min_bytes=0)
+    twin.experts.fused = False
+    w = layer.experts.gate_up
+
+    def step(model, seed, zero=True):
+        if zero:
+            model.zero_grad(set_to_none=True)
+        y = model(tokens(seed=seed))
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    addresses = set()
+    for seed in (1, 2, 3):
+        got, want = step(layer, seed), step(twin, seed)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+        addresses.add(w.grad.data_ptr())
+        del got  # else it holds this step's gradients through the next step, and the pool gives the other buffer
+    assert len(addresses) == 1  # adopted as .grad, and the same buffer every step
+    got, want = step(layer, 4, zero=False), step(twin, 4, zero=False)  # accumulate onto step 3's
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+    kept = w.grad
+    before = kept.clone()
+    step(layer, 5)
+    assert w.grad.data_ptr() != kept.data_ptr() and torch.equal(kept, before)
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])

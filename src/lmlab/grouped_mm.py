@@ -100,10 +100,19 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> to
     return grouped_matmul_split(a, b, offs_E)
 
 
-def grouped_matmul_split(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def grouped_matmul_split(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`grouped_matmul` as a matmul per group: the reference, and the fallback (it reads the group sizes,
-    which waits for the device)."""
+    which waits for the device). With ``out`` (the 2D x 2D form only), each group's product is written into
+    ``out[e]`` (an empty group's zeros too), which torch's kernel cannot do: a weight gradient into a buffer
+    of ``gradient_pool.GradientPool``."""
     sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
+    if out is not None:
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"grouped_matmul_split: out= takes the 2D x 2D form, not {a.dim()}D x {b.dim()}D")
+        for a_e, b_e, out_e in zip(torch.split(a, sizes, dim=1), torch.split(b, sizes), out.unbind(0)):
+            torch.mm(a_e, b_e, out=out_e)  # a shared axis of length 0 writes zeros
+        return out
     if a.dim() == 2 and b.dim() == 3:
         return torch.cat([a_e @ b_e for a_e, b_e in zip(torch.split(a, sizes), b.unbind(0))])
     if a.dim() == 3:

@@ -42,7 +42,8 @@ from torch import nn
 
 from .config import ModelConfig, MoEConfig
 from .feedforward import ACTIVATION_GRADS, ACTIVATIONS, SWIGLU_LIMIT, FeedForwardArgs, feedforward_args, gated_unit
-from .grouped_mm import grouped_matmul, grouped_mm
+from .gradient_pool import GradientPool
+from .grouped_mm import grouped_matmul, grouped_matmul_split, grouped_mm
 from .init import Init, init_module
 from .schema import check_choice
 
@@ -200,6 +201,12 @@ def normalize_weights(weight_TK: torch.Tensor) -> torch.Tensor:
     return weight_TK / (weight_TK.sum(dim=-1, keepdim=True) + 1e-20)  # DeepSeek-V3's epsilon
 
 
+def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
+    """The entropy of each token's distribution over experts (nats), averaged over tokens: ln(E) when uniform."""
+    with torch.no_grad():
+        return -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(dim=-1).mean()
+
+
 # ============================================================== balancing losses
 class UnbalancedExperts(UserWarning):
     """A mixture of experts trains with every balancing term off (an explicit choice, see ``MoEConfig``): experts
@@ -276,6 +283,7 @@ class Experts(nn.Module):
         # the CPU path (RoutedExperts) covers experts without biases whose activation has a written-out gradient
         self.fused = bias is False and glu_variant == "plain" and activation in ACTIVATION_GRADS
         self.hidden_first = hidden_units_first(width)
+        self.grad_pool = GradientPool()  # the CPU path's weight gradients of 32 MiB or more, reused (gradient_pool.py)
 
     @property
     def w_in_EID(self) -> torch.Tensor:
@@ -321,7 +329,7 @@ class Experts(nn.Module):
         p = plan(a)
         if self.fused and self.fused_path_fits(x_TD):
             return RoutedExperts.apply(x_TD, self.w_in_EID, self.down, p.weight_A, out_TD, p, self.activation,
-                                       self.in_name == "gate_up", self.hidden_first)
+                                       self.in_name == "gate_up", self.hidden_first, self.grad_pool)
         y_AD = self(dispatch(x_TD, p), p.offs_E, p.weight_A)
         return combine(y_AD, p, out_TD)
 
@@ -533,11 +541,19 @@ def expert_hidden_grad(g_h_FA: torch.Tensor, z_IA: torch.Tensor, act_FA: torch.T
     return g_z_IA
 
 
+def weight_grad(a_OA: torch.Tensor, b_AI: torch.Tensor, offs_E: torch.Tensor, w_EOI: torch.Tensor,
+                pool: GradientPool) -> torch.Tensor:
+    """d loss / d w_EOI: a_OA x b_AI with the groups splitting A; written into a buffer of ``pool`` where it serves
+    ``w_EOI`` (32 MiB or more: malloc would map, and page-fault in, a fresh one every step), else by torch's kernel."""
+    out_EOI = pool.take(w_EOI)
+    return grouped_matmul(a_OA, b_AI, offs_E) if out_EOI is None else grouped_matmul_split(a_OA, b_AI, offs_E, out_EOI)
+
+
 class RoutedExperts(torch.autograd.Function):
     """out_TD + the sum over each token's rows of weight_A * expert(x_TD[token]) -> (T, D), for a plan's rows."""
 
     @staticmethod
-    def forward(ctx, x_TD, w_in_EID, w_down_EDF, weight_A, out_TD, plan, activation, gated, hidden_first):
+    def forward(ctx, x_TD, w_in_EID, w_down_EDF, weight_A, out_TD, plan, activation, gated, hidden_first, pool):
         x_AD = x_TD.index_select(0, plan.token_A)
         z_IA = up_projection(x_AD, w_in_EID, plan.offs_E, hidden_first)
         h_FA, act_FA = expert_hidden(z_IA, activation, gated)
@@ -545,7 +561,7 @@ class RoutedExperts(torch.autograd.Function):
         s_FA = h_FA * weight_A.to(h_FA.dtype)
         y_AD = grouped_matmul(s_FA.t(), w_down_EDF.transpose(1, 2), plan.offs_E)
         ctx.save_for_backward(x_AD, z_IA, act_FA, h_FA, s_FA, w_in_EID, w_down_EDF, weight_A)
-        ctx.plan, ctx.T, ctx.how = plan, x_TD.shape[0], (activation, gated, hidden_first)
+        ctx.plan, ctx.T, ctx.how, ctx.pool = plan, x_TD.shape[0], (activation, gated, hidden_first), pool
         return sum_per_token(y_AD, plan, x_TD.shape[0]).add_(out_TD)
 
     @staticmethod
@@ -555,12 +571,12 @@ class RoutedExperts(torch.autograd.Function):
         g_AD = g_TD.index_select(0, p.token_A)  # the sum per token's backward: a gather
         g_s_FA = down_input_grad(g_AD, w_down_EDF, p.offs_E, hidden_first)
         needs = ctx.needs_input_grad  # frozen experts or inputs skip their matmuls
-        g_w_down = grouped_matmul(g_AD.t(), s_FA.t(), p.offs_E) if needs[2] else None  # (E, D, F)
+        g_w_down = weight_grad(g_AD.t(), s_FA.t(), p.offs_E, w_down_EDF, ctx.pool) if needs[2] else None
         g_weight_A = (g_s_FA * h_FA).sum(0).to(weight_A.dtype)
         g_z_IA = expert_hidden_grad(g_s_FA.mul_(weight_A.to(g_s_FA.dtype)), z_IA, act_FA, activation, gated)
-        g_w_in = grouped_matmul(g_z_IA, x_AD, p.offs_E) if needs[1] else None  # (E, I, D)
+        g_w_in = weight_grad(g_z_IA, x_AD, p.offs_E, w_in_EID, ctx.pool) if needs[1] else None
         g_x_TD = sum_per_token(grouped_matmul(g_z_IA.t(), w_in_EID, p.offs_E), p, ctx.T) if needs[0] else None
-        return g_x_TD, g_w_in, g_w_down, g_weight_A, g_TD, None, None, None, None
+        return g_x_TD, g_w_in, g_w_down, g_weight_A, g_TD, None, None, None, None, None
 
 
 # ============================================================== shared experts
@@ -664,8 +680,9 @@ class MoE(nn.Module):
         self.bias_update_rate = 0.0 if hashed else moe.bias_update_rate  # a hash layer chooses by its table
         self.register_buffer("load", torch.zeros(self.n_experts), persistent=False)  # sent since update_bias
         self.aux_losses: dict[str, torch.Tensor] = {}
-        # (sent_E, kept, entropy sum, forwards) of the last forward, or summed over forwards while ``summing``
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        # (sent_E, kept, the router's probabilities, forwards) of the last forward, or summed (the probabilities
+        # listed) over forwards while ``summing``; the entropy is computed when :attr:`stats` is read, not every step
+        self._last: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int] | None = None
         self.summing = False  # see sum_stats (a training step's micro-batches)
         self.set_impl("fast")
 
@@ -691,12 +708,10 @@ class MoE(nn.Module):
         self.aux_losses = {name: coef * fn(r) for name, (coef, fn) in self.loss_terms.items()}
         if self.training:
             self.load += a.sent_E
-        with torch.no_grad():
-            p_TE = r.probs_TE
-            entropy = -(p_TE * p_TE.clamp_min(1e-20).log()).sum(dim=-1).mean()
-            now = (a.sent_E.detach(), a.kept, entropy, 1)
-            last = self._last if self.summing else None
-            self._last = now if last is None else tuple(x + y for x, y in zip(last, now))
+        sent_E, probs_TE = a.sent_E.detach(), r.probs_TE.detach()
+        last = self._last if self.summing else None
+        self._last = ((sent_E, a.kept, [probs_TE], 1) if last is None else
+                      (last[0] + sent_E, last[1] + a.kept, last[2] + [probs_TE], last[3] + 1))
         return out_TD.view(B, S, D)
 
     # ---- which token goes to which expert, in routing order
@@ -738,8 +753,8 @@ class MoE(nn.Module):
         syncs with the device once)."""
         if self._last is None:
             return {}
-        sent_E, kept, entropy_sum, forwards = self._last
-        entropy = entropy_sum / forwards  # the mean over forwards of equal size
+        sent_E, kept, probs, forwards = self._last
+        entropy = sum(router_entropy(p_TE) for p_TE in probs) / forwards  # the mean over forwards of equal size
         load_E = sent_E.float()
         mean = load_E.mean().clamp_min(1e-9)
         total = float(load_E.sum())
