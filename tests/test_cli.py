@@ -182,7 +182,7 @@ def test_train_help_names_presets_and_every_default_by_section(capsys):
         MupConfig,
         StreamsConfig,
     )
-    from lmlab.run.config import LookupConfig, RepeatsConfig, RunConfig, flatten
+    from lmlab.run.config import LookupConfig, MuonConfig, RepeatsConfig, RunConfig, flatten
 
     code, out, _ = run(capsys, "train", "--help")
     sections = help_sections(out)
@@ -199,7 +199,8 @@ def test_train_help_names_presets_and_every_default_by_section(capsys):
                                            "mup": MupConfig().to_dict(),
                                            "residual_streams": StreamsConfig().to_dict()},
                 "train": {**cfg.train.to_dict(), "repeats": RepeatsConfig().to_dict(),
-                          "lookup": LookupConfig().to_dict()}}
+                          "lookup": LookupConfig().to_dict()},
+                "optim": {**cfg.optim.to_dict(), "muon": MuonConfig().to_dict()}}
     for name, values in defaults.items():
         shown = " " + " ".join(sections[name].split()) + " "
         expected = [f"{k}={cli.show(v)}" for k, v in flatten(values).items()] if isinstance(values, dict) else [values]
