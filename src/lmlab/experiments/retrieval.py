@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -88,28 +88,35 @@ def in_range_distances(cfg: LookupConfig, L: int, k: int = 16) -> list[int]:
     return sorted({round(v) for v in np.linspace(lo, hi, k)})
 
 
-def lookup_metrics(model, data, cfg: LookupConfig, L: int, multiples=(1, 2, 4, 8), n: int = 256
-                   ) -> dict[str, Any]:
+def near_distance(cfg: LookupConfig, L: int) -> int:
+    """The near probes' distance: L/2, or the nearest trained distance if that is farther, within what fits L."""
+    return min(max(L // 2, cfg.distances(L + 1)[0]), L - cfg.pairs * cfg.pair_length)
+
+
+def lookup_metrics(model, data, cfg: LookupConfig, L: int, multiples: Iterable[int] | Mapping[int, int] = (1, 2, 4, 8),
+                   n: int = 256) -> dict[str, Any]:
     """For a model trained at length ``L``: ``lookup_1x_*``, distances spread over the trained range
     (:func:`in_range_distances`), and ``lookup_1x_far_*``, the farthest that fits L; for each m > 1,
     windows of m L with ``lookup_{m}x_far_*`` (pairs at the start: distance m L - pairs x P, beyond
     the training length) and ``lookup_{m}x_near_*`` (a trained distance, L/2 or the nearest in range,
     with the query at positions beyond L: tells distance from position). Each exact, acc, logp and
-    ``_se``; ``chance_*`` beside them."""
+    ``_se``; ``chance_*`` beside them. ``n`` probes per distance, or, with ``multiples`` a mapping
+    m -> probes (as positions.copy_metrics takes them), that many at m."""
+    probes = dict(multiples) if isinstance(multiples, Mapping) else dict.fromkeys(multiples, n)
     block = cfg.pairs * cfg.pair_length
-    near = min(max(L // 2, cfg.distances(L + 1)[0]), L - block)
-    where: dict[str, tuple[int, list[int]]] = {}
-    for m in multiples:
+    near = near_distance(cfg, L)
+    where: dict[str, tuple[int, list[int], int]] = {}  # key -> (window, distances, probes)
+    for m, k in probes.items():
         T = m * L
         if m == 1:
-            where["lookup_1x"] = (L, in_range_distances(cfg, L))
-            where["lookup_1x_far"] = (L, [L - block])
+            where["lookup_1x"] = (L, in_range_distances(cfg, L), k)
+            where["lookup_1x_far"] = (L, [L - block], k)
         else:
-            where[f"lookup_{m}x_far"] = (T, [T - block])
-            where[f"lookup_{m}x_near"] = (T, [near])
+            where[f"lookup_{m}x_far"] = (T, [T - block], k)
+            where[f"lookup_{m}x_near"] = (T, [near], k)
     out: dict[str, Any] = {f"chance_{k}": v for k, v in chance(cfg).items()}
-    for key, (T, ds) in where.items():
-        out.update({f"{key}_{k}": v for k, v in lookup_probe(model, data, cfg, T, ds, n).items()})
+    for key, (T, ds, k) in where.items():
+        out.update({f"{key}_{name}": v for name, v in lookup_probe(model, data, cfg, T, ds, k).items()})
     return out
 
 
@@ -128,13 +135,14 @@ def in_range_exact(rows: list[dict], arm: str) -> list[float]:
 
 
 def lookup_gates(spec, rows: list[dict]) -> dict[str, str]:
-    """claim id -> why its gate failed. A claim with a gate is tested only if every arm it compares, and
-    the run each was fine-tuned from, retrieves within its training length: mean ``lookup_1x_exact`` at
-    least LOOKUP_GATE. Registered before the runs this time: the positions rerun of 2 December checked the
-    parent alone and found, after the results, that its text-only fine-tunes had forgotten how to copy."""
+    """claim id -> why its gate failed. A lookup claim (its endpoint one of ENDPOINTS) with a gate is tested
+    only if every arm it compares, and the run each was fine-tuned from, retrieves within its training
+    length: mean ``lookup_1x_exact`` at least LOOKUP_GATE. Registered before the runs this time: the
+    positions rerun of 2 December checked the parent alone and found, after the results, that its
+    text-only fine-tunes had forgotten how to copy."""
     out = {}
     for c in spec.claims:
-        if not c.gate:
+        if not c.gate or c.endpoint not in ENDPOINTS:  # a copy claim's gate is positions.copy_gates
             continue
         arms = [a for a in c.compare if isinstance(a, str) and a in spec.configs]
         parents = [p for a in arms if (p := spec.variant(a).init_from) is not None]
@@ -164,5 +172,5 @@ def at_end(key: str):
     return endpoint
 
 
-# what the draft's claims name (positions.ENDPOINTS would take them in at registration)
+# what the lookup claims name (positions.ENDPOINTS takes them in)
 ENDPOINTS = {f"lookup_8x_far_{k}": at_end(f"lookup_8x_far_{k}") for k in ("logp", "exact")}
