@@ -560,7 +560,7 @@ def exploratory_text(decisions, rows: list[dict]) -> str:
     if not registered:
         return ""
     lines = [f"{d.spec.id}, registered (extension_gap, the mean over every measured point): {label(d.verdict)}, "
-             f"{d.comparison.decision.interval.text() if d.comparison else 'not measured'}"
+             f"{d.comparison.decision.interval.text() + ' ' + d.spec.unit if d.comparison else 'not measured'}"
              f"{' (' + d.untestable + ')' if d.untestable else ''}." for d in registered]
     table = exploratory_extension(decisions, rows)
     return ("### Exploratory: the extension effect at single fine-tune snapshots\n\n"
