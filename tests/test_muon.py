@@ -291,7 +291,7 @@ def test_muon_on_two_processes_ddp_and_fsdp_trains_as_one_process_and_fsdp_resum
     all-reduces the same gradient, so the weights agree; under FSDP the 2-D matrices are DTensors
     whose Newton-Schulz products (bf16 in torch) sum in another order, and the difference grows from
     step to step: the losses agree to 1e-3 (the float32 check below is the exact one). The FSDP run
-    resumed from step 3 on two processes repeats itself bit for bit."""
+    resumed from step 3 on two processes repeats itself bit for bit; resumed on one, it goes on alike."""
     cfg = run_config(tmp_path, {"train.steps": 6, "train.grad_accum": 2, "eval.every": 3, "checkpoint.every": 3,
                                 "eval.batches": 1, "optim.name": "muon"}, model=MOE)
     train(cfg, tmp_path / "one")
@@ -309,6 +309,13 @@ def test_muon_on_two_processes_ddp_and_fsdp_trains_as_one_process_and_fsdp_resum
     assert losses(run) == fsdp
     c, d = weights(tmp_path / "fsdp", 6), weights(run, 6)
     assert all(torch.equal(c[k], d[k]) for k in c)
+    # 2 -> 1: the sharded checkpoint of step 3 resumed on one process, Muon's momentum and AdamW's moments resharded
+    alone = copy_to_step(tmp_path / "fsdp", tmp_path / "alone", 3)
+    _, _, t = train(lmlab.run.load_config(alone / "config.yaml", {"parallel.strategy": "ddp"}), alone, resume=True)
+    muon = t.optimizer.optimizers[0]
+    assert all("momentum_buffer" in muon.state[p] for g in muon.param_groups for p in g["params"])
+    torch.testing.assert_close(torch.tensor(list(losses(alone).values())), torch.tensor(list(fsdp.values())),
+                               rtol=1e-3, atol=0)
 
 
 @pytest.mark.slow
