@@ -161,7 +161,9 @@ def compare_variants(spec: SweepSpec, rows: list[dict], init_loss: float) -> Fou
             + "\n".join(f"- **{d.spec.id}** — {d.spec.claim}. {d.spec.criterion()}" for d in decisions) + "\n\n"
             + "### Verdicts\n\n" + "\n".join(d.line() for d in decisions) + "\n\n"
             + (changes_section(status, spec.registration) if status is not None and status.registered else ""))
-        console += (f"\nclaims (Holm over {len(decisions)}, alpha {alpha:g}"
+        family = sum(1 for d in decisions if len(d.seeds) > 1 and not d.untestable)  # what Holm adjusted over
+        console += (f"\nclaims (Holm over {family}" + (f" of {len(decisions)}" if family < len(decisions) else "")
+                    + f", alpha {alpha:g}"
                     + ("" if status is not None and status.registered else "; the spec is not registered")
                     + "):\n" + "\n".join(d.line() for d in decisions) + "\n")
     return Found(base, table, decisions, markdown, console)
