@@ -165,6 +165,12 @@ class CompressedConfig(Config):
         if self.yarn_beta_fast <= self.yarn_beta_slow:
             raise ValueError(f"compressed.yarn_beta_fast={self.yarn_beta_fast} must be greater than "
                              f"compressed.yarn_beta_slow={self.yarn_beta_slow}")
+        unused = [f"{name}={getattr(self, name)}" for name, default in (
+            ("yarn_original_max_seq_len", None), ("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0))
+            if getattr(self, name) != default]
+        if self.yarn_factor == 1 and unused:
+            raise ValueError(f"compressed.{unused[0]} is a parameter of YaRN, and compressed.yarn_factor=1 scales "
+                             "nothing; set yarn_factor > 1 or leave it at its default")
 
     def kind(self, layer: int) -> str:
         return self.layers[layer % len(self.layers)]

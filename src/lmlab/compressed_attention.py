@@ -63,7 +63,8 @@ class RotaryAngles:
     queries', and the compressed entries' w m, which no per-forward table holds."""
 
     def __init__(self, rope: RopeConfig, width: int, max_seq_len: int):
-        self.inv_freq, self.factor = rope_frequencies(rope, width, max_seq_len, max_seq_len)
+        with torch.device("cpu"):  # real values even for a model built on the meta device (from_hf)
+            self.inv_freq, self.factor = rope_frequencies(rope, width, max_seq_len, max_seq_len)
 
     def at(self, positions: torch.Tensor) -> Angles:
         """Angles at ``positions`` (...) -> (..., r / 2) each, as transformers computes them."""
@@ -161,8 +162,8 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, span: Span, rotary: RotaryAngles, layout: str,
                 state: CompressorState | None) -> torch.Tensor:
-        """x (B, T, D) -> the entries (B, E, width) of windows 0 .. E - 1, every one a query of this forward may
-        see; with ``state``, the entries of earlier forwards too, this forward's written into it."""
+        """x (B, T, D) -> the entries (B, E, width) of windows 0 .. E - 1, the complete ones (a query sees no other);
+        with ``state``, the entries of earlier forwards too, this forward's written into it."""
         m, B, T = self.rate, x.shape[0], x.shape[1]
         new = torch.stack((self.kv(x), self.gate(x)), dim=2)  # (B, T, 2, S C): [kv; gate] per token
         # each row's buffer starts at a window boundary: its first new position rounded down, less the lead
@@ -176,8 +177,8 @@ class Compressor(nn.Module):
         first = torch.div(base, m, rounding_mode="floor") + (1 if self.overlap else 0)  # (B,) window of entry 0
         windows = first[:, None] + torch.arange(entries.shape[1], device=x.device)  # (B, W)
         entries = turn(entries[:, :, None], rotary.at(windows * m), layout)[:, :, 0]  # rotated at w m
-        if state is None:
-            return entries  # every row's windows start at 0 (first = 0)
+        if state is None:  # every row's windows start at 0 (first = 0); the last, still open, no query sees
+            return entries[:, : T // m]
         self.remember(state, buffer, span, base)
         slot = windows.clamp(min=0).masked_fill(windows >= state.entries.shape[1] - 1, state.entries.shape[1] - 1)
         state.entries.scatter_(1, slot[..., None].expand_as(entries), entries.to(state.entries.dtype))

@@ -39,8 +39,8 @@ Families: a registry keyed by config.json's ``model_type``
 - ``with_tensors(cfg, hf, names)`` (optional): the config completed by what the checkpoint's tensor
   names show, for parts config.json does not decide (DeepSeek-V3's MTP layers, present or not).
 
-The package's modules import one way, registry <- dense <- moe <- deepseek, olmo, qwen3 <- deepseek_v32 <- export
-<- this file:
+The package's modules import one way, registry <- dense <- moe <- deepseek, deepseek_v4, olmo, qwen3 <- deepseek_v32
+<- export <- this file:
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
   config helpers of both directions;
@@ -49,6 +49,8 @@ The package's modules import one way, registry <- dense <- moe <- deepseek, olmo
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
 - ``deepseek_v32.py``: deepseek_v32 (sparse attention: MLA with a lightning indexer) and glm4_moe_lite, on
   ``deepseek.py``'s mapping;
+- ``deepseek_v4.py``: deepseek_v4 (compressed attention, hash and top-k routing with a clamped SwiGLU, mHC), with
+  ``save_pretrained``'s DeepSeek tensor names and its int64 token-to-expert tables (``Family.tables``);
 - ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
 - ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
 - ``smollm3.py``: smollm3 (NoPE layers); ``gemma.py``: gemma3_text (sandwich norms, 1 + w gains, local rotary base);
@@ -62,6 +64,7 @@ The package's modules import one way, registry <- dense <- moe <- deepseek, olmo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -71,7 +74,7 @@ from ..config import ModelConfig
 from ..errors import CorruptFile, one_line
 from ..memory import check_fits, loading_memory
 from ..model import Transformer
-from . import deepseek, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
+from . import deepseek, deepseek_v4, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3, smollm3  # noqa: F401  (importing them registers their families)
 from .dense import half_to_interleaved, interleaved_to_half
 from .export import Exported, choose_architecture, hf_config, hf_tensors, to_hf
 from .registry import FAMILIES, Export, Family, HFTensors, Tensors, check_hf_config, family_for, name_list, register
@@ -171,7 +174,7 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     if target is None:  # "auto": the stored dtype
         target = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     family = family_for(hf["model_type"])
-    check_weights(tensors, family.ignore, path)
+    check_weights(tensors, family.ignore, path, family.tables)
     if family.with_tensors is not None:  # optional weights the checkpoint holds (DeepSeek-V3's MTP layers)
         cfg = family.with_tensors(cfg, hf, tensors.keys())
     sd = state_dict_from_hf(cfg, tensors, hf["model_type"], source=f"checkpoint {str(path)!r}")
@@ -181,11 +184,18 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | str | None = None) -> Tran
     return model.to(target).eval()
 
 
-def check_weights(tensors: Tensors, ignore: Iterable[str], path: Path) -> None:
+def check_weights(tensors: Tensors, ignore: Iterable[str], path: Path, tables: Iterable[str] = ()) -> None:
     """Refuse (CorruptFile, naming the tensor) a weight of an integer or boolean dtype (a quantized or
     foreign checkpoint: the model would compute with it converted, wrongly) or holding a NaN or an
-    infinity (a damaged one: every output would be NaN). Buffers the family ignores are not weights."""
+    infinity (a damaged one: every output would be NaN). Buffers the family ignores are not weights; its
+    ``tables`` (integer lookup tables, DeepSeek-V4's token-to-expert one) must be of an integer dtype."""
+    table_patterns = [re.compile(p) for p in tables]
     for name, tensor in HFTensors(tensors, ignore).tensors.items():
+        if any(p.search(name) for p in table_patterns):
+            if tensor.is_floating_point() or tensor.dtype == torch.bool:
+                raise CorruptFile(f"checkpoint {str(path)!r}: tensor {name!r} is stored as {tensor.dtype}; it is a "
+                                  "table of ids, which must be integers: the checkpoint is damaged or foreign")
+            continue
         if not tensor.is_floating_point():
             raise CorruptFile(f"checkpoint {str(path)!r}: tensor {name!r} is stored as {tensor.dtype}, not a floating "
                               "dtype; lmlab loads floating-point weights only (a quantized checkpoint: dequantize it "

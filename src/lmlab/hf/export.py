@@ -5,7 +5,8 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gemma3_text, gpt_oss, olmo2, olmoe, qwen3, qwen3_moe, smollm3), or
+qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, deepseek_v4, gemma3_text, gpt_oss, olmo2, olmoe, qwen3, qwen3_moe,
+smollm3), or
 named with
 ``architecture=``. Nothing approximate is ever written, and export is by allow-list, the mirror of
 import: each architecture declares the config values it computes beyond the defaults
@@ -32,7 +33,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import default_file_mode, install_directory
-from . import deepseek, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
+from . import deepseek, deepseek_v4, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
 from .registry import FAMILIES, Export, StateDict, Tensors, computed, departures, described, name_list
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
@@ -319,7 +320,7 @@ def plan_shards(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, limit: 
     groups: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
-        n = t.numel() * dtype.itemsize
+        n = t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
         if groups[-1] and size + n > limit:
             groups.append([])
             size = 0
@@ -350,8 +351,10 @@ def _write(
         _write_file(tmp / name, lambda f, text=text: f.write_text(text))
     weight_map, total = {}, 0
     for file, names in shards.items():
-        # one copy per shard, in its own memory: q/k/v and experts are views into fused lmlab tensors
-        part = {n: tensors[n].detach().to("cpu", dtype, copy=True).contiguous() for n in names}
+        # one copy per shard, in its own memory: q/k/v and experts are views into fused lmlab tensors; integer
+        # tables (DeepSeek-V4's token-to-expert ids) keep their dtype
+        part = {n: tensors[n].detach().to("cpu", dtype if tensors[n].is_floating_point() else tensors[n].dtype,
+                                          copy=True).contiguous() for n in names}
         _write_file(tmp / file, lambda f, part=part: save_file(part, str(f), metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(names, file))
         total += sum(t.numel() * t.element_size() for t in part.values())

@@ -135,6 +135,9 @@ class Family:
     # (config, config.json, the checkpoint's tensor names) -> the config with the optional parts those names
     # show (DeepSeek-V3's MTP layers); None: config.json alone decides
     with_tensors: Callable[[ModelConfig, Mapping[str, Any], Iterable[str]], ModelConfig] | None = None
+    # regular expressions of the integer tables among its tensors (DeepSeek-V4's token-to-expert ``tid2eid``): read
+    # as tables (an integer dtype), not refused as a quantized weight; the family checks their values
+    tables: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {}
