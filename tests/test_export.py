@@ -176,7 +176,7 @@ def test_the_scaling_and_layout_cases_would_fail_if_ignored(tmp_path):
 
 
 def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
-    """The presets: llama, gpt2, mixtral, deepseek-v3 (with MLA), qwen3, olmo2, gemma3, gpt-oss export; the
+    """The presets: llama, gpt2, mixtral, deepseek-v3 (with MLA), qwen3, olmo2, gemma3, gpt-oss, deepseek-v4 export; the
     others name what has no equivalent."""
     refused = {
         "vaswani2017": "norm_position='post'", "switch": "moe.capacity_factor=1.25",
@@ -190,7 +190,7 @@ def test_every_lmlab_preset_exports_or_is_refused_by_name(tmp_path):
         else:
             assert to_hf(model, tmp_path / preset).model_type == {
                 "llama": "llama", "gpt2": "gpt2", "mixtral": "mixtral", "deepseek-v3": "deepseek_v3", "qwen3": "qwen3",
-                "olmo2": "olmo2", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}[preset]
+                "olmo2": "olmo2", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "deepseek-v4": "deepseek_v4"}[preset]
 
 
 @pytest.mark.parametrize("preset, family", [("gemma3", "gemma3_text"), ("gpt-oss", "gpt_oss")])

@@ -254,6 +254,38 @@ def test_models_without_an_exact_architecture_are_refused_by_name(tmp_path, chan
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_preset_trains_generates_with_its_cache_and_exports(tmp_path):
+    """The deepseek-v4 preset at a tiny width: two optimizer steps, greedy decoding from its cache equal to the full
+    forward's argmax, and transformers reading the trained model back with its logits."""
+    from lmlab import ModelConfig, Transformer
+    from lmlab.generate import generate
+
+    cfg = ModelConfig.from_preset("deepseek-v4", vocab_size=V, d_model=64, n_heads=4, head_dim=16, max_seq_len=48,
+                                  **{"compressed.q_lora_rank": 32, "compressed.o_lora_rank": 32,
+                                     "compressed.rope_head_dim": 8, "compressed.index_head_dim": 8,
+                                     "compressed.window": 8, "compressed.hca_rate": 8, "compressed.index_topk": 4,
+                                     "moe.n_experts": 8, "moe.top_k": 2, "d_ff": 32})
+    model = Transformer(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = tokens(48, seed=3)
+    for _ in range(2):
+        loss = model(idx, targets=idx.roll(-1, 1)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.update_router_biases()
+    model.eval()
+    prompt = idx[:1, :20]
+    out = torch.stack(list(generate(model, prompt, 10, temperature=0)), dim=1)
+    whole = torch.cat([prompt, out], dim=1)
+    assert torch.equal(logits(model, whole)[0, 19:-1].argmax(-1), out[0])  # each token the full forward's greedy
+    done = to_hf(model, tmp_path / "out")
+    assert done.model_type == "deepseek_v4"
+    ours, ref = logits(model, idx), logits(load_hf(done.path), idx)
+    MEASURED["to_hf deepseek-v4 preset (trained 2 steps)"] = float((ours - ref).abs().max())
+    assert relative_difference(ours, ref)[1] <= 1e-4
+
+
 def test_zz_report_largest_logit_differences(capsys):
     """Not a check: prints what the parity tests above measured (run the file with -s to see it)."""
     with capsys.disabled():

@@ -860,3 +860,22 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS.update(MOE_PRESETS)
+# DeepSeek-V4 (DeepSeek-AI 2026) scaled down, every part of its block: compressed attention with one key/value head
+# whose keys are its values, queries through a rank-128 latent, interleaved rotary on the trailing 16 of each head's
+# 64 dimensions (V4: 64 of 512), a learned sink per head, the 8 heads' outputs projected in 2 groups of rank 128; a
+# window of 64 raw keys in every layer, and V4's schedule (two HCA layers, then CSA and HCA alternating: here
+# HCA, HCA, HCA, CSA) with an entry every 4 tokens in CSA (an indexer of 4 heads of 32 keeps 16; V4: 64 of 128 keep
+# 512) and every 32 in HCA (V4: 128; 8 entries in a 256-token context); compressed layers rotate with base 160k
+# (V4 adds YaRN x16, of no use at 256 tokens). Its MoE at the deepseek-v3 preset's size: 32 experts of width 128, 4
+# active, one shared; the first layer routed by a token-id table (V4: 3 of 43), the rest by sqrt(softplus) scores
+# with loss-free balancing, normalized and scaled by 1.5; SwiGLU clamped at 10. Manifold-constrained
+# hyper-connections, 4 streams and 20 Sinkhorn iterations, as V4. Every layer is a mixture: d_ff is the experts' width.
+PRESETS["deepseek-v4"] = dict(
+    _BODY, n_kv_heads=1, head_dim=64, d_ff=128, ffn="glu", activation="silu", glu_variant="limited", norm_eps=1e-6,
+    rope=dict(layout="interleaved"), attention=dict(sinks="learned"),
+    compressed=dict(q_lora_rank=128, rope_head_dim=16, window=64, layers=["hca", "hca", "hca", "csa"], csa_rate=4,
+                    hca_rate=32, index_heads=4, index_head_dim=32, index_topk=16, o_groups=2, o_lora_rank=128),
+    moe=dict(n_experts=32, top_k=4, n_shared=1, scoring="sqrtsoftplus", normalize_top_k=True, routed_scale=1.5,
+             hash_layers=1, bias_update_rate=1e-3, expert_balance_coef=1e-4),
+    residual="mhc",
+)
