@@ -52,6 +52,7 @@ from harness import Alternating, Setup, add_device_args, compile_blocks, mfu
 import lmlab
 from lmlab import ModelConfig, Transformer
 from lmlab.feedforward import GLU
+from lmlab.gradient_pool import MMAP_THRESHOLD_MAX, GradientPool
 from lmlab.grouped_mm import grouped_matmul, grouped_mm, grouped_mm_weight_grad
 from lmlab.hf import HFTensors, state_dict_from_hf
 from lmlab.init import Init
@@ -206,7 +207,6 @@ def compiled_layer(twin: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor) -> tuple:
     twin.compile(fullgraph=True)
 
     def fwd():
-        twin.zero_grad(set_to_none=True)
         return twin(leaf(x_TD).view(1, T, D)), twin.aux_loss
 
     return fwd, backward_of(g_TD.view(1, T, D), torch.ones((), device=x_TD.device))
@@ -221,12 +221,12 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
     coef = layer.loss_terms["expert_balance"][0]
     one = torch.ones((), device=x_TD.device)
 
-    supported = ex.fused
+    supported, pool, no_pool = ex.fused, ex.grad_pool, GradientPool(min_bytes=2**62)
+    pooled = ex.w_in_EID.numel() * ex.w_in_EID.element_size() >= MMAP_THRESHOLD_MAX  # does the pool serve it?
 
-    def whole(fused: bool):
+    def whole(fused: bool, grad_pool: GradientPool = pool):
         def fwd():
-            ex.fused = fused and supported
-            layer.zero_grad(set_to_none=True)
+            ex.fused, ex.grad_pool = fused and supported, grad_pool
             return layer(leaf(x_TD).view(1, T, D)), layer.aux_loss
 
         return fwd, backward_of(g_TD.view(1, T, D), one)
@@ -249,14 +249,14 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
         rr = router(leaf(x_TD))
         return rr.weight_TK, coef * layer.loss_terms["expert_balance"][1](rr)
 
-    def stats():
+    def stats():  # what every forward does; the router entropy is computed when the statistics are read
         with torch.no_grad():
-            probs = r.probs_TE
-            return -(probs * probs.clamp_min(1e-20).log()).sum(dim=-1).mean(), layer.load + r.chosen_E
+            return layer.load + r.chosen_E, [r.probs_TE.detach()]
 
     c = {
         "layer": whole(True),
         "layer, portable path": whole(False),
+        **({"layer, no gradient pool": whole(True, no_pool)} if pooled and cpu_path else {}),
         **({"layer, torch.compile": compiled_layer(twin, x_TD, g_TD)} if twin is not None else {}),
         "straight-line floor": (
             lambda: straight_line(leaf(x_TD), router.weight, ex.gate_up, ex.down, layer.top_k, coef),
@@ -300,6 +300,7 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
                      grouped_matmul(s_FA.t(), w_down.transpose(1, 2), p.offs_E)),
             lambda _: (down_input_grad(g_AD, w_down, p.offs_E, hf), grouped_matmul(g_AD.t(), s_FA.t(), p.offs_E),
                        grouped_matmul(g_z_IA.t(), w_in, p.offs_E), grouped_matmul(g_z_IA, x_AD, p.offs_E)))
+        c.update(matmul_alternatives(x_TD, x_AD, w_in, w_down, s_FA, g_AD, g_z_IA, p))
     else:  # the portable path's six grouped matmuls, in the dtype autocast gives them
         c["  statistics"] = (stats, nothing)
         x_, s_, g_, gz_ = (t.to(dtype) for t in (x_AD, s_AF, g_AD, torch.ones_like(z_AI)))
@@ -318,7 +319,67 @@ def split_contenders(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, cpu_pat
     c["dense GLU's matmuls alone"] = (
         lambda: (F.linear(dx, w_gu), F.linear(dh, w_d)),
         lambda _: (dg @ w_d, dg.t() @ dh, dz @ w_gu, dz.t() @ dx))  # dz stands in for its gradient, same shape
-    return c
+    layer.zero_grad(set_to_none=True)
+    modules = [m for m in (layer, twin, glu) if m is not None]
+
+    def freeing(bwd: Callable[[object], object]) -> Callable[[object], None]:
+        """Each contender frees the parameter gradients it made, in its own timed backward as a training step's
+        zero_grad does, so that what freeing them costs (unmapping memory, for big ones) is not charged to
+        whichever contender runs next on the same parameters."""
+        def run(out) -> None:
+            bwd(out)
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+
+        return run
+
+    return {name: (fwd, freeing(bwd)) for name, (fwd, bwd) in c.items()}
+
+
+def matmul_alternatives(x_TD, x_AD, w_in, w_down, s_FA, g_AD, g_z_IA, p) -> dict:
+    """The six matmuls of the layer's step computed other ways, forward then backward, on the same operands
+    ("matmuls alone" is torch's grouped kernel in the layer's forms): a torch.mm per expert; one padded bmm
+    over experts, each group padded to the largest (operands padded beforehand, so a lower bound: the
+    layer would also have to pad and unpad); and the up projection of every expert on every token, as one
+    dense matmul, then the rows each assignment needs (E/K times the FLOPs; against the layer's
+    up projection phase; where E/K is at most 8)."""
+    T, D = x_TD.shape
+    E, rows, _ = w_in.shape  # rows: I, the input projection's
+    sizes = torch.diff(p.offs_E, prepend=p.offs_E.new_zeros(1)).tolist()
+    x_, s_, g_, gz_ = x_AD, s_FA.t().contiguous(), g_AD, g_z_IA.t().contiguous()  # rows first
+
+    def loop(a, b, transpose_b=False):  # rows of a grouped, b (E, ., .) per expert -> (A, .)
+        return torch.cat([a_e @ (b_e.t() if transpose_b else b_e) for a_e, b_e in zip(a.split(sizes), b.unbind(0))])
+
+    def loop_weight(a, b):  # a (A, O), b (A, I) grouped -> (E, O, I)
+        return torch.stack([a_e.t() @ b_e for a_e, b_e in zip(a.split(sizes), b.split(sizes))])
+
+    C = max(sizes)
+    pad = torch.zeros(E, C, dtype=torch.long)  # row of each slot (a zero row for padding)
+    for e, (start, n) in enumerate(zip([0] + p.offs_E.tolist()[:-1], sizes)):
+        pad[e, :n] = torch.arange(start, start + n) + 1
+
+    def padded(t):  # (A, .) -> (E, C, .), padding rows zero
+        return torch.cat([t.new_zeros(1, t.shape[1]), t]).index_select(0, pad.view(-1)).view(E, C, -1)
+
+    xp, sp, gp, gzp = padded(x_), padded(s_), padded(g_), padded(gz_)
+    expert_A = torch.repeat_interleave(torch.arange(E), torch.tensor(sizes))
+    token_A = p.token_A
+    w_all = w_in.reshape(E * rows, D)
+    dense_masked = {} if E > 8 * p.row_KT.numel() // T else {  # only where E/K is small enough to be plausible
+        "alt: up, every expert x every token": (
+            lambda: (x_TD @ w_all.t()).view(T, E, rows)[token_A, expert_A],
+            lambda _: (lambda g_all: (g_all @ w_all, g_all.t() @ x_TD))(
+                torch.zeros(T, E, rows).index_put_((token_A, expert_A), gz_).view(T, E * rows)))}
+    return dense_masked | {
+        "alt: a torch.mm per expert (6 matmuls)": (
+            lambda: (loop(x_, w_in, True), loop(s_, w_down, True)),
+            lambda _: (loop(g_, w_down), loop_weight(g_, s_), loop(gz_, w_in), loop_weight(gz_, x_))),
+        f"alt: padded bmm, C={C} (6 matmuls)": (
+            lambda: (torch.bmm(xp, w_in.transpose(1, 2)), torch.bmm(sp, w_down.transpose(1, 2))),
+            lambda _: (torch.bmm(gp, w_down), torch.bmm(gp.transpose(1, 2), sp), torch.bmm(gzp, w_in),
+                       torch.bmm(gzp.transpose(1, 2), xp))),
+    }
 
 
 def check_straight_line(layer: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, setup: Setup) -> float:
@@ -378,11 +439,16 @@ def part_split(args: argparse.Namespace, setup: Setup) -> None:
             print(f"  the portable path's phases together (with routing, plan, statistics): {1e3 * portable:.3f} ms "
                   f"({100 * portable / timer.total('layer, portable path', cpu):.0f}% of it)")
         compiled = [("layer, torch.compile", "compiling the layer whole")] if args.compile else []
+        if "layer, no gradient pool" in timer.contenders:
+            compiled.append(("layer, no gradient pool", "the weight gradients' buffers reused (gradient_pool.py)"))
         for other, what in (("layer, portable path", "the layer's speed against its portable path"), *compiled,
                             ("straight-line floor", "against the floor"),
                             ("matmuls alone", "against its matmuls alone: the most the rest could give"),
                             ("dense GLU, equal active parameters", "the MoE layer's speed against dense")):
             print(f"  {other} / layer, step time: {timer.total(other, cpu) / total:.2f}x ({what})")
+        for alt in [c for c in timer.contenders if c.startswith("alt: ")]:
+            base = "  up projection" if "every expert" in alt else "matmuls alone"
+            print(f"  {alt} / {base.strip()}, step time: {timer.total(alt, cpu) / timer.total(base, cpu):.2f}x")
         mm, dense_mm = timer.total("matmuls alone", cpu), timer.total("dense GLU's matmuls alone", cpu)
         print(f"  the layer's grouped matmuls take {1e3 * (mm - dense_mm):.3f} ms more than the dense GLU's for the "
               f"same FLOPs ({mm / dense_mm:.2f}x)")
