@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..run.checkpoint.atomic import atomic_write_text
 from ..run.data.meta import DataMeta
-from . import claims, corpus, decide, moe, mup, norm, positions, stats
+from . import claims, corpus, decide, moe, mup, norm, positions, retrieval, stats
 from .ladder import law
 from .registration import Registration, spec_status
 from .spec import SweepSpec
@@ -56,15 +56,21 @@ def load_experiment_spec(name: str, *, quick: bool = False, seeds: int | None = 
     return load_spec(spec_file or spec_path(name), quick=quick, seeds=seeds, profile=profile)
 
 
+# modules beside an experiment's own whose later commits its registration lists: moe reads its all-seeds
+# multiplier on the ladder's law; positions decides its lookup gates and endpoints in retrieval.py
+ANALYSED_WITH = {"moe": (law,), "positions": (retrieval,)}
+
+
 def experiment_registration(name: str, *, spec_file: str | Path | None = None, quick: bool = False,
                             draft: bool = False) -> Registration:
-    """The registration of experiment ``name``'s spec file (later commits to its analysis module,
-    stats.py, claims.py and decide.py listed too). Raises NotRegistered (a ValueError: exit 2), before anything
-    is written, for a main run (not ``quick``) of a spec that is not registered, unless ``draft``."""
+    """The registration of experiment ``name``'s spec file (later commits to its analysis module, those in
+    ANALYSED_WITH, stats.py, claims.py and decide.py listed too). Raises NotRegistered (a ValueError: exit 2),
+    before anything is written, for a main run (not ``quick``) of a spec that is not registered, unless
+    ``draft``."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
     related = [EXPERIMENTS[name].__file__, stats.__file__, claims.__file__, decide.__file__,
-               *([law.__file__] if name == "moe" else [])]  # moe reads its all-seeds multiplier on the ladder's law
+               *(m.__file__ for m in ANALYSED_WITH.get(name, ()))]
     status = dataclasses.replace(spec_status(spec_file or spec_path(name), related), draft=draft)
     status.refuse_unless(quick or draft)
     return status
