@@ -217,9 +217,11 @@ def test_a_preset_no_family_computes_is_refused_with_the_field_to_set(tmp_path):
     with pytest.raises(ValueError) as refused:
         to_hf(model, tmp_path / "as-is")
     assert str(refused.value).endswith("; to export, train with --model.moe.shared_gate sigmoid for qwen2_moe or "
-                                       "--model.moe.scoring sigmoid for glm4_moe")
+                                       "--model.moe.scoring sigmoid for glm4_moe or --model.moe.normalize_top_k true "
+                                       "for ernie4_5_moe")
     assert not (tmp_path / "as-is").exists()
-    for field, value, family in (("moe.shared_gate", "sigmoid", "qwen2_moe"), ("moe.scoring", "sigmoid", "glm4_moe")):
+    for field, value, family in (("moe.shared_gate", "sigmoid", "qwen2_moe"), ("moe.scoring", "sigmoid", "glm4_moe"),
+                                 ("moe.normalize_top_k", True, "ernie4_5_moe")):
         changed = Transformer(model.config.override({field: value}))
         assert to_hf(changed, tmp_path / family).model_type == family
 
@@ -358,8 +360,9 @@ REFUSALS = {
                               "moe.second_expert='random'"),
     "layernorm_with_rope": (None, dict(norm="layernorm"), None,
                             "llama: norm='layernorm' (Llama normalizes with RMSNorm)"),
-    "output_bias_without_qkv_bias": (None, dict(bias=True, qkv_bias=False), None,
-                                     "llama: qkv_bias=False with bias=True"),
+    # (Seed-OSS computes it: tests/test_hf_newer.py)
+    "output_bias_without_qkv_bias": (None, dict(bias=True, qkv_bias=False), "llama",
+                                     "'llama': qkv_bias=False with bias=True"),
     "gpt2_grouped_query": ("gpt2", dict(n_kv_heads=2), None, "gpt2: n_kv_heads=2"),
     "dynamic_from_elsewhere": (None, {"rope.scaling": "dynamic", "rope.factor": 2.0, "rope.original_max_seq_len": 16},
                                None, "rope.original_max_seq_len=16 with rope.scaling='dynamic'"),

@@ -66,6 +66,31 @@ HF_CASES.update({
                                                 head_dim=12, tie_word_embeddings=True), {
         "rope.nope_every": 0, "attention.window": None, "head_dim": 12, "tie_embeddings": True}),
 })
+MOE_BODY = dict(LLAMA_BODY, num_hidden_layers=3)
+HF_CASES.update({
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(MLA_BODY), {"attention_variant": "mla", "moe.first_dense": 1,
+                                                          "moe.routed_scale": 1.8, "rope.layout": "interleaved"}),
+    # half-layout rotary, uncompressed queries, every layer a mixture, YaRN
+    "glm4_moe_lite_half_rope": ("Glm4MoeLiteConfig", dict(
+        MLA_BODY, rope_interleave=False, q_lora_rank=None, mlp_layer_types=["sparse"] * 3, rope_parameters=YARN),
+        {"rope.layout": "half", "moe.first_dense": 0, "rope.scaling": "yarn"}),
+    "seed_oss": ("SeedOssConfig", dict(LLAMA_BODY, head_dim=12), {
+        "qkv_bias": True, "bias": False, "head_dim": 12, "dropout": 0.0}),
+    "seed_oss_out_biases": ("SeedOssConfig", dict(LLAMA_BODY, head_dim=8, attention_bias=False,
+                                                  attention_out_bias=True, mlp_bias=True), {
+        "qkv_bias": False, "bias": True}),
+    "minimax_m2": ("MiniMaxM2Config", dict(MOE_BODY, intermediate_size=16, head_dim=16, num_local_experts=4,
+                                           num_experts_per_tok=2, rotary_dim=8), {
+        "qk_norm": "full", "rope.partial": 0.5, "moe.scoring": "sigmoid", "rope.base": 5e6}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(MOE_BODY, moe_intermediate_size=16, moe_num_experts=4, moe_k=2,
+                                                moe_num_shared_experts=2), {
+        "rope.layout": "interleaved", "moe.n_shared": 2, "moe.first_dense": 1, "tie_embeddings": True}),
+    "ernie4_5_moe_every_other": ("Ernie4_5_MoeConfig", dict(
+        MOE_BODY, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_num_shared_experts=0,
+        moe_layer_start_index=1, moe_layer_interval=2, num_hidden_layers=4, tie_word_embeddings=False), {
+        "moe.every": 2, "moe.first_dense": 1, "moe.n_shared": 0}),
+})
+TRAINING_ONLY = {case: {"attention_dropout", "residual_dropout"} for case in ("seed_oss", "seed_oss_out_biases")}
 MEASURED: dict[str, float] = {}  # the largest |logit difference| per check and family, printed by the last test
 
 
@@ -128,7 +153,8 @@ def test_checkpoint_through_lmlab_comes_back_identical(loaded, tmp_path, case):
     assert_comes_back_identical(path, done.path)
     before, after = (AutoConfig.from_pretrained(p).to_dict() for p in (path, done.path))
     differ = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)} - {"_name_or_path"}
-    assert not differ, {k: (before.get(k), after.get(k)) for k in differ}
+    # Seed-OSS's dropouts (0.1 by default) act in training only; a loaded model has none, and writes lmlab's 0
+    assert not differ - TRAINING_ONLY.get(case, set()), {k: (before.get(k), after.get(k)) for k in differ}
     idx = tokens()
     assert torch.equal(logits(load_hf(done.path), idx), logits(hf, idx))
 
@@ -166,31 +192,54 @@ SIGMOID_MOE = dict(n_experts=4, top_k=2, d_expert=16, n_shared=1, first_dense=1,
                    normalize_top_k=True, n_groups=2, topk_groups=1, group_score="top2", routed_scale=2.5)
 DSA = dict(indexer_heads=16, indexer_head_dim=8, topk=5)
 # name -> (preset or None, lmlab fields, the family chosen)
+SOFTMAX_MOE = dict(n_experts=4, top_k=2, d_expert=16, normalize_top_k=True)
+# name -> (preset or None, lmlab fields, the architecture asked for (None: the first that fits), the one chosen)
 LMLAB_CASES = {
-    "dsa_moe_half_rope": (None, dict(mla=MLA, dsa=DSA, n_layers=3, moe=SIGMOID_MOE), "deepseek_v32"),
+    "dsa_moe_half_rope": (None, dict(mla=MLA, dsa=DSA, n_layers=3, moe=SIGMOID_MOE), None, "deepseek_v32"),
     "dsa_dense_interleaved_yarn": (None, {
         "mla": MLA, "dsa": DSA | dict(indexer_head_dim=4, topk=3), "rope.layout": "interleaved",
         "rope.scaling": "yarn", "rope.factor": 4.0, "rope.original_max_seq_len": 8, "rope.mscale": 0.707,
-        "rope.mscale_all_dim": 1.0}, "deepseek_v32"),
+        "rope.mscale_all_dim": 1.0}, None, "deepseek_v32"),
+    "glm4_moe_lite_v3_preset": ("deepseek-v3", dict(n_layers=3, moe=SIGMOID_MOE), "glm4_moe_lite", "glm4_moe_lite"),
+    "glm4_moe_lite_half_rope_no_q_lora": (None, dict(mla=MLA | dict(q_lora_rank=None), n_layers=3, moe=SIGMOID_MOE),
+                                          "glm4_moe_lite", "glm4_moe_lite"),
     "olmo3_windows": ("olmo2", {"n_kv_heads": 2, "attention.window": 4, "attention.pattern": ["local", "global"]},
-                      "olmo3"),
+                      None, "olmo3"),
     "olmo3_local_base_interleaved": ("olmo2", {
         "attention.window": 4, "attention.pattern": ["local", "local", "global"], "n_layers": 3, "rope.base": 1e4,
         "rope.local_base": 100.0, "rope.scaling": "linear", "rope.factor": 2.0, "rope.layout": "interleaved"},
-        "olmo3"),
+        None, "olmo3"),
     "exaone4_nope": (None, {"norm_position": "reordered", "qk_norm": "head", "n_layers": 3, "n_kv_heads": 2,
                             "attention.window": 4, "attention.pattern": ["local", "local", "global"],
-                            "rope.nope_every": 3}, "exaone4"),
+                            "rope.nope_every": 3}, None, "exaone4"),
     "exaone4_no_window": (None, {"norm_position": "reordered", "qk_norm": "head", "head_dim": 12,
-                                 "tie_embeddings": True}, "exaone4"),
+                                 "tie_embeddings": True}, None, "exaone4"),
+    "seed_oss_out_and_mlp_biases": (None, dict(bias=True, qkv_bias=False, n_kv_heads=2, head_dim=12), None,
+                                    "seed_oss"),
+    "seed_oss_as_qwen2_asked": (None, dict(qkv_bias=True, n_kv_heads=2), "seed_oss", "seed_oss"),
+    "minimax_m2_partial_interleaved": (None, {
+        "qk_norm": "full", "n_kv_heads": 2, "head_dim": 16, "rope.partial": 0.5, "rope.layout": "interleaved",
+        "moe": dict(n_experts=4, top_k=2, d_expert=16, scoring="sigmoid", normalize_top_k=True)}, None,
+        "minimax_m2"),
+    "ernie45_moe_shared_interleaved": (None, {
+        "n_layers": 3, "n_kv_heads": 2, "rope.layout": "interleaved", "tie_embeddings": True,
+        "moe": SOFTMAX_MOE | dict(n_shared=2, first_dense=1, bias_update_rate=1e-3)}, None, "ernie4_5_moe"),
+    "ernie45_moe_half_rope_every_other": (None, {
+        "n_layers": 4, "moe": SOFTMAX_MOE | dict(n_shared=1, every=2, first_dense=1, bias_update_rate=1e-3)},
+        "ernie4_5_moe",
+        "ernie4_5_moe"),
 }
 
 
 @pytest.mark.parametrize("case", LMLAB_CASES)
 def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, case):
-    preset, fields, family = LMLAB_CASES[case]
+    preset, fields, asked, family = LMLAB_CASES[case]
     model = lmlab_model(preset, **fields)
-    done = to_hf(model, tmp_path / "out")
+    if model.config.moe is not None and model.config.moe.scoring == "softmax":  # a trained selection bias
+        with torch.no_grad():
+            for layer in model.moe_layers:
+                layer.router.score_bias.copy_(torch.randn(layer.router.score_bias.shape) * 0.3)
+    done = to_hf(model, tmp_path / "out", architecture=asked)
     assert done.model_type == family
     hf = load_hf(done.path)
     assert type(hf).__name__ == lmlab.hf.FAMILIES[family].export.architecture
@@ -302,6 +351,55 @@ def test_configs_the_dense_families_cannot_express_are_refused(config_class, cha
      "norm_position='pre' (OLMo 3 normalizes each sublayer's output)"),
 ])
 def test_models_the_dense_families_cannot_hold_are_refused_by_name(tmp_path, fields, asked, message):
+    with pytest.raises(ValueError) as err:
+        to_hf(lmlab_model(**fields), tmp_path / "out", architecture=asked)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ================================================================== the MoE families and Seed-OSS: what does not map
+@pytest.mark.parametrize("case, changes, message", [
+    ("minimax_m2", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1: lmlab's router has no multiplicative"),
+    ("ernie4_5_moe", dict(use_bias=True), "use_bias=True: lmlab's one `bias` switch cannot put biases"),
+    ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_start_index=0, moe_layer_end_index=2),
+     "moe_layer_end_index=2: the MoE layers are [0, 1, 2]; lmlab expresses"),
+    ("ernie4_5_moe", dict(moe_norm_min=0.5), "moe_norm_min=0.5"),
+    ("seed_oss", dict(attention_out_bias=True), "attention_out_bias=True: with mlp_bias=False"),
+    ("glm4_moe_lite", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=None: MLA turns every one"),
+    ("glm4_moe_lite", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types=['sparse', 'dense',"),
+])
+def test_configs_the_newer_families_cannot_express_are_refused(case, changes, message):
+    config_class, kwargs, _ = HF_CASES[case]
+    hf = {**getattr(transformers, config_class)(**kwargs).to_dict(), **changes}
+    with pytest.raises(ValueError) as err:
+        config_from_hf(hf)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ernie_moe_layers_read_as_transformers_builds_them():
+    """moe_layer_start_index 0 with interval 2 makes the same layers mixtures as start 1 (layer i is one where
+    i + 1 is a multiple of the interval), so both load as one lmlab config."""
+    _, kwargs, _ = HF_CASES["ernie4_5_moe_every_other"]
+    start0, start1 = (transformers.Ernie4_5_MoeConfig(**dict(kwargs, moe_layer_start_index=k)).to_dict()
+                      for k in (0, 1))
+    assert config_from_hf(start0) == config_from_hf(start1)
+    assert config_from_hf(start0).moe.every == 2 and config_from_hf(start0).moe.first_dense == 1
+
+
+@pytest.mark.parametrize("fields, asked, message", [
+    ({"qk_norm": "head", "moe": dict(n_experts=4, top_k=2, scoring="sigmoid", normalize_top_k=True)}, "minimax_m2",
+     "qk_norm='head' (MiniMax-M2 normalizes the whole query and key projections)"),
+    ({"qk_norm": "full", "moe": dict(n_experts=4, top_k=2, scoring="sigmoid")}, "minimax_m2",
+     "moe.normalize_top_k=False (MiniMax-M2 renormalizes the chosen weights)"),
+    ({"n_layers": 3, "moe": SOFTMAX_MOE | dict(every=2)}, "ernie4_5_moe",
+     "moe.first_dense=0 with moe.every=2 (ERNIE 4.5's mixtures are the layers i"),
+    ({"moe": SOFTMAX_MOE | dict(n_shared=1, shared_gate="sigmoid")}, "ernie4_5_moe",
+     "moe.shared_gate='sigmoid' (ERNIE 4.5's shared experts are not gated)"),
+    ({"qk_norm": "head"}, "seed_oss", "qk_norm='head' (Seed-OSS has no query/key norm)"),
+    ({"mla": MLA, "dsa": DSA}, "glm4_moe_lite", "dsa set (GLM-4-MoE-Lite has no sparse attention"),
+])
+def test_models_the_newer_families_cannot_hold_are_refused_by_name(tmp_path, fields, asked, message):
     with pytest.raises(ValueError) as err:
         to_hf(lmlab_model(**fields), tmp_path / "out", architecture=asked)
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -7,9 +7,9 @@ names (``deepseek.py`` holds V2's and V3's mapping, reused here).
   no ``rope_interleave``), its indexer the half layout; queries always go through ``q_lora_rank``. Which layers are
   dense is ``mlp_layer_types`` (derived from ``first_k_dense_replace`` when unset).
 - ``glm4_moe_lite`` (GLM-4.7-Flash): DeepSeek-V3's attention (``rope_interleave``, as V3) and GLM-4-MoE's router,
-  which is V3's; ``mlp_layer_types`` (default: the first layer dense) says which layers are mixtures. Its rotary
-  tables are ``head_dim`` (or hidden_size / num_attention_heads) times ``partial_rotary_factor`` wide, which must be
-  MLA's ``qk_rope_head_dim``.
+  which is V3's; ``mlp_layer_types`` (default: the first layer dense) says which layers are mixtures; rotary on
+  all of MLA's qk_rope_head_dim dimensions (a ``partial_rotary_factor`` is refused). lmlab's latent-attention
+  models export as DeepSeek-V2 or V3 first; as GLM-4-MoE-Lite when asked (``architecture="glm4_moe_lite"``).
 
 Both: dense layers first, then a mixture in every layer (``mlp_layer_types`` of another shape is refused); the
 multi-token-prediction layers V3.2 checkpoints hold after the last layer are set aside, as transformers' model
@@ -78,12 +78,14 @@ def mla_family_weights(cfg: ModelConfig, t: HFTensors, layer_extra=None) -> dict
     return sd
 
 
-def mla_family_weights_to_hf(cfg: ModelConfig, sd: Tensors, layer_extra=None) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`mla_family_weights` (MLA's rotary rows in the interleaved layout these families turn)."""
+def mla_family_weights_to_hf(cfg: ModelConfig, sd: Tensors, layer_extra=None, *,
+                             interleaved: bool = True) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`mla_family_weights`; MLA's rotary rows permuted into the interleaved layout where the
+    family turns only that (``interleaved``) and the model holds the half layout."""
     out = {"model.embed_tokens.weight": sd["embed.weight"]}
     for i in range(cfg.n_layers):
         ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        out.update(deepseek_layer_to_hf(cfg, sd, i, ours, hf, interleaved=True))
+        out.update(deepseek_layer_to_hf(cfg, sd, i, ours, hf, interleaved=interleaved))
         if layer_extra is not None:
             out.update(layer_extra(sd, f"{ours}attn.", f"{hf}self_attn."))
     out["model.norm.weight"] = sd["final_norm.weight"]
@@ -92,11 +94,9 @@ def mla_family_weights_to_hf(cfg: ModelConfig, sd: Tensors, layer_extra=None) ->
     return out
 
 
-def mla_family_to_hf(cfg: ModelConfig, keep: tuple[str, ...]) -> dict[str, Any]:
-    """DeepSeek-V3's config.json keys but those of V3 alone (``rope_interleave``, ``num_nextn_predict_layers``) unless
-    ``keep`` names them, with ``mlp_layer_types``."""
-    keys = {k: v for k, v in deepseek_v3_to_hf(cfg).items()
-            if k not in ("rope_interleave", "num_nextn_predict_layers") or k in keep}
+def mla_family_to_hf(cfg: ModelConfig, drop: tuple[str, ...]) -> dict[str, Any]:
+    """DeepSeek-V3's config.json keys but those the family's config has not (``drop``), with ``mlp_layer_types``."""
+    keys = {k: v for k, v in deepseek_v3_to_hf(cfg).items() if k not in drop}
     return {**keys, "mlp_layer_types": mlp_layer_types_to_hf(cfg)}
 
 
@@ -155,7 +155,8 @@ def deepseek_v32_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """V3's keys, V3.2's indexer sizes, ``layer_types`` (every layer indexed) and ``head_dim`` (DeepseekV32Config
     sets it to qk_rope_head_dim, the rotary tables' width)."""
     dsa = cfg.dsa
-    return {**mla_family_to_hf(cfg, keep=()), "index_n_heads": dsa.indexer_heads,
+    return {**mla_family_to_hf(cfg, drop=("rope_interleave", "num_nextn_predict_layers")),
+            "index_n_heads": dsa.indexer_heads,
             "index_head_dim": dsa.indexer_head_dim, "index_topk": dsa.topk, "head_dim": cfg.mla.qk_rope_head_dim,
             "layer_types": ["indexed_attention"] * cfg.n_layers}
 
@@ -168,4 +169,51 @@ register("deepseek_v32", Family(deepseek_v32_config, deepseek_v32_weights, DEEPS
     "DeepseekV32ForCausalLM", moe=None, refuse=deepseek_v32_refusal, config=deepseek_v32_to_hf,
     weights=deepseek_v32_weights_to_hf, name="DeepSeek-V3.2",
     computes={**DEEPSEEK, "moe.scoring": ("sigmoid",), "moe.normalize_top_k": ANY, "dsa": ANY},
+)))
+
+
+# ============================================================== GLM-4-MoE-Lite
+# transformers' Glm4MoeLiteConfig defaults (5.x)
+GLM4_MOE_LITE_DEFAULTS: dict[str, Any] = dict(
+    DEEPSEEK_V3_FULL_DEFAULTS, vocab_size=154880, hidden_size=2048, intermediate_size=10240,
+    moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20, num_key_value_heads=20,
+    n_routed_experts=64, routed_scaling_factor=1.8, q_lora_rank=768, v_head_dim=256, qk_nope_head_dim=192, n_group=1,
+    topk_group=1, num_experts_per_tok=4, max_position_embeddings=202752, rms_norm_eps=1e-5, mlp_layer_types=None,
+    first_k_dense_replace=1,  # Glm4MoeLiteConfig makes the first layer dense where mlp_layer_types is unset
+)
+
+
+def glm4_moe_lite_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """GLM-4-MoE-Lite: DeepSeek-V3's attention and router. Its rotary tables are qk_rope_head_dim (its
+    ``head_dim``) times ``partial_rotary_factor`` wide, so a factor other than 1 is refused: MLA turns all
+    qk_rope_head_dim dimensions."""
+    hf = with_defaults(hf, GLM4_MOE_LITE_DEFAULTS)
+    params = hf.get("rope_parameters") or {}
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction not in (None, 1, 1.0):
+        raise key_refused(hf, "partial_rotary_factor", "MLA turns every one of its qk_rope_head_dim rotary dimensions")
+    return mla_family_config(hf, layout="interleaved" if hf["rope_interleave"] else "half")
+
+
+def glm4_moe_lite_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.attention_variant != "mla":
+        raise ValueError(f"a GLM-4-MoE-Lite checkpoint needs attention.variant='mla', not {cfg.attention_variant!r}")
+    return mla_family_weights(cfg, t)
+
+
+def glm4_moe_lite_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's keys with ``rope_interleave`` and ``mlp_layer_types``."""
+    return {**mla_family_to_hf(cfg, drop=("num_nextn_predict_layers", "first_k_dense_replace")),
+            "rope_interleave": cfg.rope.layout == "interleaved"}
+
+
+def glm4_moe_lite_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    """As stored: GLM-4-MoE-Lite turns either layout (``rope_interleave``)."""
+    return mla_family_weights_to_hf(cfg, sd, interleaved=cfg.rope.layout == "interleaved")
+
+
+register("glm4_moe_lite", Family(glm4_moe_lite_config, glm4_moe_lite_weights, DEEPSEEK_IGNORE, Export(
+    "Glm4MoeLiteForCausalLM", moe=None, refuse=deepseek_v3_refusal, config=glm4_moe_lite_to_hf,
+    weights=glm4_moe_lite_weights_to_hf, name="GLM-4-MoE-Lite",
+    computes={**DEEPSEEK, "moe.scoring": ("sigmoid",), "moe.normalize_top_k": ANY},
 )))

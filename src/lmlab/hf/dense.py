@@ -1,4 +1,4 @@
-"""Dense Hugging Face families: Llama, Mistral, Qwen2 and GPT-2, in both directions, plus the
+"""Dense Hugging Face families: Llama, Mistral, Qwen2, Seed-OSS and GPT-2, in both directions, plus the
 Llama layout that the mixture-of-experts families of ``moe.py`` build on (:func:`llama_layout_config`,
 :func:`llama_weights` with a pluggable per-layer feed-forward part, and their inverses
 :func:`llama_layout_to_hf`, :func:`llama_weights_to_hf`, :func:`llama_layout_refusal`), the q/k norm
@@ -22,6 +22,7 @@ from .registry import (
     Tensors,
     activation_from_hf,
     attention_from_hf,
+    key_refused,
     layer_types_to_hf,
     model_config,
     refusal,
@@ -335,6 +336,44 @@ def qwen2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 register("qwen2", Family(qwen2_config, llama_weights, LLAMA_IGNORE, Export(
     "Qwen2ForCausalLM", moe=False, refuse=qwen2_refusal, config=qwen2_to_hf, weights=llama_weights_to_hf,
     name="Qwen2", computes={**LLAMA_LAYOUT, **WINDOWS, "qkv_bias": (True,)},
+)))
+
+
+# ============================================================== Seed-OSS
+# transformers' SeedOssConfig defaults (5.x); its dropouts act in training only, and lmlab's loaded models have none
+SEED_OSS_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, vocab_size=155136, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=80,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=524288, attention_bias=True,
+    attention_out_bias=False, mlp_bias=False,
+)
+
+
+def seed_oss_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Seed-OSS: Llama with biases on q, k and v (``attention_bias``, lmlab's qkv_bias), and on the output projection
+    (``attention_out_bias``) and the feed-forward (``mlp_bias``) together or on neither (lmlab's ``bias``)."""
+    hf = with_defaults(hf, SEED_OSS_DEFAULTS)
+    out_bias, mlp_bias = bool(hf["attention_out_bias"]), bool(hf["mlp_bias"])
+    if out_bias != mlp_bias:
+        raise key_refused(hf, "attention_out_bias", f"with mlp_bias={mlp_bias}: lmlab's one `bias` switch puts "
+                          "biases on the output projection and the feed-forward together")
+    return llama_layout_config(hf, qkv_bias=bool(hf["attention_bias"]), bias=mlp_bias)
+
+
+def seed_oss_refusal(cfg: ModelConfig) -> str | None:
+    return llama_layout_refusal(cfg, "Seed-OSS")
+
+
+def seed_oss_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """head_dim always (Seed-OSS's default is 128, not d_model / n_heads); lmlab's dropout for both of Seed-OSS's
+    (their defaults are 0.1), which act in training only."""
+    return {**llama_layout_to_hf(cfg), "head_dim": cfg.head_dim, "attention_bias": cfg.qkv_bias,
+            "attention_out_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+            "residual_dropout": cfg.dropout}
+
+
+register("seed_oss", Family(seed_oss_config, llama_weights, LLAMA_IGNORE, Export(
+    "SeedOssForCausalLM", moe=False, refuse=seed_oss_refusal, config=seed_oss_to_hf, weights=llama_weights_to_hf,
+    name="Seed-OSS", computes={**LLAMA_LAYOUT, "bias": (False, True), "qkv_bias": (False, True)},
 )))
 
 

@@ -37,6 +37,7 @@ from .dense import (
     WINDOWS,
     every_layer_window,
     every_layer_window_refusal,
+    half_to_interleaved,
     llama_glu,
     llama_glu_to_hf,
     llama_layout_config,
@@ -546,4 +547,206 @@ register("glm4_moe", Family(glm4_moe_config, glm4_moe_weights, LLAMA_IGNORE, Exp
         **LLAMA_LAYOUT, **DEEPSEEK_ROUTING, "qkv_bias": ANY, "qk_norm": ("none", "head"), "rope.partial": ANY,
         "moe.scoring": ("sigmoid",), "moe.normalize_top_k": ANY,
     },
+)))
+
+
+# ============================================================== MiniMax-M2
+# transformers' MiniMaxM2Config defaults (5.x)
+MINIMAX_M2_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48,
+    num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=196608, initializer_range=0.02,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts_per_tok=8, num_local_experts=256,
+    router_jitter_noise=0.0,
+)
+MINIMAX_M2_THETA = 5_000_000.0  # MiniMaxM2Config.default_theta
+MINIMAX_M2_NAMES = ("w1", "w3", "w2")
+
+
+def minimax_m2_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """MiniMax-M2: every layer a mixture of SwiGLU experts of width intermediate_size routed by sigmoid affinities
+    plus a selection-only correction bias, the top-k weights renormalized (no shared expert, no groups); an RMSNorm
+    over the whole q and k projections (``qk_norm="full"``, OLMo 2's); rotary on the first ``rotary_dim`` (or
+    ``partial_rotary_factor``) of each head, as GLM-4-MoE turns it (``rope.partial``)."""
+    hf = with_defaults(hf, MINIMAX_M2_DEFAULTS)
+    if hf["router_jitter_noise"]:
+        raise key_refused(hf, "router_jitter_noise", "lmlab's router has no multiplicative input jitter; use 0.0")
+    rotary = hf.get("rotary_dim")  # the released checkpoints' form of partial_rotary_factor
+    if rotary is not None and hf.get("partial_rotary_factor") is None:
+        hf = {**hf, "partial_rotary_factor": rotary / hf["head_dim"]}
+    moe = MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], scoring="sigmoid",
+                    normalize_top_k=True)
+    return llama_layout_config(hf, default_theta=MINIMAX_M2_THETA, partial=True, qk_norm="full", moe=moe)
+
+
+def minimax_m2_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    layer = hf.removesuffix("mlp.")
+    hf = layer + _prefix_in_use(t, layer, ("block_sparse_moe.", "mlp."))  # Hub files / transformers 5 memory
+    return moe_weights(cfg, t, hf, ours, names=MINIMAX_M2_NAMES, score_bias="e_score_correction_bias")
+
+
+def minimax_m2_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.moe is None or cfg.qk_norm != "full":
+        raise ValueError("a MiniMax-M2 checkpoint needs a config with moe set and qk_norm='full'")
+    return {**llama_weights(cfg, t, ffn=minimax_m2_ffn), **qk_norm_weights(cfg, t)}
+
+
+def minimax_m2_refusal(cfg: ModelConfig) -> str | None:
+    return moe_refusal(cfg, "MiniMax-M2", {
+        "qkv_bias": (False, "MiniMax-M2 has no biases"),
+        "moe.scoring": ("sigmoid", "MiniMax-M2 scores experts with a sigmoid"),
+        "moe.normalize_top_k": (True, "MiniMax-M2 renormalizes the chosen weights"),
+        "moe.routed_scale": (1.0, "MiniMax-M2 does not scale the routed output"),
+        "moe.n_shared": (0, "MiniMax-M2 has no shared experts"),
+        "moe.every": (1, "every MiniMax-M2 layer is a mixture"),
+        "moe.first_dense": (0, "every MiniMax-M2 layer is a mixture"),
+    }, qk_norm="full") or all_experts_refusal(cfg, "MiniMax-M2")
+
+
+def minimax_m2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """head_dim always (its default is 128); intermediate_size is the expert width, every layer being a mixture; the
+    rotated width both as partial_rotary_factor and as the released checkpoints' rotary_dim."""
+    moe = cfg.moe
+    return {
+        **llama_layout_to_hf(cfg, partial_rotary_factor=cfg.rope.partial), "head_dim": cfg.head_dim,
+        "rotary_dim": cfg.rotary_dim,
+        "intermediate_size": moe.expert_width(cfg.d_ff), "num_local_experts": moe.routed_experts,
+        "num_experts_per_tok": moe.active_experts, "router_jitter_noise": 0.0, "output_router_logits": False,
+    }
+
+
+def minimax_m2_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    hf = hf.removesuffix("mlp.") + "block_sparse_moe."
+    return moe_to_hf(cfg, sd, ours, hf, names=MINIMAX_M2_NAMES, arch="MiniMax-M2", score_bias="e_score_correction_bias")
+
+
+def minimax_m2_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    return {**llama_weights_to_hf(cfg, sd, ffn=minimax_m2_ffn_to_hf), **qk_norm_to_hf(cfg, sd)}
+
+
+register("minimax_m2", Family(minimax_m2_config, minimax_m2_weights, LLAMA_IGNORE, Export(
+    "MiniMaxM2ForCausalLM", moe=True, refuse=minimax_m2_refusal, config=minimax_m2_to_hf,
+    weights=minimax_m2_weights_to_hf, name="MiniMax-M2", computes={
+        **LLAMA_LAYOUT, **ALL_EXPERTS, "qk_norm": ("full",), "rope.partial": ANY, "moe.scoring": ("sigmoid",),
+        "moe.normalize_top_k": (True,)},
+)))
+
+
+# ============================================================== ERNIE 4.5 MoE
+# transformers' Ernie4_5_MoeConfig defaults (5.x)
+ERNIE45_MOE_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=28, num_attention_heads=20,
+    num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=131072, initializer_range=0.02,
+    rms_norm_eps=1e-5, tie_word_embeddings=True, use_bias=False, moe_intermediate_size=1536, moe_k=6,
+    moe_num_experts=64, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1,
+    moe_layer_interval=1, moe_norm_min=1e-12,
+)
+ERNIE45_THETA = 500_000.0  # Ernie4_5_MoeConfig.default_theta
+ERNIE45_NAMES = ("gate_proj", "up_proj", "down_proj")
+# the selection bias (1, E) as the Hub files name it (transformers 5 holds it under gate.)
+ERNIE45_BIAS = "moe_statics.e_score_correction_bias"
+ERNIE45_MIN_NORM = 1e-6  # a moe_norm_min lmlab takes as 0: the top-k softmax weights never sum below it
+
+
+def ernie45_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """ERNIE 4.5 (MoE): the Llama layout with interleaved rotary pairs and a tied head by default; from
+    ``moe_layer_start_index`` every ``moe_layer_interval``-th layer a mixture of SwiGLU experts, softmax-routed with a
+    selection-only correction bias, the top-k weights renormalized, beside ``moe_num_shared_experts`` shared experts
+    of the same width. Biases (``use_bias``) are refused: they would sit on attention and the dense feed-forwards but
+    not on the experts, which lmlab's one ``bias`` switch cannot say."""
+    hf = with_defaults(hf, {**ERNIE45_MOE_DEFAULTS, **{k: hf[a] for a, k in (
+        ("num_experts", "moe_num_experts"), ("num_experts_per_tok", "moe_k")) if a in hf}})
+    if hf["use_bias"]:
+        raise key_refused(hf, "use_bias", "lmlab's one `bias` switch cannot put biases on attention and the dense "
+                          "feed-forwards and none on the experts")
+    if not 0 <= hf["moe_norm_min"] <= ERNIE45_MIN_NORM:
+        raise key_refused(hf, "moe_norm_min", f"lmlab renormalizes the chosen weights by their sum alone; a floor "
+                          f"above {ERNIE45_MIN_NORM} could act")
+    n = hf["num_hidden_layers"]
+    start, end, interval = hf["moe_layer_start_index"], hf["moe_layer_end_index"], hf["moe_layer_interval"]
+    end = n - 1 if end == -1 else end  # as Ernie4_5_MoeConfig.__post_init__
+    sparse = [(i + 1) % interval == 0 and start <= i <= end for i in range(n)]
+    layout = every_and_first_dense(sparse)
+    if layout is None:
+        raise key_refused(hf, "moe_layer_end_index", f"the MoE layers are {[i for i, s in enumerate(sparse) if s]}; "
+                          "lmlab expresses only 'every n-th layer after the first k' up to the last")
+    moe = MoEConfig(n_experts=hf["moe_num_experts"], top_k=hf["moe_k"], d_expert=hf["moe_intermediate_size"],
+                    n_shared=hf["moe_num_shared_experts"] or 0, normalize_top_k=True, every=layout[0],
+                    first_dense=layout[1])
+    cfg = llama_layout_config(hf, default_theta=ERNIE45_THETA, moe=moe)
+    return cfg.override({"rope.layout": "interleaved"})
+
+
+def ernie45_moe_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu(cfg, t, hf, ours)
+    sd = moe_weights(cfg, t, hf, ours, names=ERNIE45_NAMES, shared="shared_experts" if cfg.moe.n_shared else None)
+    bias = t.take(f"{hf}{ERNIE45_BIAS}" if f"{hf}{ERNIE45_BIAS}" in t.tensors else f"{hf}gate.{ERNIE45_BIAS}")
+    sd[f"{ours}router.score_bias"] = None if bias is None else bias.reshape(-1)
+    return sd
+
+
+def ernie45_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.moe is None or cfg.rope.layout != "interleaved":
+        raise ValueError("an ERNIE 4.5 MoE checkpoint needs a config with moe set and rope.layout='interleaved'")
+    return llama_weights(cfg, t, ffn=ernie45_moe_ffn)
+
+
+def ernie45_moe_refusal(cfg: ModelConfig) -> str | None:
+    moe = cfg.moe
+    why = moe_refusal(cfg, "ERNIE 4.5", {
+        "qkv_bias": (False, "ERNIE 4.5 MoE has biases on every projection or none"),
+        "moe.scoring": ("softmax", "ERNIE 4.5's router is a softmax"),
+        "moe.normalize_top_k": (True, "ERNIE 4.5 renormalizes the chosen weights"),
+        "moe.routed_scale": (1.0, "ERNIE 4.5 does not scale the routed output"),
+        "moe.shared_gate": ("none", "ERNIE 4.5's shared experts are not gated"),
+    }) or all_experts_refusal(cfg, "ERNIE 4.5")
+    if why is None and (moe.first_dense + 1) % moe.every:
+        why = (f"moe.first_dense={moe.first_dense} with moe.every={moe.every} (ERNIE 4.5's mixtures are the layers i "
+               "from moe_layer_start_index with i + 1 a multiple of moe_layer_interval)")
+    if why is None and _shared_total(cfg) % moe.expert_width(cfg.d_ff):
+        why = (f"moe.shared_d_ff={moe.shared_d_ff} (ERNIE 4.5's shared experts are whole experts of "
+               f"moe_intermediate_size={moe.expert_width(cfg.d_ff)})")
+    return why
+
+
+def ernie45_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    width = moe.expert_width(cfg.d_ff)
+    keys = {k: v for k, v in llama_layout_to_hf(cfg).items() if k != "attention_dropout"}  # a key it has not
+    return {
+        **keys, "use_bias": False, "moe_intermediate_size": width, "moe_k": moe.active_experts,
+        "moe_num_experts": moe.routed_experts, "moe_num_shared_experts": _shared_total(cfg) // width,
+        "moe_layer_start_index": moe.first_dense, "moe_layer_end_index": cfg.n_layers - 1,
+        "moe_layer_interval": moe.every, "moe_norm_min": ERNIE45_MOE_DEFAULTS["moe_norm_min"],
+        "output_router_logits": False,
+    }
+
+
+def ernie45_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    if not cfg.is_moe_layer(int(ours.split(".")[1])):
+        return llama_glu_to_hf(cfg, sd, ours, hf)
+    out = moe_to_hf(cfg, sd, ours, hf, names=ERNIE45_NAMES, arch="ERNIE 4.5",
+                    shared="shared_experts" if cfg.moe.n_shared else None, score_bias=ERNIE45_BIAS)
+    out[f"{hf}{ERNIE45_BIAS}"] = out[f"{hf}{ERNIE45_BIAS}"].reshape(1, -1)
+    return out
+
+
+def ernie45_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    """ERNIE 4.5 turns interleaved pairs: q and k rows are written as an interleaved model holds them, and a
+    half-layout model's are permuted into that layout."""
+    out = llama_weights_to_hf(cfg.override({"rope.layout": "half"}), sd, ffn=ernie45_moe_ffn_to_hf)  # rows as held
+    if cfg.rope.layout == "half":
+        for i in range(cfg.n_layers):
+            for part, heads in (("q_proj", cfg.n_heads), ("k_proj", cfg.n_kv_heads)):
+                name = f"model.layers.{i}.self_attn.{part}.weight"
+                out[name] = half_to_interleaved(out[name], heads)
+    return out
+
+
+# a checkpoint's multi-token-prediction weights (mtp_*), which transformers' Ernie4_5_Moe does not load either
+register("ernie4_5_moe", Family(ernie45_moe_config, ernie45_moe_weights, (*LLAMA_IGNORE, r"(^|\.)mtp"), Export(
+    "Ernie4_5_MoeForCausalLM", moe=True, refuse=ernie45_moe_refusal, config=ernie45_moe_to_hf,
+    weights=ernie45_moe_weights_to_hf, name="ERNIE 4.5 MoE", computes={
+        **LLAMA_LAYOUT, **ALL_EXPERTS, "moe.normalize_top_k": (True,),
+        **dict.fromkeys(("moe.n_shared", "moe.shared_d_ff", "moe.every", "moe.first_dense"), ANY)},
 )))
