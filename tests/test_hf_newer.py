@@ -406,6 +406,25 @@ def test_models_the_newer_families_cannot_hold_are_refused_by_name(tmp_path, fie
     assert list(tmp_path.iterdir()) == []
 
 
+# ================================================================== the families lmlab does not do, by name
+@pytest.mark.parametrize("model_type, why", [
+    ("qwen3_next", "hybrid linear attention (Gated DeltaNet"), ("qwen3_5_text", "hybrid linear attention"),
+    ("qwen3_5_moe", "leaves attention whose point is efficiency alone out of scope"),
+    ("kimi_linear", "hybrid linear attention (Kimi Delta Attention"), ("apertus", "its xIELU activation learns"),
+    ("hunyuan_v1_moe", "it normalizes queries and keys after rotary"),
+])
+def test_families_lmlab_does_not_do_are_refused_with_the_reason(tmp_path, model_type, why):
+    hf = AutoConfig.for_model(model_type).to_dict()
+    with pytest.raises(ValueError) as err:
+        config_from_hf(hf)
+    assert str(err.value).startswith(f"model_type {model_type!r} is not supported by lmlab.from_hf: ")
+    assert why in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        to_hf(lmlab_model(), tmp_path / "out", architecture=model_type)
+    assert str(err.value).startswith(f"architecture={model_type!r} is not one lmlab writes (")
+    assert why in str(err.value) and list(tmp_path.iterdir()) == []
+
+
 def test_zz_report_largest_logit_differences(capsys):
     """Not a check: prints what the parity tests above measured (run the file with -s to see it)."""
     with capsys.disabled():

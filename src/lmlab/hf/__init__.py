@@ -39,20 +39,22 @@ Families: a registry keyed by config.json's ``model_type``
 - ``with_tensors(cfg, hf, names)`` (optional): the config completed by what the checkpoint's tensor
   names show, for parts config.json does not decide (DeepSeek-V3's MTP layers, present or not).
 
-The package's modules import one way, registry <- dense <- moe <- deepseek, deepseek_v4, olmo, qwen3 <- deepseek_v32
-<- export <- this file:
+The package's modules import one way, registry <- dense <- moe <- deepseek, deepseek_v4, smollm3 <- olmo, qwen3,
+deepseek_v32 <- export <- this file (a model_type of ``registry.NOT_SUPPORTED`` is refused with its reason):
 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
   config helpers of both directions;
-- ``dense.py``: llama, mistral, qwen2 and gpt2, and the Llama-layout helpers;
-- ``moe.py``: mixtral, qwen2_moe and glm4_moe, on the Llama layout, and DeepSeek-V3's MoE layers;
+- ``dense.py``: llama, mistral, qwen2, seed_oss and gpt2, and the Llama-layout helpers;
+- ``moe.py``: mixtral, qwen2_moe, glm4_moe, minimax_m2 and ernie4_5_moe, on the Llama layout, and DeepSeek-V3's MoE
+  layers;
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
 - ``deepseek_v32.py``: deepseek_v32 (sparse attention: MLA with a lightning indexer) and glm4_moe_lite, on
   ``deepseek.py``'s mapping;
 - ``deepseek_v4.py``: deepseek_v4 (compressed attention, hash and top-k routing with a clamped SwiGLU, mHC), with
   ``save_pretrained``'s DeepSeek tensor names and its int64 token-to-expert tables (``Family.tables``);
 - ``qwen3.py``: qwen3 and qwen3_moe (per-head q/k norms);
-- ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms) and olmoe;
+- ``olmo.py``: olmo2 (reordered norms, whole-projection q/k norms), olmoe, olmo3 (olmo2 with sliding layers) and
+  exaone4 (olmo2's block, per-head q/k norms, NoPE full layers between sliding ones);
 - ``smollm3.py``: smollm3 (NoPE layers); ``gemma.py``: gemma3_text (sandwich norms, 1 + w gains, local rotary base);
   ``gpt_oss.py``: gpt_oss (sinks, router bias, clamped gated experts with interleaved gate/up columns);
 - ``export.py``: :func:`to_hf`, choosing the architecture and writing the directory;

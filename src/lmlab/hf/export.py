@@ -4,14 +4,13 @@
                                         # generation_config.json, tokenizer.json, tokenizer_config.json
 
 The target architecture is chosen by what the config needs, from the export sides of the families
-registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, gpt2, mixtral,
-qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, deepseek_v4, gemma3_text, gpt_oss, olmo2, olmoe, qwen3, qwen3_moe,
-smollm3), or
-named with
-``architecture=``. Nothing approximate is ever written, and export is by allow-list, the mirror of
-import: each architecture declares the config values it computes beyond the defaults
-(``Export.computes``; dropout, initialization and balancing coefficients act only in training and
-every architecture takes them), so a value none declares is refused, naming the field and its value,
+registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, seed_oss, gpt2, mixtral,
+qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, glm4_moe_lite,
+gemma3_text, gpt_oss, smollm3, olmo2, olmoe, olmo3, exaone4, qwen3, qwen3_moe), or named with ``architecture=``; a
+model_type of :data:`lmlab.hf.registry.NOT_SUPPORTED` is refused with its reason. Nothing approximate is ever
+written, and export is by allow-list, the mirror of import: each architecture declares the config values it
+computes beyond the defaults (``Export.computes``; dropout, initialization and balancing coefficients act only in
+training and every architecture takes them), so a value none declares is refused, naming the field and its value,
 whatever the list of choices grows to; and every tensor of the model's state dict is written or
 derived (the tied head), or the export is refused naming the tensors it has no place for.
 
@@ -34,7 +33,17 @@ import torch
 from ..config import ModelConfig
 from ..files import default_file_mode, install_directory
 from . import deepseek, deepseek_v4, deepseek_v32, dense, gemma, gpt_oss, moe, olmo, qwen3  # noqa: F401  (importing them registers their families)
-from .registry import FAMILIES, Export, StateDict, Tensors, computed, departures, described, name_list
+from .registry import (
+    FAMILIES,
+    NOT_SUPPORTED,
+    Export,
+    StateDict,
+    Tensors,
+    computed,
+    departures,
+    described,
+    name_list,
+)
 
 EXPORT_MARKER = ".lmlab-export"  # in every directory to_hf writes: overwrite replaces only a directory holding it
 DEFAULT_SHARD_SIZE = "5GB"  # transformers 4.x's default; every version reads the index beside the shards
@@ -89,7 +98,9 @@ def choose_architecture(cfg: ModelConfig, architecture: str | None = None) -> tu
     targets = exports()
     if architecture is not None:
         if architecture not in targets:
-            raise ValueError(f"architecture={architecture!r} is not one lmlab writes; choose one of {sorted(targets)}")
+            why = f" ({NOT_SUPPORTED[architecture]})" if architecture in NOT_SUPPORTED else ""
+            raise ValueError(f"architecture={architecture!r} is not one lmlab writes{why}; choose one of "
+                             f"{sorted(targets)}")
         target = targets[architecture]
         why = _kind_mismatch(cfg, target) or _mtp_mismatch(cfg, target) or target.refusal(cfg)
         if why:

@@ -142,6 +142,19 @@ class Family:
 
 FAMILIES: dict[str, Family] = {}
 
+_HYBRID = ("hybrid linear attention ({}): lmlab's design compares the Transformer's own choices and leaves "
+           "attention whose point is efficiency alone out of scope")
+# model_types of transformers that lmlab reads and writes neither way, and why: from_hf and to_hf say it
+NOT_SUPPORTED: dict[str, str] = {
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    _HYBRID.format("Gated DeltaNet layers between gated attention ones")),
+    "kimi_linear": _HYBRID.format("Kimi Delta Attention layers between latent-attention ones"),
+    "apertus": ("its xIELU activation learns two parameters per layer (alpha_p, alpha_n), which no lmlab activation "
+                "has, on an ungated feed-forward"),
+    "hunyuan_v1_moe": ("it normalizes queries and keys after rotary, where lmlab's qk_norm acts before it, and may "
+                       "give each layer its own number of experts"),
+}
+
 
 def register(model_type: str, family: Family) -> None:
     if model_type in FAMILIES and FAMILIES[model_type] is not family:
@@ -150,6 +163,8 @@ def register(model_type: str, family: Family) -> None:
 
 
 def family_for(model_type: Any) -> Family:
+    if model_type in NOT_SUPPORTED and model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported by lmlab.from_hf: {NOT_SUPPORTED[model_type]}")
     if model_type not in FAMILIES:
         names = sorted(FAMILIES)
         raise ValueError(
