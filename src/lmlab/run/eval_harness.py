@@ -130,6 +130,7 @@ class TaskHarness:
 
     def __init__(self, loaded: dict[str, Any], limit: int | None):
         self.loaded, self.limit = loaded, limit
+        self.failed: str | None = None  # why the tasks stopped, during a run (see :meth:`scores`)
 
     @property
     def names(self) -> list[str]:
@@ -176,6 +177,18 @@ class TaskHarness:
                 task.set_config(key="num_fewshot", value=0)
             task.set_fewshot_seed(seed=1234)  # the harness's default fewshot seed: the same examples each time
         return cls(loaded, limit)
+
+    def scores(self, lm: "HarnessLM", *, step: int, say: Callable[[str], None] = print) -> dict[str, float]:
+        """:meth:`run`, during training: a failure is a note, and the tasks stop for the rest of the run
+        (the run itself goes on, its metrics without task scores from then on)."""
+        if self.failed is not None:
+            return {}
+        try:
+            return self.run(lm)
+        except Exception as e:  # noqa: BLE001 - the harness and its metrics may raise anything; the run goes on
+            self.failed = f"{type(e).__name__}: {one_line(e)[:200]}"
+            say(f"note: eval.tasks failed at step {step} ({self.failed}); the run goes on without task scores")
+            return {}
 
     def run(self, lm: "HarnessLM") -> dict[str, float]:
         """Every task on ``lm``: {"tasks/<task>/<metric>": value}, a filter other than "none" kept after a
@@ -256,7 +269,7 @@ class HarnessLM(LM):
         return out
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
-        from ...generate import sample_text
+        from ..generate import sample_text
         from .parallel.compile import eager
 
         out = []

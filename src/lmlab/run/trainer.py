@@ -199,6 +199,30 @@ def sample_from(model: nn.Module, tokenizer: Any, parallel: Parallel, prompt: st
         model.train(was_training)
 
 
+# ============================================================== downstream tasks (eval.tasks)
+def task_harness(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """``cfg`` with eval.tasks' files as absolute paths (a resumed run finds them from any directory), and
+    its tasks loaded (run/eval_harness.py: offline, before the run writes anything); None without any."""
+    if not cfg.eval.tasks:
+        return cfg, None
+    from .eval_harness import TaskHarness, is_task_file
+
+    tasks = [str(Path(t).resolve()) if is_task_file(t) and Path(t).is_file() else t for t in cfg.eval.tasks]
+    return cfg.override({"eval.tasks": tasks}), TaskHarness.load(tasks, cfg.eval.task_limit)
+
+
+def downstream_scores(t: "Trainer") -> dict[str, float]:
+    """eval.tasks' scores of the live model, {"tasks/<task>/<metric>": value} (run/eval_harness.py); {} without."""
+    if t.harness is None:
+        return {}
+    from .eval_harness import HarnessLM
+
+    with t.phases("tasks"):
+        lm = HarnessLM(t.model, t.tokenizer, batch_size=t.cfg.train.batch_size, autocast=t.autocast,
+                       generation=t.parallel.whole_root)
+        return t.harness.scores(lm, step=t.step, say=t.progress.print)
+
+
 # ============================================================== stopping on a signal
 class StopRequest:
     """Ctrl-C or SIGTERM asks the run to finish its step, save a checkpoint and return. Under DDP
@@ -279,9 +303,9 @@ class Trainer:
     def _setup(self, cfg: RunConfig, resume: bool, overwrite: bool, command: Sequence[str] | None,
                data: DataPlan | None) -> None:
         check_processes(cfg, self.dist.world)
-        check_trackers(*cfg.log.tracker_names())  # a tracker named but not installed: refused before any write
+        check_trackers(*cfg.log.tracker_names(), probe=self.dist.main)  # one that cannot work: refused before any write
         data = DataPlan.for_run(cfg, self.run_dir, resume=resume, given=data)
-        cfg = data.config  # absolute paths; with --data DIR, how DIR was prepared
+        cfg, self.harness = task_harness(data.config)  # absolute paths; with --data DIR, how DIR was prepared
 
         def claim() -> None:  # rank 0 locks the run directory for the life of the run, then checks what it holds
             self.lock = self.run.lock()
@@ -455,15 +479,14 @@ class Trainer:
         return loss, grad_norm, {k: float(v) for k, v in aux.items()}
 
     def _evaluate_if_due(self, record: dict[str, Any]) -> tuple[float | None, bool]:
-        """At evaluation steps add val_loss (and the task's metrics) to ``record``; returns (this
-        step's val loss or None, improved)."""
+        """When due, val_loss, the task's metrics and eval.tasks' scores into ``record``; (val loss, improved)."""
         if not (self.step % self.cfg.eval.every == 0 or self.step == self.cfg.train.steps):
             return None, False
         val_loss, improved = self._evaluate()
         if val_loss is not None:
-            record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss))
-            record.update({f"val_{k}": v for k, v in self.last_eval.metrics.items()})
-            extra = "".join(f", {k} {v:.4f}" for k, v in self.last_eval.metrics.items())
+            scores = {**{f"val_{k}": v for k, v in self.last_eval.metrics.items()}, **downstream_scores(self)}
+            record.update(val_loss=val_loss, val_perplexity=exp_or_none(val_loss), **scores)
+            extra = "".join(f", {k.removeprefix('val_')} {v:.4f}" for k, v in scores.items())
             self.progress.print(f"step {self.step}: val loss {val_loss:.4f}{extra}" + (" (best)" if improved else ""))
         return val_loss, improved
 
