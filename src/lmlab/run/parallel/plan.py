@@ -86,7 +86,7 @@ class ShardedExperts(Experts):
         moe = cfg.moe
         self.n_total = moe.routed_experts
         super().__init__(self.n_total // groups.size, cfg.d_model, moe.expert_width(cfg.d_ff), cfg.ffn,
-                         cfg.activation, cfg.bias, cfg.glu_variant)
+                         cfg.activation, cfg.bias, cfg.glu_variant, cfg.glu_limit)
         self.groups = groups
         self.first = groups.rank * self.n  # the global index of this process's first expert
 
