@@ -240,15 +240,15 @@ def test_in_range_distances_cover_what_training_plants():
     assert retrieval.in_range_distances(cfg, 64, 3) == [20, 25, 30]
 
 
-# ============================================================== the draft of the positions rerun
-def test_the_draft_rerun_is_unregistered_on_new_seeds_and_never_trains_a_fine_tune_beyond_its_distances():
+# ============================================================== the registered positions rerun with lookups
+def test_the_retrieval_rerun_is_registered_on_new_seeds_and_never_trains_a_fine_tune_beyond_its_distances():
     from pathlib import Path
 
     from lmlab.experiments import load_experiment_spec
 
-    draft = Path(retrieval.__file__).with_name("positions-retrieval-draft.yaml")
+    draft = Path(retrieval.__file__).with_name("positions-retrieval.yaml")
     spec = load_experiment_spec("positions", spec_file=draft)
-    assert spec.registration is None  # a draft: registered in the commit that adds the block, before any run
+    assert spec.registration["id"] == "positions-retrieval-2026-12-06" and spec.registration["amendments"] == []
     assert not set(spec.seeds) & {*range(10), 1000, 1001}  # none a committed run used
     base = spec.configs["rope-lookup"]
     W = base.seq_len + 1
@@ -276,7 +276,7 @@ def test_the_gate_asks_every_compared_arm_and_its_parent_to_retrieve_in_range():
     from lmlab.experiments import load_experiment_spec
 
     spec = load_experiment_spec("positions", spec_file=Path(retrieval.__file__).with_name(
-        "positions-retrieval-draft.yaml"))
+        "positions-retrieval.yaml"))
     arms = ("rope-lookup", "rope-lookup-ft-none", "rope-lookup-ft-pi", "rope-lookup-ft-yarn")
 
     def rows(exact: dict[str, float]) -> list[dict]:

@@ -1,7 +1,8 @@
-"""The positions experiment with a planted-lookup arm (positions-retrieval-draft.yaml, not registered): what its
-hooks measure, the lookup endpoints and gates in the analysis, the report's lookup table, and the exploratory
-reading of the extension effect at single fine-tune snapshots beside the registered verdicts. The registered
-positions experiment (positions.yaml) must decide as before: test_verdicts_recomputed and test_experiments."""
+"""The positions experiment with a planted-lookup arm (positions-retrieval.yaml, registered as
+positions-retrieval-2026-12-06): what its hooks measure, the lookup endpoints and gates in the analysis, the
+report's lookup table, and the exploratory reading of the extension effect at single fine-tune snapshots beside
+the registered verdicts. The registered positions experiment (positions.yaml) must decide as before:
+test_verdicts_recomputed and test_experiments."""
 
 from __future__ import annotations
 
@@ -18,25 +19,25 @@ from lmlab.experiments import load_experiment_spec, positions, retrieval, run_ex
 from lmlab.experiments.decide import decide_claims
 from lmlab.experiments.stats import Interval
 
-DRAFT = Path(retrieval.__file__).with_name("positions-retrieval-draft.yaml")
+RERUN = Path(retrieval.__file__).with_name("positions-retrieval.yaml")
 T95_2 = 4.302652729911275  # Student's t, 97.5% quantile, 2 degrees of freedom (3 seeds)
 LOOKUPS = ("rope-lookup", "rope-lookup-ft-none", "rope-lookup-ft-pi", "rope-lookup-ft-yarn")
 
 
 @pytest.fixture(scope="module")
-def draft():
-    return load_experiment_spec("positions", spec_file=DRAFT)
+def rerun():
+    return load_experiment_spec("positions", spec_file=RERUN)
 
 
 # ============================================================== what the hooks measure
-def test_the_hooks_probe_every_lookup_run_with_rope_lookups_config_and_length(draft):
-    hooks = positions.Hooks(draft)
+def test_the_hooks_probe_every_lookup_run_with_rope_lookups_config_and_length(rerun):
+    hooks = positions.Hooks(rerun)
     assert hooks.lookup_runs == list(LOOKUPS)
-    assert hooks.lookup == draft.configs["rope-lookup"].train.lookup and hooks.lookup_L == 128  # not rope's 64
+    assert hooks.lookup == rerun.configs["rope-lookup"].train.lookup and hooks.lookup_L == 128  # not rope's 64
     assert hooks.lookup.max_distance is None  # the fine-tunes' max_distance bounds their training, not the probes
     assert hooks.lookup_end == {1: 400, 2: 400, 4: 400, 8: 400}  # COPY_N at a run's end
     assert hooks.lookup_snapshot == hooks.copy_snapshot == {1: 400, 8: 100}  # as the copy probes at the snapshots
-    quick = positions.Hooks(load_experiment_spec("positions", spec_file=DRAFT, quick=True))
+    quick = positions.Hooks(load_experiment_spec("positions", spec_file=RERUN, quick=True))
     assert set(quick.lookup_end.values()) == set(quick.lookup_snapshot.values()) == {positions.COPY_N_QUICK}
     assert quick.lookup_L == 32
     registered = positions.Hooks(load_experiment_spec("positions"))  # positions.yaml: nothing plants lookups
@@ -108,8 +109,8 @@ def test_where_an_interval_lies_against_the_margin():
     assert positions.margin_reading(Interval(-0.01, -math.inf, math.inf, 1, math.nan), 0.02) == "no interval"
 
 
-def test_the_exploratory_rows_give_each_snapshot_its_paired_interval_and_margin_reading(draft):
-    decisions = [SimpleNamespace(spec=c) for c in draft.claims]
+def test_the_exploratory_rows_give_each_snapshot_its_paired_interval_and_margin_reading(rerun):
+    decisions = [SimpleNamespace(spec=c) for c in rerun.claims]
     table = positions.exploratory_extension(decisions, YARN + NONE)
     assert [(r["claim"], r["step"]) for r in table] == [
         ("ft-extension-yarn", "12"), ("ft-extension-yarn", "400 (last)"), ("ft-extension-pi", "12"),
@@ -152,8 +153,8 @@ def test_the_lookup_table_gives_mean_and_std_over_seeds_per_probe():
 
 
 # ============================================================== the gates
-def draft_rows(spec, exact: dict[str, float] | None = None, gain: float = 0.0) -> list[dict]:
-    """Every variant of the draft on 4 seeds: losses flat at 3.0 plus seed noise, every lookup arm retrieving
+def rerun_rows(spec, exact: dict[str, float] | None = None, gain: float = 0.0) -> list[dict]:
+    """Every variant of the rerun on 4 seeds: losses flat at 3.0 plus seed noise, every lookup arm retrieving
     in range (lookup_1x_exact 1.0 unless ``exact`` says otherwise), rope-lookup-ft-yarn's 8x far log-prob
     ``gain`` above the others'."""
     exact, rows = exact or {}, []
@@ -188,19 +189,19 @@ def decided(spec, rows) -> dict:
                                                 amended=positions.lost_copying(spec, rows))}
 
 
-def test_a_base_model_that_does_not_retrieve_leaves_the_retrieval_claims_untestable(draft):
-    rows = draft_rows(draft, gain=0.3)
-    ok = decided(draft, rows)
+def test_a_base_model_that_does_not_retrieve_leaves_the_retrieval_claims_untestable(rerun):
+    rows = rerun_rows(rerun, gain=0.3)
+    ok = decided(rerun, rows)
     assert ok["retrieval-yarn"].verdict == "reproduced" and not ok["retrieval-yarn"].untestable  # it retrieves
     assert ok["retrieval-yarn"].diffs == pytest.approx([0.301, 0.298, 0.302, 0.3])
-    failed = decided(draft, draft_rows(draft, {"rope-lookup": 0.3}, gain=0.3))
+    failed = decided(rerun, rerun_rows(rerun, {"rope-lookup": 0.3}, gain=0.3))
     for cid in ("retrieval-yarn", "retrieval-pi"):
         assert failed[cid].verdict == "inconclusive" and failed[cid].untestable == (
             "untestable: rope-lookup's in-range exact match is 0.300, below the gate 0.9: it does not retrieve within "
             "its training length")
         assert not failed[cid].amended  # registered before the runs, not an amendment
     assert failed["ft-extension-yarn"].verdict == ok["ft-extension-yarn"].verdict == "reproduced"  # the others stand
-    assert positions.copy_gates(draft, rows) == {} and positions.lost_copying(draft, rows) == {}  # no copy claim here
+    assert positions.copy_gates(rerun, rows) == {} and positions.lost_copying(rerun, rows) == {}  # no copy claim here
 
 
 def test_the_registered_experiment_is_gated_as_before():
@@ -213,9 +214,9 @@ def test_the_registered_experiment_is_gated_as_before():
 
 
 # ============================================================== the report
-def test_the_draft_report_shows_the_lookups_and_the_exploratory_reading(draft, tmp_path):
-    rows = draft_rows(draft, {"rope-lookup": 0.3})
-    report = positions.analyze(draft, tmp_path, rows, command="lmlab experiment positions --draft", wall_s=1.0)
+def test_the_rerun_report_shows_the_lookups_and_the_exploratory_reading(rerun, tmp_path):
+    rows = rerun_rows(rerun, {"rope-lookup": 0.3})
+    report = positions.analyze(rerun, tmp_path, rows, command="lmlab experiment positions --draft", wall_s=1.0)
     text = report.read_text()
     lookup = text.split("### Retrieval: the planted lookup")[1].split("## Verdicts")[0]
     assert "| variant | 1× in range | 1× farthest | 2× far | 2× near | 4× far | 4× near | 8× far | 8× near |" in lookup
@@ -232,14 +233,14 @@ def test_the_draft_report_shows_the_lookups_and_the_exploratory_reading(draft, t
     assert "untestable: rope-lookup's in-range exact match is 0.300" in verdicts.split("### Exploratory")[0]
     assert "no in-range retrieval for an extension to carry further" in text
     claims = [c.split("**")[1] for c in verdicts.splitlines() if c.startswith("- **")]
-    assert claims == [c.id for c in draft.claims]  # the exploratory section adds no verdict line
+    assert claims == [c.id for c in rerun.claims]  # the exploratory section adds no verdict line
     record = json.loads((tmp_path / "verdict.json").read_text())
     assert [c["id"] for c in record["claims"]] == claims  # nor a claim
 
 
 def test_the_registered_experiments_report_gets_the_exploratory_reading_and_no_lookup_table(tmp_path):
     spec = load_experiment_spec("positions")
-    rows = draft_rows(spec)
+    rows = rerun_rows(spec)
     text = positions.analyze(spec, tmp_path, rows, command="lmlab experiment positions", wall_s=1.0).read_text()
     assert "### Retrieval: the planted lookup" not in text
     assert "| ft-extension-pi | 400 (last) | 3 | +0.000, +0.000, +0.000 | +0.000 [+0.000, +0.000] | inside ±0.02 |" in (
@@ -248,9 +249,9 @@ def test_the_registered_experiments_report_gets_the_exploratory_reading_and_no_l
 
 # ============================================================== end to end
 @pytest.mark.slow
-def test_the_draft_runs_end_to_end_at_quick_size(tmp_path):
-    out = tmp_path / "draft"
-    report = run_experiment("positions", out, quick=True, draft=True, spec_file=DRAFT, log=lambda *a, **k: None)
+def test_the_rerun_runs_end_to_end_at_quick_size(tmp_path):
+    out = tmp_path / "rerun"
+    report = run_experiment("positions", out, quick=True, spec_file=RERUN, log=lambda *a, **k: None)
     text = report.read_text()
     table = text.split("### Retrieval: the planted lookup")[1].split("## Verdicts")[0]
     for arm in LOOKUPS:

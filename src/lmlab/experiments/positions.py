@@ -18,7 +18,7 @@ Models trained on plain text do not learn to copy at this size, so rope-copy and
 (rope-copy-ft-*) train with planted repeats (``train.repeats``); retrieval beyond range is judged
 only once in-range accuracy reaches COPY_GATE.
 
-A spec may add a planted-lookup arm (positions-retrieval-draft.yaml): LOOKUP_ARM, rope trained with a passkey
+A spec may add a planted-lookup arm (positions-retrieval.yaml): LOOKUP_ARM, rope trained with a passkey
 in its text (``train.lookup``), and its fine-tunes. Every run that plants lookups is probed by
 ``retrieval.lookup_metrics`` instead of the loss-by-length and copy probes (its lookups at 1x, 2x, 4x and 8x,
 its fine-tunes' snapshots at 1x and 8x), all with LOOKUP_ARM's lookup config and training length as L;

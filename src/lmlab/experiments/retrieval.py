@@ -120,7 +120,7 @@ def lookup_metrics(model, data, cfg: LookupConfig, L: int, multiples: Iterable[i
     return out
 
 
-# ============================================================== for a registered rerun (positions-retrieval-draft.yaml)
+# ============================================================== for a registered rerun (positions-retrieval.yaml)
 LOOKUP_GATE = 0.9  # in-range exact match (lookup_1x_exact) every arm of a retrieval claim must reach
 
 
