@@ -391,3 +391,6 @@ def test_auto_decoder_is_a_cuda_graph_for_dense_models_on_cuda_and_eager_otherwi
     assert auto_decoder(dense, torch.device("cuda")) == "graph"
     assert auto_decoder(moe, torch.device("cuda")) == "eager"  # expert dispatch reads counts on the host
     assert auto_decoder(dense, torch.device("cpu")) == "eager" and auto_decoder(moe, torch.device("cpu")) == "eager"
+    # compressed attention (DeepSeek-V4) decodes with its own cache, which a fixed-shape graph cannot hold
+    v4 = lmlab.Transformer(lmlab.ModelConfig.from_preset("deepseek-v4", moe=None))
+    assert not v4.slot_cache and dense.slot_cache and auto_decoder(v4, torch.device("cuda")) == "eager"

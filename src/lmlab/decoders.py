@@ -285,9 +285,11 @@ def check_graphable(model, device: torch.device) -> None:
 
 def auto_decoder(model, device: torch.device) -> str:
     """The default decoder for ``model`` on ``device`` (module docstring): a CUDA graph where one
-    can be captured without compiling, else the eager reference."""
+    can be captured without compiling, else the eager reference (also for an attention with its own
+    cache, which the fixed-shape step cannot hold)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if device.type == "cuda" and not getattr(model, "moe_layers", None) and not distributed:
+    slots = getattr(model, "slot_cache", True)
+    if device.type == "cuda" and slots and not getattr(model, "moe_layers", None) and not distributed:
         return "graph"
     return "eager"
 

@@ -379,6 +379,12 @@ class Transformer(nn.Module):
         return cache(cfg, batch_size, max_len or cfg.max_seq_len, device=p.device, dtype=dtype or p.dtype,
                      layers=layers)
 
+    @property
+    def slot_cache(self) -> bool:
+        """Whether decoding caches keys per position slot (KVCache), which the fixed-shape decoders (static,
+        compiled, graph) need; False for a variant with its own cache (compressed attention's)."""
+        return not hasattr(ATTENTIONS[self.config.attention_variant], "cache_class")
+
     def reserve_positions(self, n: int, device: torch.device) -> None:
         """Build now the position tables of positions below ``n`` (see ``PositionScheme.reserve``)."""
         self.positions.reserve(n, device)
