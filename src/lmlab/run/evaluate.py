@@ -7,6 +7,9 @@ with different tokenizers compare.
 Loss by position is what length extrapolation is measured with: evaluate at a sequence length
 longer than training (with any rope scaling override) and compare the mean loss at positions the
 model has seen against those it has not.
+
+These measure the objective a run trains on, on its own held-out split. Tasks the model was not
+trained on (lm-evaluation-harness tasks, ``eval.tasks``) are run/eval_harness.py's.
 """
 
 from __future__ import annotations
