@@ -37,7 +37,7 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
-WANDB, MLFLOW = "wandb", "mlruns"  # W&B's offline runs and MLflow's sqlite store and artifacts, with those trackers (run/trackers.py)
+WANDB, MLFLOW = "wandb", "mlruns"  # W&B's offline runs; MLflow's sqlite store and artifacts (run/trackers.py)
 
 
 class RunDir:
