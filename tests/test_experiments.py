@@ -552,3 +552,25 @@ def test_identity_dict_leaves_out_an_added_field_only_while_it_holds_its_default
     assert _Outer().to_dict()["inner"] == {"a": 1, "b": "x"}  # the saved config stays explicit
     changed = _Outer(inner=_Inner(b="y"), extra=_Inner(), late=_Inner(a=3))
     assert changed.identity_dict() == {"size": 2, "inner": {"a": 1, "b": "y"}, "extra": {"a": 1}, "late": {"a": 3}}
+
+
+def test_a_plot_that_fails_to_save_leaves_the_earlier_plot_whole(tmp_path):
+    """Report plots are written beside and renamed (report.save): a crash mid-write keeps the last complete one."""
+    from lmlab.experiments.report import figure, save
+
+    fig, ax = figure().subplots()
+    ax.plot([1, 2], [3, 4])
+    assert save(fig, tmp_path / "curves.png") == "curves.png"
+    first = (tmp_path / "curves.png").read_bytes()
+    assert first[:4] == b"\x89PNG"
+
+    fig, ax = figure().subplots()
+
+    def half_then_fail(target, **kwargs):
+        Path(target).write_bytes(first[:10])
+        raise OSError("disk full")
+
+    fig.savefig = half_then_fail
+    with pytest.raises(OSError):
+        save(fig, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes() == first and [p.name for p in tmp_path.iterdir()] == ["curves.png"]

@@ -322,9 +322,7 @@ def plot_heatmaps(rows: list[dict], out: Path) -> str | None:
     axes[-1, 0].set_xlabel("expert index")
     fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.colorbar(im, cax=fig.add_axes((0.90, 0.1, 0.02, 0.8)), label="load / mean load (validation batches)")
-    fig.savefig(out / "expert_load_heatmaps.png", dpi=100)
-    plt.close(fig)
-    return "expert_load_heatmaps.png"
+    return save(fig, out / "expert_load_heatmaps.png", layout=False)
 
 
 # ============================================================== markdown and analysis

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..run.checkpoint.atomic import atomic_write_text
+from ..run.checkpoint.atomic import atomic_write, atomic_write_text
 from ..run.metrics import jsonable
 from .registration import banner, changes_section
 
@@ -119,10 +119,12 @@ def figure():
     return plt
 
 
-def save(fig, path: Path) -> str:
-    """Save and close ``fig``; returns the file name for the report."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+def save(fig, path: Path, *, layout: bool = True) -> str:
+    """Save ``fig`` atomically (written beside and renamed: a plot of an earlier report stays whole until the
+    new one is complete) and close it; returns the file name for the report. ``layout``: tight_layout first."""
+    if layout:
+        fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format=Path(path).suffix.lstrip(".") or "png"))
     figure().close(fig)
     return path.name
 
