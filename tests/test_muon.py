@@ -284,6 +284,21 @@ def test_a_muon_run_resumes_bit_for_bit_and_takes_changed_settings_from_the_conf
         assert len(buffers) == len(saved) and all(torch.equal(x, y) for x, y in zip(buffers, saved))
 
 
+def test_resuming_with_the_other_optimizer_is_a_one_line_exit_2_naming_both_and_the_fix(tmp_path, capsys):
+    """A changed optim.name is bad input (exit 2), not a damaged checkpoint (exit 3, "delete its step_*"), both ways."""
+    for first, then in (("adamw", "muon"), ("muon", "adamw")):
+        cfg = run_config(tmp_path, {"train.steps": 2, "checkpoint.every": 2, "optim.name": first})
+        run = tmp_path / first
+        train(cfg, run)
+        with pytest.raises(ValueError, match=f"trained with {first}, this run asks for {then}; resume with "
+                                             f"--optim.name {first}, or start a new run .* --train.init_from"):
+            train(cfg.override({"optim.name": then}), run, resume=True)
+        capsys.readouterr()
+        code = cli(["train", "--run-dir", str(run), "--resume", "--optim.name", then, "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "optim.name" in err and "delete" not in err
+
+
 # ============================================================== two processes
 @pytest.mark.slow
 def test_muon_on_two_processes_ddp_and_fsdp_trains_as_one_process_and_fsdp_resumes_exactly(tmp_path):

@@ -80,6 +80,11 @@ class TrainState:
         return state
 
 
+def optimizer_name(groups: Sequence[dict[str, Any]]) -> str:
+    """``optim.name`` of an optimizer, from its parameter groups (live or saved): Muon's carry ``ns_steps``."""
+    return "muon" if any("ns_steps" in g for g in groups) else "adamw"
+
+
 def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, step: int, where: Path) -> None:
     """CorruptFile naming the first way ``saved`` (state.pt's optimizer state dict, file ``where``,
     checkpoint ``step``) does not fit ``optimizer``: groups of other sizes, a moment whose shape is not
@@ -93,6 +98,11 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, step: in
     if not (isinstance(groups, list) and isinstance(state, dict)
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
         raise bad("its optimizer entry is not an optimizer's state dict")
+    theirs, ours = optimizer_name(groups), optimizer_name(optimizer.param_groups)
+    if theirs != ours:  # a changed optim.name, not a damaged file
+        raise ValueError(f"optim.name: the checkpoint in {str(where.parent)!r} was trained with {theirs}, this run "
+                         f"asks for {ours}; resume with --optim.name {theirs}, or start a new run from its weights "
+                         f"with --train.init_from {str(where.parent)!r}")
     sizes, ours = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
     if sizes != ours:
         raise bad(f"its optimizer has parameter groups of {sizes} tensors, this model's {ours}")
