@@ -5,7 +5,7 @@
                     one-section keys (train.lr, ...) read as the new ones for one release
     tasks.py        language modeling and classification: model, loss, evaluation
     init_from.py    where a fine-tune starts: an lmlab run or checkpoint, or a Hugging Face directory
-    optim.py        AdamW groups and the warmup + cosine schedule
+    optim.py        AdamW groups, Muon for the hidden matrices (optim.name), the warmup + cosine schedule
     trainer.py      the training loop: setup, the step, evaluation, checkpoints, logging, signals
     progress.py     what a run shows as it trains: banner, notes, progress bar, throughput
     metrics.py      metrics.jsonl and samples.jsonl, fed to the trackers; TensorBoard rebuilt from them
