@@ -11,7 +11,7 @@ import torch
 from helpers import assert_comes_back_identical, decoded_logits
 from test_export import lm as lmlab_model
 from test_export import load_hf, randomized_hf, relative_difference
-from test_hf import assert_left_padded_parity, assert_parity
+from test_hf import assert_parity
 
 import lmlab
 from lmlab.hf import config_from_hf, to_hf
@@ -89,6 +89,9 @@ HF_CASES.update({
         MOE_BODY, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_num_shared_experts=0,
         moe_layer_start_index=1, moe_layer_interval=2, num_hidden_layers=4, tie_word_embeddings=False), {
         "moe.every": 2, "moe.first_dense": 1, "moe.n_shared": 0}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(MOE_BODY, intermediate_size=16, head_dim=8, num_experts=4,
+                                                   moe_topk=2), {
+        "qk_norm": "head", "qk_norm_position": "after_rope", "moe.n_shared": 1, "moe.normalize_top_k": True}),
 })
 TRAINING_ONLY = {case: {"attention_dropout", "residual_dropout"} for case in ("seed_oss", "seed_oss_out_biases")}
 MEASURED: dict[str, float] = {}  # the largest |logit difference| per check and family, printed by the last test
@@ -161,8 +164,16 @@ def test_checkpoint_through_lmlab_comes_back_identical(loaded, tmp_path, case):
 
 @pytest.mark.parametrize("case", HF_CASES)
 def test_left_padded_batch_matches_transformers(loaded, case):
+    """The first row left-padded by 6: its real tokens' logits agree, transformers given the positions its generate
+    gives (real tokens counted from 0). Rotary alone is blind to the shift; HunYuan's norm after rotary is not."""
     hf, _, ours = loaded(case)
-    assert_left_padded_parity(hf, ours, tokens(seed=2))
+    idx, mask = tokens(seed=2), torch.ones(2, T, dtype=torch.long)
+    mask[0, :6] = 0
+    with torch.no_grad():
+        ref = hf(idx, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        got = ours(idx, attention_mask=mask).logits
+    measured(f"from_hf {case}, left-padded", got[mask.bool()], ref[mask.bool()])
+    assert_parity(got[mask.bool()], ref[mask.bool()])
 
 
 @pytest.mark.parametrize("case", HF_CASES)
@@ -228,6 +239,9 @@ LMLAB_CASES = {
         "n_layers": 4, "moe": SOFTMAX_MOE | dict(n_shared=1, every=2, first_dense=1, bias_update_rate=1e-3)},
         "ernie4_5_moe",
         "ernie4_5_moe"),
+    "hunyuan_moe_interleaved": (None, {
+        "qk_norm": "head", "qk_norm_position": "after_rope", "n_kv_heads": 2, "rope.layout": "interleaved",
+        "moe": dict(n_experts=4, top_k=2, n_shared=1, normalize_top_k=True)}, None, "hunyuan_v1_moe"),
 }
 
 
@@ -235,7 +249,7 @@ LMLAB_CASES = {
 def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, case):
     preset, fields, asked, family = LMLAB_CASES[case]
     model = lmlab_model(preset, **fields)
-    if model.config.moe is not None and model.config.moe.scoring == "softmax":  # a trained selection bias
+    if model.config.moe is not None and model.config.moe.bias_update_rate > 0:  # a trained selection bias
         with torch.no_grad():
             for layer in model.moe_layers:
                 layer.router.score_bias.copy_(torch.randn(layer.router.score_bias.shape) * 0.3)
@@ -312,6 +326,7 @@ def test_models_deepseek_v32_cannot_hold_are_refused_by_name(tmp_path, fields, a
     ("olmo3_yarn_local_base", [{"rope.local_base": None}, {"attention.window": None, "attention.pattern": ["global"],
                                                            "rope.local_base": None}]),
     ("exaone4", [{"rope.nope_every": 0}, {"qk_norm": "none"}]),
+    ("hunyuan_v1_moe", [{"qk_norm_position": "before_rope"}]),
 ])
 def test_each_choice_the_family_loads_changes_the_logits(loaded, case, changes):
     hf, _, ours = loaded(case)
@@ -368,6 +383,9 @@ def test_models_the_dense_families_cannot_hold_are_refused_by_name(tmp_path, fie
     ("glm4_moe_lite", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor=None: MLA turns every one"),
     ("glm4_moe_lite", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types=['sparse', 'dense',"),
+    ("hunyuan_v1_moe", dict(num_experts=[4, 2, 4]), "num_experts=[4, 2, 4], which is not valid; it must be a whole"),
+    ("hunyuan_v1_moe", dict(moe_topk=[2, 2, 2]), "moe_topk=[2, 2, 2]: lmlab's mixture-of-experts layers are alike"),
+    ("hunyuan_v1_moe", dict(attention_bias=True), "attention_bias=True"),
 ])
 def test_configs_the_newer_families_cannot_express_are_refused(case, changes, message):
     config_class, kwargs, _ = HF_CASES[case]
@@ -398,6 +416,10 @@ def test_ernie_moe_layers_read_as_transformers_builds_them():
      "moe.shared_gate='sigmoid' (ERNIE 4.5's shared experts are not gated)"),
     ({"qk_norm": "head"}, "seed_oss", "qk_norm='head' (Seed-OSS has no query/key norm)"),
     ({"mla": MLA, "dsa": DSA}, "glm4_moe_lite", "dsa set (GLM-4-MoE-Lite has no sparse attention"),
+    ({"qk_norm": "head", "moe": dict(n_experts=4, top_k=2, n_shared=1, normalize_top_k=True)}, "hunyuan_v1_moe",
+     "qk_norm_position='before_rope' (HunYuan-MoE normalizes queries and keys after rotary)"),
+    ({"qk_norm": "head", "qk_norm_position": "after_rope"}, "qwen3",
+     "qk_norm_position='after_rope' (Qwen3 normalizes queries and keys before rotary)"),
 ])
 def test_models_the_newer_families_cannot_hold_are_refused_by_name(tmp_path, fields, asked, message):
     with pytest.raises(ValueError) as err:
@@ -406,12 +428,34 @@ def test_models_the_newer_families_cannot_hold_are_refused_by_name(tmp_path, fie
     assert list(tmp_path.iterdir()) == []
 
 
+def test_hunyuans_alpha_rotary_is_static_ntk_both_ways(tmp_path):
+    """HunYuan's "dynamic" rotary with an alpha is a fixed larger base, theta alpha^(d / (d - 2)): it loads as
+    rope.scaling='ntk' with factor alpha, and leaves as that base (the alpha form's unused factor is not kept)."""
+    config_class, kwargs, _ = HF_CASES["hunyuan_v1_moe"]
+    rope = {"rope_type": "dynamic", "alpha": 50.0, "factor": 2.0, "rope_theta": 1e4}
+    torch.manual_seed(0)
+    hf = randomized_hf(AutoModelForCausalLM.from_config(transformers.HunYuanMoEV1Config(**kwargs,
+                                                                                       rope_parameters=rope)))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = lmlab.from_hf(tmp_path / "hf")
+    assert (ours.config.rope.scaling, ours.config.rope.factor, ours.config.rope.base) == ("ntk", 50.0, 1e4)
+    idx = tokens()
+    ref = logits(hf, idx)
+    measured("from_hf hunyuan_v1_moe (alpha rotary)", logits(ours, idx), ref)
+    assert_parity(logits(ours, idx), ref)
+    plain = lmlab.Transformer(ours.config.override({"rope.scaling": "none", "rope.factor": 1.0})).eval()
+    plain.load_state_dict(ours.state_dict())
+    assert not torch.allclose(logits(plain, idx), ref, atol=1e-2)
+    done = to_hf(ours, tmp_path / "out")
+    assert done.model_type == "hunyuan_v1_moe"
+    assert_parity(logits(load_hf(done.path), idx), ref)
+
+
 # ================================================================== the families lmlab does not do, by name
 @pytest.mark.parametrize("model_type, why", [
     ("qwen3_next", "hybrid linear attention (Gated DeltaNet"), ("qwen3_5_text", "hybrid linear attention"),
     ("qwen3_5_moe", "leaves attention whose point is efficiency alone out of scope"),
     ("kimi_linear", "hybrid linear attention (Kimi Delta Attention"), ("apertus", "its xIELU activation learns"),
-    ("hunyuan_v1_moe", "it normalizes queries and keys after rotary"),
 ])
 def test_families_lmlab_does_not_do_are_refused_with_the_reason(tmp_path, model_type, why):
     hf = AutoConfig.for_model(model_type).to_dict()

@@ -24,13 +24,13 @@ def test_hf_families_register_on_import():
     assert set(lmlab.hf.FAMILIES) == {
         "llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "qwen3",
         "qwen3_moe", "olmo2", "olmoe", "smollm3", "gemma3_text", "gpt_oss", "deepseek_v4", "deepseek_v32",
-        "glm4_moe_lite", "olmo3", "exaone4", "minimax_m2", "ernie4_5_moe", "seed_oss",
+        "glm4_moe_lite", "olmo3", "exaone4", "minimax_m2", "ernie4_5_moe", "seed_oss", "hunyuan_v1_moe",
     }
     writes = [name for name, family in lmlab.hf.FAMILIES.items() if family.export is not None]
     assert writes == [  # preference order
         "llama", "mistral", "qwen2", "seed_oss", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "minimax_m2",
-        "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "deepseek_v32", "glm4_moe_lite", "gemma3_text",
-        "gpt_oss", "smollm3", "olmo2", "olmoe", "olmo3", "exaone4", "qwen3", "qwen3_moe",
+        "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "deepseek_v32", "glm4_moe_lite",
+        "gemma3_text", "gpt_oss", "smollm3", "olmo2", "olmoe", "olmo3", "exaone4", "qwen3", "qwen3_moe",
     ]
 
 

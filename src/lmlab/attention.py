@@ -240,7 +240,7 @@ class NoQKNorm(nn.Module):
 
 class HeadQKNorm(NoQKNorm):
     """RMSNorm over each head's head_dim, one gain for all query heads and one for all key heads,
-    before rotary (Qwen3, Gemma 3; Dehghani et al. 2023 used LayerNorm)."""
+    before rotary (Qwen3, Gemma 3; Dehghani et al. 2023 used LayerNorm) or after it (HunYuan-MoE)."""
 
     normalizes = True
 
@@ -330,9 +330,10 @@ class Attention(nn.Module):
         self.softmax = softmax_plain if self.sinks is None else self.softmax_with_sinks
         self.set_impl("sdpa" if term.sdpa_ok and self.fused else "explicit")
         # rotary (half layout) heads come from one autograd Function, the rest from a split; normalized
-        # queries and keys from a split, normalized, then rotated
+        # queries and keys from a split, normalized, then rotated (or rotated, then normalized)
+        self.norm_after_rotary = args.qk_norm_position == "after_rope"
         if self.qk_norm.normalizes:
-            self.heads = self.heads_normalized
+            self.heads = self.heads_rotated_normalized if self.norm_after_rotary else self.heads_normalized
         else:
             self.heads = self.heads_rotary if term.half_rotation else self.heads_split
 
@@ -380,11 +381,16 @@ class Attention(nn.Module):
 
     # ---- [q; k; v] (B, T, H + 2KV, hd) -> (normalized,) rotated q, k and v, (B, heads, T, hd) each
     def heads_reference(self, qkv: torch.Tensor, ctx: Context):
-        """The reference: slice, normalize queries and keys, rotate them in one call, split."""
+        """The reference: slice, normalize queries and keys, rotate them in one call, split (with
+        ``qk_norm_position='after_rope'``: rotate, then normalize)."""
         H, KV = self.n_heads, self.n_kv_heads
-        q, k = self.qk_norm(qkv[:, :, :H], qkv[:, :, H : H + KV])
-        qkv = torch.cat([q, k, qkv[:, :, H + KV :]], dim=2).transpose(1, 2)  # (B, H + 2KV, T, hd)
+        if not self.norm_after_rotary:
+            q, k = self.qk_norm(qkv[:, :, :H], qkv[:, :, H : H + KV])
+            qkv = torch.cat([q, k, qkv[:, :, H + KV :]], dim=2)
+        qkv = qkv.transpose(1, 2)  # (B, H + 2KV, T, hd)
         q, k = self.term.rotate(qkv[:, : H + KV], ctx).split([H, KV], dim=1)
+        if self.norm_after_rotary:  # the per-head norm: over hd, whatever the layout
+            q, k = self.qk_norm(q, k)
         return q, k, qkv[:, H + KV :]
 
     def heads_split(self, qkv: torch.Tensor, ctx: Context):
@@ -398,6 +404,12 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
         q, k = self.qk_norm(q, k)
         return self.term.rotate(q.transpose(1, 2), ctx), self.term.rotate(k.transpose(1, 2), ctx), v.transpose(1, 2)
+
+    def heads_rotated_normalized(self, qkv: torch.Tensor, ctx: Context):
+        """:meth:`heads_split`, then the per-head ``qk_norm`` on the rotated queries and keys (HunYuan-MoE)."""
+        q, k, v = self.heads_split(qkv, ctx)  # (B, heads, T, hd)
+        q, k = self.qk_norm(q, k)  # over hd: the head norm's result does not depend on the axes before it
+        return q, k, v
 
     def heads_rotary(self, qkv: torch.Tensor, ctx: Context):
         """Half-layout rotary heads through :class:`QKVHeads`: no ``cat`` in the backward at all.

@@ -194,6 +194,7 @@ class AttentionArgs:
     qkv_bias: bool
     out_bias: bool
     qk_norm: str  # ModelConfig.qk_norm: none, head, full
+    qk_norm_position: str  # ModelConfig.qk_norm_position: before_rope, after_rope
     gate: str  # ModelConfig.attn_gate: none, elementwise, headwise
     sinks: str  # attention.sinks: none, learned
     norm_gain: str  # the q/k norms' RMSNorm gain (ModelConfig.norm_gain) ...
@@ -309,8 +310,8 @@ class StandardVariant(AttentionVariant):
         return AttentionArgs(
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
             scale=cfg.attention_scale, dropout=cfg.dropout, qkv_bias=cfg.qkv_bias, out_bias=cfg.bias,
-            qk_norm=cfg.qk_norm, gate=cfg.attn_gate, sinks=cfg.attention.sinks, norm_gain=cfg.norm_gain,
-            norm_eps=cfg.norm_eps,
+            qk_norm=cfg.qk_norm, qk_norm_position=cfg.qk_norm_position, gate=cfg.attn_gate, sinks=cfg.attention.sinks,
+            norm_gain=cfg.norm_gain, norm_eps=cfg.norm_eps,
         )
 
     def widths(self, cfg: ModelConfig) -> tuple[int, int]:

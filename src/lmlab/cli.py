@@ -55,8 +55,9 @@ EXIT_CODES = """exit status:
 # The families of lmlab.hf.FAMILIES in registration order (export's preference order), written out because the
 # registry imports torch and --help must not; tests/test_cli.py fails when the two differ.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "seed_oss", "gpt2", "mixtral", "qwen2_moe", "glm4_moe", "minimax_m2",
-               "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "deepseek_v32", "glm4_moe_lite",
-               "gemma3_text", "gpt_oss", "smollm3", "olmo2", "olmoe", "olmo3", "exaone4", "qwen3", "qwen3_moe")
+               "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "deepseek_v32",
+               "glm4_moe_lite", "gemma3_text", "gpt_oss", "smollm3", "olmo2", "olmoe", "olmo3", "exaone4", "qwen3",
+               "qwen3_moe")
 OVERRIDES = "config fields: any field as --SECTION.FIELD VALUE (or =VALUE), e.g. --model.n_layers 6 --optim.lr 3e-4"
 
 

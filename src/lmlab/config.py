@@ -40,6 +40,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 NormGain = Literal["plain", "offset"]
 NormPosition = Literal["pre", "post", "sandwich", "reordered"]
 QKNorm = Literal["none", "head", "full"]
+QKNormPosition = Literal["before_rope", "after_rope"]
 AttnGate = Literal["none", "elementwise", "headwise"]
 Positions = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 FFN = Literal["mlp", "glu"]
@@ -473,6 +474,9 @@ class ModelConfig(Config):
     # RMSNorm on queries and keys before rotary: head = over each head's head_dim, one gain shared by the heads
     # (Qwen3, Gemma 3); full = over all of q (n_heads*head_dim) and of k (n_kv_heads*head_dim) (OLMo 2)
     qk_norm: QKNorm = added("none", since="QK-norm: Qwen3, OLMo 2, Gemma 3")
+    # where the per-head q/k norm acts: before rotary (Qwen3, Gemma 3), or on the rotated queries and keys
+    # (HunYuan-MoE); the whole-projection norm acts before heads exist, so only qk_norm='head' has a choice
+    qk_norm_position: QKNormPosition = added("before_rope", since="q/k norms after rotary: HunYuan-MoE")
     # sigmoid gate on the attention output before its projection, from the block's attention input:
     # one per element or one per head (Qiu et al. 2025, arXiv:2505.06708; Qwen3-Next's is elementwise)
     attn_gate: AttnGate = added("none", since="gated attention: Qiu et al. 2025")
@@ -572,6 +576,12 @@ class ModelConfig(Config):
         check_positive("norm_eps", self.norm_eps)
         check_positive("init_std", self.init_std)
         check_range("dropout", self.dropout, 0.0, 0.999)
+        if self.qk_norm_position != "before_rope" and (self.qk_norm != "head" or self.positions != "rope"):
+            raise ValueError(
+                f"qk_norm_position={self.qk_norm_position!r} places the per-head query/key norm after rotary; it needs "
+                f"qk_norm='head' and positions='rope' (not qk_norm={self.qk_norm!r}, positions={self.positions!r}); "
+                "set those or qk_norm_position='before_rope'"
+            )
         if self.head_dim is None and self.d_model % self.n_heads:
             ok = divisor_choices(self.d_model, self.n_heads, keep=lambda d: d <= 64)
             raise ValueError(

@@ -45,8 +45,8 @@ deepseek_v32 <- export <- this file (a model_type of ``registry.NOT_SUPPORTED`` 
 - ``registry.py``: :class:`HFTensors`, :class:`Family`, :class:`Export`, ``register`` and the
   config helpers of both directions;
 - ``dense.py``: llama, mistral, qwen2, seed_oss and gpt2, and the Llama-layout helpers;
-- ``moe.py``: mixtral, qwen2_moe, glm4_moe, minimax_m2 and ernie4_5_moe, on the Llama layout, and DeepSeek-V3's MoE
-  layers;
+- ``moe.py``: mixtral, qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe and hunyuan_v1_moe (q/k norms after rotary), on
+  the Llama layout, and DeepSeek-V3's MoE layers;
 - ``deepseek.py``: deepseek_v2 and deepseek_v3, multi-head latent attention with DeepSeek's MoE;
 - ``deepseek_v32.py``: deepseek_v32 (sparse attention: MLA with a lightning indexer) and glm4_moe_lite, on
   ``deepseek.py``'s mapping;

@@ -5,14 +5,14 @@
 
 The target architecture is chosen by what the config needs, from the export sides of the families
 registered in :data:`lmlab.hf.FAMILIES` (in registration order: llama, mistral, qwen2, seed_oss, gpt2, mixtral,
-qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, glm4_moe_lite,
-gemma3_text, gpt_oss, smollm3, olmo2, olmoe, olmo3, exaone4, qwen3, qwen3_moe), or named with ``architecture=``; a
-model_type of :data:`lmlab.hf.registry.NOT_SUPPORTED` is refused with its reason. Nothing approximate is ever
-written, and export is by allow-list, the mirror of import: each architecture declares the config values it
-computes beyond the defaults (``Export.computes``; dropout, initialization and balancing coefficients act only in
-training and every architecture takes them), so a value none declares is refused, naming the field and its value,
-whatever the list of choices grows to; and every tensor of the model's state dict is written or
-derived (the tied head), or the export is refused naming the tensors it has no place for.
+qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, hunyuan_v1_moe, deepseek_v2, deepseek_v3, deepseek_v4,
+deepseek_v32, glm4_moe_lite, gemma3_text, gpt_oss, smollm3, olmo2, olmoe, olmo3, exaone4, qwen3, qwen3_moe), or
+named with ``architecture=``; a model_type of :data:`lmlab.hf.registry.NOT_SUPPORTED` is refused with its reason.
+Nothing approximate is ever written, and export is by allow-list, the mirror of import: each architecture declares
+the config values it computes beyond the defaults (``Export.computes``; dropout, initialization and balancing
+coefficients act only in training and every architecture takes them), so a value none declares is refused, naming
+the field and its value, whatever the list of choices grows to; and every tensor of the model's state dict is
+written or derived (the tied head), or the export is refused naming the tensors it has no place for.
 
 The directory appears whole or not at all: everything is computed and checked first, the files
 are written into a hidden temporary directory next to ``out``, fsynced, and renamed into place.

@@ -30,8 +30,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import AttentionConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from .dense import (
+    LLAMA_DEFAULTS,
     LLAMA_IGNORE,
     LLAMA_LAYOUT,
     WINDOWS,
@@ -50,7 +51,19 @@ from .dense import (
     qwen_attention,
     qwen_attention_to_hf,
 )
-from .registry import ANY, Export, Family, HFTensors, Tensors, key_refused, refusal, register, with_defaults
+from .registry import (
+    ANY,
+    Export,
+    Family,
+    HFTensors,
+    Tensors,
+    key_refused,
+    refusal,
+    refuse_attention_bias,
+    register,
+    rope_from_hf,
+    with_defaults,
+)
 
 
 # ============================================================== shared pieces
@@ -67,16 +80,16 @@ def stacked_experts(t: HFTensors, prefix: str, n: int, gate: str, up: str, down:
 
 def moe_weights(
     cfg: ModelConfig, t: HFTensors, hf: str, ours: str, *, names: tuple[str, str, str], shared: str | None = None,
-    shared_gate: str | None = None, score_bias: str | None = None,
+    shared_gate: str | None = None, score_bias: str | None = None, router: str = "gate",
 ) -> dict[str, torch.Tensor | None]:
-    """One MoE layer under HF prefix ``hf`` ("model.layers.3.mlp.") -> lmlab ``ours`` ("blocks.3.ffn.")."""
+    """One MoE layer under HF prefix ``hf`` ("model.layers.3.mlp.") -> lmlab ``ours`` ("blocks.3.ffn."); ``router``:
+    the router's module (HunYuan's is ``gate.wg``)."""
     if cfg.moe is None:  # e.g. detect_model_type trying this family on a dense config
         raise ValueError("a mixture-of-experts checkpoint needs a config with moe set")
     E = cfg.moe.routed_experts
     gate_up, down = stacked_experts(t, f"{hf}experts.", E, *names)
-    router = t.take(f"{hf}gate.weight")
     sd = {
-        f"{ours}router.weight": router,
+        f"{ours}router.weight": t.take(f"{hf}{router}.weight"),
         f"{ours}router.score_bias": t.take(f"{hf}{score_bias}") if score_bias else torch.zeros(E),
         f"{ours}experts.gate_up": gate_up,
         f"{ours}experts.down": down,
@@ -101,12 +114,12 @@ def _prefix_in_use(t: HFTensors, layer_prefix: str, options: tuple[str, ...]) ->
 
 def moe_to_hf(
     cfg: ModelConfig, sd: Tensors, ours: str, hf: str, *, names: tuple[str, str, str], arch: str,
-    shared: str | None = None, shared_gate: str | None = None, score_bias: str | None = None,
+    shared: str | None = None, shared_gate: str | None = None, score_bias: str | None = None, router: str = "gate",
 ) -> dict[str, torch.Tensor]:
     """The inverse of :func:`moe_weights`: one MoE layer, one tensor per expert (the Hub layout).
     A non-zero selection bias where ``arch`` has none (``score_bias`` None) is refused."""
     gate, up, down = names
-    out = {f"{hf}gate.weight": sd[f"{ours}router.weight"]}
+    out = {f"{hf}{router}.weight": sd[f"{ours}router.weight"]}
     bias = sd[f"{ours}router.score_bias"]
     if score_bias is not None:
         out[f"{hf}{score_bias}"] = bias
@@ -749,4 +762,101 @@ register("ernie4_5_moe", Family(ernie45_moe_config, ernie45_moe_weights, (*LLAMA
     weights=ernie45_moe_weights_to_hf, name="ERNIE 4.5 MoE", computes={
         **LLAMA_LAYOUT, **ALL_EXPERTS, "moe.normalize_top_k": (True,),
         **dict.fromkeys(("moe.n_shared", "moe.shared_d_ff", "moe.every", "moe.first_dense"), ANY)},
+)))
+
+
+# ============================================================== HunYuan-MoE
+# transformers' HunYuanMoEV1Config defaults (5.x)
+HUNYUAN_MOE_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS, vocab_size=290943, rms_norm_eps=1e-5, num_experts=1, moe_topk=1,
+)
+HUNYUAN_NAMES = ("gate_proj", "up_proj", "down_proj")
+HUNYUAN_NORMS = {"q_norm": "query_layernorm", "k_norm": "key_layernorm"}  # lmlab's qk_norm -> its names
+
+
+def hunyuan_moe_rope(hf: Mapping[str, Any]) -> RopeConfig:
+    """HunYuan's rotary: as Llama's, or its "dynamic" type with an ``alpha``, which transformers computes as a fixed
+    larger base, theta alpha^(d / (d - 2)): lmlab's static NTK scaling (``rope.scaling='ntk'``) with factor alpha."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if isinstance(params, Mapping) and params.get("alpha") and params.get("rope_type", params.get("type")) == "dynamic":
+        base = params.get("rope_theta") or hf.get("rope_theta") or 10000.0
+        return RopeConfig(base=base, scaling="ntk", factor=float(params["alpha"]))
+    return rope_from_hf(hf)
+
+
+def hunyuan_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """HunYuan-MoE (Hunyuan-A13B): every layer a softmax-routed mixture of SwiGLU experts of width
+    intermediate_size, the top-k weights renormalized, beside one ungated shared expert of the same width; an
+    RMSNorm per query and key head applied after rotary (``qk_norm_position='after_rope'``), which makes the logits
+    depend on absolute positions. A number of experts or top-k per layer (a list) is refused: lmlab's mixtures are
+    alike."""
+    hf = with_defaults(hf, HUNYUAN_MOE_DEFAULTS)
+    refuse_attention_bias(hf)
+    if isinstance(hf["moe_topk"], list):
+        raise key_refused(hf, "moe_topk", "lmlab's mixture-of-experts layers are alike; give one number for all")
+    moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["moe_topk"], n_shared=1, normalize_top_k=True)
+    return llama_layout_config(hf, qk_norm="head", qk_norm_position="after_rope", moe=moe,
+                               rope=hunyuan_moe_rope(hf))
+
+
+def hunyuan_moe_ffn(cfg: ModelConfig, t: HFTensors, hf: str, ours: str) -> dict[str, torch.Tensor | None]:
+    return moe_weights(cfg, t, hf, ours, names=HUNYUAN_NAMES, shared="shared_mlp", router="gate.wg")
+
+
+def hunyuan_moe_weights(cfg: ModelConfig, t: HFTensors) -> dict[str, torch.Tensor | None]:
+    if cfg.moe is None or cfg.qk_norm_position != "after_rope":
+        raise ValueError("a HunYuan-MoE checkpoint needs a config with moe set and qk_norm_position='after_rope'")
+    sd = llama_weights(cfg, t, ffn=hunyuan_moe_ffn)
+    for i in range(cfg.n_layers):
+        for ours, theirs in HUNYUAN_NORMS.items():
+            sd[f"blocks.{i}.attn.qk_norm.{ours}.weight"] = t.take(f"model.layers.{i}.self_attn.{theirs}.weight")
+    return sd
+
+
+def hunyuan_moe_refusal(cfg: ModelConfig) -> str | None:
+    moe = cfg.moe
+    why = moe_refusal(cfg, "HunYuan-MoE", {
+        "qkv_bias": (False, "HunYuan-MoE has no biases"),
+        "qk_norm_position": ("after_rope", "HunYuan-MoE normalizes queries and keys after rotary"),
+        "moe.scoring": ("softmax", "HunYuan-MoE's router is a softmax"),
+        "moe.normalize_top_k": (True, "HunYuan-MoE renormalizes the chosen weights"),
+        "moe.routed_scale": (1.0, "HunYuan-MoE does not scale the routed output"),
+        "moe.n_shared": (1, "HunYuan-MoE has one shared expert"),
+        "moe.shared_gate": ("none", "HunYuan-MoE's shared expert is not gated"),
+        "moe.every": (1, "every HunYuan-MoE layer is a mixture"),
+        "moe.first_dense": (0, "every HunYuan-MoE layer is a mixture"),
+    }, qk_norm="head") or all_experts_refusal(cfg, "HunYuan-MoE")
+    width = moe.expert_width(cfg.d_ff)
+    if why is None and (moe.d_expert not in (None, cfg.d_ff) or moe.shared_width(cfg.d_ff) != width):
+        why = (f"moe.d_expert={moe.d_expert} (HunYuan-MoE's experts and shared expert are all intermediate_size, "
+               "the model's d_ff, wide)")
+    return why
+
+
+def hunyuan_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """head_dim always; no attention biases; the experts' number and top-k as single numbers."""
+    moe = cfg.moe
+    return {**llama_layout_to_hf(cfg), "head_dim": cfg.head_dim, "attention_bias": False,
+            "num_experts": moe.routed_experts, "moe_topk": moe.active_experts}
+
+
+def hunyuan_moe_ffn_to_hf(cfg: ModelConfig, sd: Tensors, ours: str, hf: str) -> dict[str, torch.Tensor]:
+    return moe_to_hf(cfg, sd, ours, hf, names=HUNYUAN_NAMES, arch="HunYuan-MoE", shared="shared_mlp",
+                     router="gate.wg")
+
+
+def hunyuan_moe_weights_to_hf(cfg: ModelConfig, sd: Tensors) -> dict[str, torch.Tensor]:
+    out = llama_weights_to_hf(cfg, sd, ffn=hunyuan_moe_ffn_to_hf)
+    norms = qk_norm_to_hf(cfg, sd)  # gains permuted as the q/k rows are, under interleaved rotary
+    for i in range(cfg.n_layers):
+        for ours, theirs in HUNYUAN_NORMS.items():
+            out[f"model.layers.{i}.self_attn.{theirs}.weight"] = norms[f"model.layers.{i}.self_attn.{ours}.weight"]
+    return out
+
+
+register("hunyuan_v1_moe", Family(hunyuan_moe_config, hunyuan_moe_weights, LLAMA_IGNORE, Export(
+    "HunYuanMoEV1ForCausalLM", moe=True, refuse=hunyuan_moe_refusal, config=hunyuan_moe_to_hf,
+    weights=hunyuan_moe_weights_to_hf, name="HunYuan-MoE", computes={
+        **LLAMA_LAYOUT, **ALL_EXPERTS, "rope.scaling": ("none", "ntk"), "qk_norm": ("head",),
+        "qk_norm_position": ("after_rope",), "moe.n_shared": (1,), "moe.normalize_top_k": (True,)},
 )))

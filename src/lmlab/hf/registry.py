@@ -151,8 +151,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "kimi_linear": _HYBRID.format("Kimi Delta Attention layers between latent-attention ones"),
     "apertus": ("its xIELU activation learns two parameters per layer (alpha_p, alpha_n), which no lmlab activation "
                 "has, on an ungated feed-forward"),
-    "hunyuan_v1_moe": ("it normalizes queries and keys after rotary, where lmlab's qk_norm acts before it, and may "
-                       "give each layer its own number of experts"),
 }
 
 
@@ -201,7 +199,7 @@ EVERY_ARCHITECTURE: Mapping[str, Any] = {
 # here is described by its default ("computes only 'none'")
 LACKS: Mapping[str, str] = {
     "mla": "has no multi-head latent attention", "dsa": "has no sparse attention (DeepSeek-V3.2's lightning indexer)",
-    "moe": "has no mixture-of-experts layers",
+    "moe": "has no mixture-of-experts layers", "qk_norm_position": "normalizes queries and keys before rotary",
     "mtp": "holds no multi-token prediction modules", "attn_gate": "has no gate on the attention output",
     "embed_scale": "does not scale its embeddings", "norm_gain": "stores each RMSNorm's gain itself",
     "attention.scale_dim": "scales attention scores by 1/sqrt(head_dim)",
