@@ -3,10 +3,11 @@
   1. the per-seed values each claim of results/*/verdict.json records (seeds, a, b) -> ``decide.decide_claims``
      -> the same verdicts, p-values (raw, Holm, opposite, TOST, sign-flip), interval ends and power;
   2. the committed rows -> the experiment's endpoints -> those same per-seed values and the same verdict labels
-     (and moe's compute multiplier). The rows are results.csv and previous/results.csv, and for moe the run
-     records (run-records/*/result.json), which hold the rows at full precision. norm's and positions' run
-     directories are not committed, so their main runs are read from results.csv, which holds 6 significant
-     digits (``report.write_csv``): there the values agree to that rounding, and the labels exactly.
+     (and moe's compute multiplier). The rows are results.csv and previous/results.csv (mup has no previous
+     runs), and for moe and mup the run records (run-records/*/result.json), which hold the rows at full
+     precision. norm's and positions' run directories are not committed, so their main runs are read from
+     results.csv, which holds 6 significant digits (``report.write_csv``): there the values agree to that
+     rounding, and the labels exactly.
      positions' ft-extension claims read the fine-tunes' snapshots, which only the run directories hold:
      from the committed files they are "not measured", and link 1 alone checks them.
 
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from lmlab.experiments import load_experiment_spec, moe, norm, positions
+from lmlab.experiments import load_experiment_spec, moe, mup, norm, positions
 from lmlab.experiments.claims import Claim, ClaimSpec
 from lmlab.experiments.decide import decide_claims
 from lmlab.experiments.report import read_csv
@@ -36,11 +37,11 @@ from lmlab.experiments.stats import Interval
 from lmlab.run.metrics import jsonable
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-EXPERIMENTS = ("norm", "moe", "positions")
+EXPERIMENTS = ("norm", "moe", "mup", "positions")
 REL = 1e-6  # p-values, intervals, power (module docstring)
 CSV_REL = CSV_ABS = 1e-5  # a value from results.csv: 6 significant digits, so 5e-6 relative per number it reads
 NOT_IN_COMMITTED_ROWS = {"positions": {"ft-extension-yarn", "ft-extension-pi"}}  # need the runs' snapshots
-FULL_PRECISION_RUNS = {"moe"}  # experiments whose run records are committed
+FULL_PRECISION_RUNS = {"moe", "mup"}  # experiments whose run records are committed
 
 
 def mismatches(recorded: Any, new: Any, where: str, rel: float = REL, abs_: float = 0.0) -> list[str]:
@@ -108,7 +109,7 @@ def check_recorded_values(root: Path = RESULTS) -> tuple[int, list[str]]:
 def test_every_committed_verdict_recomputes_from_its_per_seed_values():
     checked, bad = check_recorded_values()
     assert not bad, "\n".join(bad)
-    assert checked == 20  # norm 8, moe 6, positions 6: a new verdict file or claim updates this count
+    assert checked == 23  # norm 8, moe 6, mup 3, positions 6: a new verdict file or claim updates this count
 
 
 # ============================================================== 2. from the committed rows
@@ -121,7 +122,8 @@ def committed_rows(root: Path, name: str) -> tuple[list[dict], list[dict]]:
         assert len(rows) == len(read_csv(out / "results.csv")), f"{name}: run-records and results.csv disagree"
     else:
         rows = read_csv(out / "results.csv")
-    return rows, read_csv(out / "previous" / "results.csv")
+    previous = out / "previous" / "results.csv"
+    return rows, read_csv(previous) if previous.exists() else []
 
 
 def decide_from_rows(name: str, spec, rows: list[dict], previous: list[dict]):
@@ -131,6 +133,10 @@ def decide_from_rows(name: str, spec, rows: list[dict], previous: list[dict]):
         rows = norm.with_rates(spec, rows)
         init = math.log(spec.configs[rows[0]["variant"]].model.vocab_size)
         return decide_claims(spec.claims, rows, None, norm.ENDPOINTS, init_loss=init, alpha=alpha)
+    if name == "mup":  # no previous runs: its claims are new
+        rows = mup.with_widths(spec, rows)
+        init = math.log(spec.configs[rows[0]["variant"]].model.vocab_size)
+        return decide_claims(spec.claims, rows, None, mup.ENDPOINTS, init_loss=init, alpha=alpha)
     if name == "moe":
         return decide_claims(spec.claims, rows, previous, moe.ENDPOINTS, init_loss=moe.init_loss_of(spec), alpha=alpha)
     init = math.log(spec.configs["rope"].model.vocab_size)
@@ -164,7 +170,7 @@ def check_rows(name: str, root: Path = RESULTS) -> tuple[int, list[str]]:
     return checked, bad
 
 
-@pytest.mark.parametrize("name, claims", [("norm", 8), ("moe", 6), ("positions", 4)])
+@pytest.mark.parametrize("name, claims", [("norm", 8), ("moe", 6), ("mup", 3), ("positions", 4)])
 def test_the_committed_rows_give_the_recorded_values_and_labels(name, claims):
     checked, bad = check_rows(name)
     assert not bad, "\n".join(bad)
