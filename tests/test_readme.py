@@ -274,7 +274,9 @@ def test_the_documented_lm_eval_task_is_local_and_runs_where_lm_eval_is_installe
         pytest.skip("lm_eval is not installed here (pip install 'lm_eval[hf]'); its task file and data are checked")
     env = {**os.environ, "DOC_PYTHON": sys.executable, "DOC_EXTRA": "", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1",  # lm_eval asks the hub about the local model and task otherwise: no network here
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           # the lm_eval script installed beside this interpreter, even when its environment is not activated
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     model = lmlab_tiny_export(tmp_path / "exported" / "mine")
     assert model.is_dir()
     done = subprocess.run(["bash", "-c", lm_eval], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
