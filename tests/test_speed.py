@@ -405,6 +405,34 @@ def test_run_all_quick_runs_every_benchmark_on_cpu():
         assert f"\n  {phase} " in out, phase
 
 
+@pytest.mark.slow
+def test_gpu_checks_run_on_a_cpu_at_tiny_sizes_and_refuse_a_used_directory(tmp_path):
+    """benchmarks/gpu_checks.sh, the one script a lent GPU runs, tried on the CPU before any GPU sees it: every
+    stage but the benchmarks (test_run_all_quick_runs_every_benchmark_on_cpu runs those) passes, the resumed run
+    decodes the same greedy text with each decoder, DDP and FSDP train, and every experiment and ladder is
+    measured. A second run into the same directory is refused and changes nothing there."""
+    env = {**os.environ, "PYTHON": sys.executable, "STAGES": "env tests train distributed throughput"}
+    out = tmp_path / "checks"
+    script = str(ROOT / "benchmarks" / "gpu_checks.sh")
+    done = subprocess.run(["bash", script, str(out), "--device", "cpu", "--quick"], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split("\t") for line in (out / "summary.tsv").read_text().splitlines()]
+    assert [(name, rc) for name, rc, _ in rows] == [(s, "0") for s in env["STAGES"].split()]
+    train = (out / "train.log").read_text()
+    assert "stopped: exit 143" in train and "greedy texts agree across: eager static" in train
+    assert "ddp and fsdp on 2 processes: done" in (out / "distributed.log").read_text()
+    assert (out / "fsdp" / "checkpoints").is_dir() and (out / "ddp" / "checkpoints").is_dir()
+    measured = (out / "throughput.log").read_text()
+    for name in ("moe", "mup", "norm", "positions", "moe-compute", "norm-depth"):
+        assert f"\n## {name} (" in measured and f"\n{name}: " in measured, name
+    before = (out / "summary.tsv").read_text()
+    again = subprocess.run(["bash", script, str(out), "--device", "cpu"], capture_output=True, text=True, env=env,
+                           timeout=60, cwd=ROOT)
+    assert again.returncode == 2 and "is not empty; give a new directory" in again.stderr
+    assert (out / "summary.tsv").read_text() == before
+
+
 def test_bench_mtp_quick_reports_greedy_and_sampled_speculation():
     """bench_mtp.py --quick trains a tiny MTP model through the CLI, then times speculative decoding against
     eager, greedy and sampling (top-k 5): each block reports acceptance, tokens per verifying forward and speed-up."""
