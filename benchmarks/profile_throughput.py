@@ -14,7 +14,11 @@ optimizer), on random tokens: the speed of a step does not depend on the data. A
 many (arms x rungs x rates); it measures every arm at its largest rung and at its smallest, and reads
 the others at the achieved FLOP rate of the same arm, interpolated in log FLOPs per token (said so
 in the output). The estimate adds up each run's training tokens at its speed, plus its evaluation
-tokens at 3x that speed (a forward is about a third of a training step), and no start-up cost.
+tokens at 3x that speed (a forward is about a third of a training step), and no start-up cost; it
+leaves out an experiment's own measurements (positions' long-context evaluations and fine-tune snapshots,
+moe's load batches), which ``experiment_budget.py`` counts for the CPU sizes. On this 2-core CPU a
+positions training run (learned positions, 819,200 tokens) is estimated at 83 s and took 89-101 s of wall
+time with two jobs; its long-context evaluations about double a run.
 
 On CUDA the time is wall time between synchronizations; on the CPU it is process CPU time (the machine
 is shared), so the estimate there is core-hours.
