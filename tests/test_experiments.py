@@ -399,7 +399,20 @@ def test_claims_table_is_generated_from_verdict_files(tmp_path):
         {"id": "loss-free", "claim": "loss-free balancing", "verdict": "tie", "difference": 0.001,
          "ci95": [-0.002, 0.004], "unit": "nats", "margin": 0.006, "p_holm": 0.0004, "n": 5, "negligible": True,
          "untestable": "", "analysis": "re-analysed"}]}))
+    # a later study inside an experiment's folder joins the table under both names; a previous analysis does not
+    study = json.loads((results / "moe" / "verdict.json").read_text())
+    (results / "moe" / "compute-ladder").mkdir()
+    (results / "moe" / "compute-ladder" / "verdict.json").write_text(json.dumps(
+        {**study, "experiment": "moe-compute", "claims": [{**study["claims"][0], "id": "capacity-d96"}]}))
+    (results / "moe" / "previous").mkdir()
+    (results / "moe" / "previous" / "verdict.json").write_text(json.dumps(
+        {**study, "claims": [{**study["claims"][0], "id": "superseded"}]}))
+    assert [p.relative_to(results).as_posix() for p in claims.verdict_files(results)] == [
+        "moe/compute-ladder/verdict.json", "moe/verdict.json", "norm/verdict.json", "old/verdict.json"]
     table = claims.claims_table(results)
+    assert ("| [moe/compute-ladder](moe/compute-ladder/report.md) | capacity-d96: MoE adds capacity | "
+            "**REPRODUCED** | -0.030 [-0.050, -0.010] nats | ±0.020 | 0.012 | 10 |") in table
+    assert "superseded" not in table
     assert ("| [norm](norm/report.md) | warmup-post-xavier: post-norm needs warmup | **REPRODUCED** | "
             "+0.200 [+0.100, +0.300] nats | ±0.050 (from the seed spread) | — | 3 |") in table
     assert ("| tiny: a real but tiny effect | **REPRODUCED** (negligible) | "
@@ -428,7 +441,7 @@ def test_claims_table_is_generated_from_verdict_files(tmp_path):
 def test_the_committed_readmes_match_the_committed_verdict_files():
     root = Path(__file__).resolve().parents[1]
     results = root / "results"
-    assert sorted(results.glob("*/verdict.json"))  # reports older than verdict intervals get a line of their own
+    assert claims.verdict_files(results)  # reports older than verdict intervals get a line of their own
     table = claims.claims_table(results)
     for readme, link in ((root / "README.md", "results/"), (results / "README.md", "")):
         text = readme.read_text()

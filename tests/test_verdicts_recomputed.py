@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from lmlab.experiments import load_experiment_spec, moe, mup, norm, positions
-from lmlab.experiments.claims import Claim, ClaimSpec
+from lmlab.experiments.claims import Claim, ClaimSpec, verdict_files
 from lmlab.experiments.decide import decide_claims
 from lmlab.experiments.report import read_csv
 from lmlab.experiments.stats import Interval
@@ -91,7 +91,8 @@ def from_recorded_values(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def recorded_verdicts(root: Path = RESULTS) -> list[tuple[str, dict[str, Any]]]:
-    return [(p.parent.name, json.loads(p.read_text())) for p in sorted(root.glob("*/verdict.json"))]
+    """(folder under ``root``, record) of every current verdict file, a study's inside its experiment's too."""
+    return [(p.parent.relative_to(root).as_posix(), json.loads(p.read_text())) for p in verdict_files(root)]
 
 
 def check_recorded_values(root: Path = RESULTS) -> tuple[int, list[str]]:

@@ -24,7 +24,7 @@ from .stats import Claimed, Interval, Verdict, decide, label
 
 SCHEMA = 2
 BEGIN, END = (
-    "<!-- claims-table: generated from results/*/verdict.json; do not edit by hand -->",
+    "<!-- claims-table: generated from the verdict.json files under results/; do not edit by hand -->",
     "<!-- claims-table end -->",
 )
 
@@ -241,15 +241,31 @@ def _p(p: Any) -> str:
     return "—" if not isinstance(p, (int, float)) or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
 
+NOT_CURRENT = ("previous", "run-records")  # a superseded analysis; run records hold no verdicts
+
+
+def verdict_files(results: str | Path) -> list[Path]:
+    """Every current verdict.json under ``results``: an experiment's (``norm/verdict.json``) and a later
+    study's inside its folder (``norm/depth-ladder/verdict.json``), not those of ``previous/`` analyses
+    or of exploratory pilots (``pilot-*``, which write none)."""
+    root = Path(results)
+    found = [*root.glob("*/verdict.json"), *root.glob("*/*/verdict.json")]
+    return sorted(p for p in found if not any(part in NOT_CURRENT or part.startswith("pilot-")
+                                              for part in p.relative_to(root).parts[:-1]))
+
+
 def claims_table(results: str | Path) -> str:
-    """A markdown table of every claim in ``results``/*/verdict.json, with its verdict, interval,
-    margin and p-value: schema 3 (registered claims: the registered margin, Holm's p) and schema 2
-    (the margin derived from the seed spread, no p-value)."""
+    """A markdown table of every claim in ``results``' verdict files (:func:`verdict_files`), with its
+    verdict, interval, margin and p-value: schema 3 (registered claims: the registered margin, Holm's p)
+    and schema 2 (the margin derived from the seed spread, no p-value). A study inside an experiment's
+    folder is named by both (``norm/depth-ladder``)."""
     lines = ["| experiment | claim | verdict | difference [95% CI] | margin | p (Holm) | seeds |",
              "|---|---|---|---|---|---|---|"]
-    for path in sorted(Path(results).glob("*/verdict.json")):
+    for path in verdict_files(results):
         data = json.loads(path.read_text())
-        link = f"[{data.get('experiment', path.parent.name)}]({path.parent.name}/report.md)"
+        folder = path.parent.relative_to(results).as_posix()
+        name = folder if "/" in folder else data.get("experiment", folder)
+        link = f"[{name}]({folder}/report.md)"
         if data.get("schema") not in (2, 3):
             lines.append(f"| {link} | (an older report without intervals) | — | — | — | — | — |")
             continue

@@ -1,5 +1,6 @@
 """``python -m lmlab.experiments.readme_table RESULTS FILE...``: rewrite each FILE's claims table
-(between the markers of ``claims.BEGIN`` / ``claims.END``) from RESULTS/*/verdict.json.
+(between the markers of ``claims.BEGIN`` / ``claims.END``) from RESULTS' verdict files
+(``claims.verdict_files``: RESULTS/*/verdict.json, and a study's inside an experiment's folder).
 
     python -m lmlab.experiments.readme_table results README.md results/README.md
 
