@@ -294,6 +294,7 @@ def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     cells = {(a, r) for a in ("dense", "moe") for r in ("d8", "d16", "d24", "d32")}
     assert {(r["arm"], r["rung"]) for r in rows} == cells
     assert {r["seed"] for r in rows} == {"0", "1"} and all(float(r["final_val_loss"]) > 0 for r in rows)
+    assert all(float(r["cpu_s"]) > 0 for r in rows)  # each run's process CPU time, beside its wall time
     assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {"dense", "moe"}  # transfer: by arm
     for plot in ("loss_vs_compute.png", "multiplier_vs_compute.png"):
         assert (out / plot).read_bytes()[:8] == PNG
@@ -304,6 +305,9 @@ def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert "moe over dense: the FLOPs multiplier **" in text
     data = json.loads((out / "ladder.json").read_text())
     assert set(data["analysis"]["arms"]) == {"dense", "moe"} and len(data["analysis"]["pairs"][0]["rungs"]) == 4
+    # the multipliers read on CPU time too: its own laws, a column beside wall clock
+    assert len(data["analysis_cpu_time"]["pairs"][0]["rungs"]) == 4
+    assert "| CPU-time multiplier [95% CI] |" in text and "the CPU-time multiplier the same laws fitted" in text
     assert data["registration"]["id"] is None
     capsys.readouterr()
     assert cli.main(["ladder", "example", "--out", str(out), "--quick", "--threads", "1"]) == 0  # resumes: reuses all

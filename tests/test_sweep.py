@@ -282,10 +282,41 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_variants(tmp_path,
     assert [(r["variant"], r["steps"], r["tokens"]) for r in rows] == [("one", 4, 4 * 2 * 16), ("two", 4, 4 * 2 * 16)]
     curve = read_curve(out / "runs/two/seed0")
     assert [r["step"] for r in curve if "loss" in r] == [1, 2, 3, 4]  # no step logged twice across the resume
+    # wall and process CPU time run on across the resume, and the row gives the totals
+    for clock in ("wall_s", "cpu_s"):
+        times = [r[clock] for r in curve]
+        assert all(t > 0 for t in times) and times == sorted(times), (clock, times)
+    two = json.loads((out / "runs/two/seed0/result.json").read_text())
+    assert two["cpu_s"] >= round(curve[-1]["cpu_s"], 2) > 0
 
     CountingTrainer.made = []
     run_sweep(load_spec(spec_file(tmp_path, corpus)), out, trainer_cls=CountingTrainer, log=quiet)
     assert CountingTrainer.made == []  # everything done: nothing is trained
+
+
+def test_a_run_resumed_from_a_curve_without_cpu_time_has_none_not_a_part(tmp_path):
+    """Curves written before CPU time was kept: a run resumed from one cannot know the CPU time it spent
+    before, so it records none (the ladder then reads no CPU-time multiplier) rather than the part after."""
+    from lmlab.experiments.sweep.layout import CurveLogger
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "curve.jsonl").write_text(json.dumps({"step": 2, "tokens": 64, "wall_s": 1.5, "loss": 3.0}) + "\n")
+    logger = CurveLogger(run)
+    logger.begin(2)
+
+    class T:
+        tokens = 96
+
+    logger(T(), {"step": 3, "loss": 2.9})
+    rows = read_curve(run)
+    assert rows[-1]["step"] == 3 and rows[-1]["wall_s"] >= 1.5 and "cpu_s" not in rows[-1]
+    assert math.isnan(logger.cpu_s)
+    fresh = CurveLogger(tmp_path)
+    fresh.begin(0)
+    sum(i * i for i in range(200_000))  # some CPU time
+    fresh(T(), {"step": 1, "loss": 3.0})
+    assert read_curve(tmp_path)[-1]["cpu_s"] > 0
 
 
 def test_a_finished_run_is_reused_only_if_its_resolved_config_is_identical(tmp_path, corpus):

@@ -124,10 +124,12 @@ def run_ladder(spec_arg: str | Path, out: str | Path, *, quick: bool = False, pr
                                                     .model.vocab_size))
     points = report.ladder_points(outcome.rows, init_loss)
     analysis = law.analyze(points, ladder.compare, n_resamples=ladder.resamples)
+    cpu = report.cpu_analysis(outcome.rows, init_loss, ladder.compare, ladder.resamples)
     decisions = decide_claims(ladder.sweep.claims, outcome.rows, None, report.ENDPOINTS, init_loss=init_loss,
                               alpha=(ladder.sweep.registration or {}).get("alpha", 0.05))
     flags = (" --quick" if quick else (f" --profile {profile}" if profile else "")) + (" --draft" if draft else "")
     command = command or f"lmlab ladder {spec_arg}{flags} --out {out}"
     return report.write_report(ladder, out, outcome.rows, points, analysis, command=command,
                                wall_s=time.perf_counter() - t0, data=data, tune=outcome.tune,
-                               tuning=read_csv(out / "tune.csv") if outcome.tune else None, decisions=decisions)
+                               tuning=read_csv(out / "tune.csv") if outcome.tune else None, decisions=decisions,
+                               cpu=cpu)

@@ -27,7 +27,7 @@ from ..registration import registration_record
 from ..report import figure, markdown_table, report_header, save, write_json
 from ..sweep.tables import eval_slice_text
 from ..sweep.tuning import grid_edge_text
-from .law import LadderAnalysis, Point
+from .law import LadderAnalysis, Point, analyze
 from .spec import Ladder
 
 __all__ = ["ENDPOINTS", "ladder_points", "markdown", "plot_laws", "plot_multipliers", "write_report"]
@@ -41,11 +41,29 @@ def final_losses(rows: list[dict], init_loss: float) -> dict[int, float]:
 ENDPOINTS = {"final_val_loss": final_losses}  # what a ladder's claims: may compare, per cell and seed
 
 
-def ladder_points(rows: list[dict], init_loss: float) -> list[Point]:
+def ladder_points(rows: list[dict], init_loss: float, time: str = "wall_s") -> list[Point]:
     """One point per run: its arm, rung and seed, training FLOPs (FLOPs per token x tokens), final loss (a
-    diverged run counts as ln vocab: ``claims.capped``, so every seed counts) and wall time."""
+    diverged run counts as ln vocab: ``claims.capped``, so every seed counts) and the time it took: its wall
+    time, or with ``time="cpu_s"`` its process CPU time (NaN where a run recorded none)."""
     return [Point(r["arm"], r["rung"], int(r["seed"]), float(r["flops_per_token"]) * float(r["tokens"]),
-                  capped(r, init_loss), float(r.get("wall_s") or math.nan)) for r in rows]
+                  capped(r, init_loss), _seconds(r.get(time))) for r in rows]
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # missing, or "" in a CSV row written before the column was kept
+        return math.nan
+
+
+def cpu_analysis(rows: list[dict], init_loss: float, compare, n_resamples: int) -> LadderAnalysis | None:
+    """The ladder's laws and multipliers read on process CPU time instead of wall time (the multipliers'
+    time column), or None unless every run recorded its CPU time. On a shared machine other programs
+    stretch wall time unevenly between arms; CPU time they disturb far less."""
+    points = ladder_points(rows, init_loss, time="cpu_s")
+    if not points or not all(math.isfinite(p.wall_s) and p.wall_s > 0 for p in points):
+        return None
+    return analyze(points, compare, n_resamples=n_resamples)
 
 
 # ============================================================== markdown
@@ -134,15 +152,20 @@ def _laws(analysis: LadderAnalysis) -> list[dict[str, Any]]:
     return out
 
 
-def _multipliers(analysis: LadderAnalysis) -> list[dict[str, Any]]:
+def _multipliers(analysis: LadderAnalysis, cpu: LadderAnalysis | None = None) -> list[dict[str, Any]]:
     out = []
+    cpu_rungs = {(p.arm, p.baseline, r.rung): r for p in (cpu.pairs if cpu else ()) for r in p.rungs}
     for p in analysis.pairs:
         for r in p.rungs:
-            out.append({
+            row = {
                 "comparison": f"{p.arm} over {p.baseline}", "rung": r.rung, "FLOPs": f"{r.compute:.3g}",
                 f"{p.arm} loss": f"{r.loss:.3f}", "FLOPs multiplier [95% CI]": f"{r.flops.text('x')} ({r.status})",
                 "wall-clock multiplier [95% CI]": f"{r.wall.text('x')} ({r.wall_status})" if r.wall else "—",
-            })
+            }
+            if cpu:
+                c = cpu_rungs.get((p.arm, p.baseline, r.rung))
+                row["CPU-time multiplier [95% CI]"] = f"{c.wall.text('x')} ({c.wall_status})" if c and c.wall else "—"
+            out.append(row)
     return out
 
 
@@ -170,7 +193,7 @@ def verdicts_text(decisions: list[Decision]) -> str:
 
 def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, command: str, wall_s: float,
              data: dict | None, tune: dict | None, tuning: list[dict] | None,
-             decisions: list[Decision] = ()) -> str:
+             decisions: list[Decision] = (), cpu: LadderAnalysis | None = None) -> str:
     spec = ladder.sweep
     c0 = analysis.c0
     text = report_header(f"Ladder {ladder.name}: {' vs '.join(ladder.arms)} over {len(ladder.rungs)} rungs", command,
@@ -188,7 +211,9 @@ def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, comm
         "over the compute the arm spent (> 1: the arm saves compute); *extrapolated* when the baseline's law "
         "reaches it outside the baseline's measured compute, *unreachable* when the loss lies below the "
         "baseline's asymptote E. Every seed counts: none is dropped. The wall-clock multiplier reads laws fitted "
-        "to wall time on the machine in the header. Intervals: 95% percentile bootstrap over seeds "
+        "to wall time on the machine in the header" + (", the CPU-time multiplier the same laws fitted to each run's "
+        "process CPU time (all its threads), which other programs on a shared machine disturb far less"
+        if cpu else "") + ". Intervals: 95% percentile bootstrap over seeds "
         f"({analysis.n_resamples} resamples of the seeds, paired across arms, everything refitted; "
         "`scipy.stats.bootstrap`; on synthetic ladders of 8 seeds they cover the true value about 90% of the "
         "time, tests/test_ladder.py)." + _seeds_note(analysis) + " Per rung, the paired difference between arms by "
@@ -197,7 +222,7 @@ def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, comm
         + "\n## Laws\n\n" + markdown_table(_laws(analysis))
         + "\nHeld-out check: each arm's law fitted on every rung but the largest predicts the largest rung's mean "
         "loss; the error is predicted − measured.\n\n![loss vs compute](loss_vs_compute.png)\n\n"
-        "## Compute multiplier\n\n" + markdown_table(_multipliers(analysis))
+        "## Compute multiplier\n\n" + markdown_table(_multipliers(analysis, cpu))
         + "\n" + trend_text(analysis) + "\n![multiplier vs compute](multiplier_vs_compute.png)\n\n"
         "Wall-clock figures are this machine and this implementation (see the header), not a property of the "
         "architecture; the FLOPs multiplier is.\n\n" + verdicts_text(list(decisions))
@@ -256,19 +281,20 @@ def plot_multipliers(analysis: LadderAnalysis, path: Path) -> str:
 
 def write_report(ladder: Ladder, out: Path, rows: list[dict], points: list[Point], analysis: LadderAnalysis, *,
                  command: str, wall_s: float, data: dict | None, tune: dict | None,
-                 tuning: list[dict] | None, decisions: list[Decision] = ()) -> Path:
+                 tuning: list[dict] | None, decisions: list[Decision] = (), cpu: LadderAnalysis | None = None) -> Path:
     """report.md, the two plots and ladder.json (the analysis, the budgets, the registration) in ``out``; with
     registered claims, verdict.json too (``decide.write_decisions``, as an experiment's)."""
     out = Path(out)
     plots = [plot_laws(analysis, points, out / "loss_vs_compute.png"),
              plot_multipliers(analysis, out / "multiplier_vs_compute.png")]
     atomic_write_text(out / "report.md", markdown(ladder, rows, analysis, command=command, wall_s=wall_s, data=data,
-                                                  tune=tune, tuning=tuning, decisions=decisions))
+                                                  tune=tune, tuning=tuning, decisions=decisions, cpu=cpu))
     if decisions:
         write_decisions(out, ladder.name, list(decisions), {"plots": plots, "data": data, "seeds": ladder.sweep.seeds,
                                                             "registration": registration_record(ladder.sweep)})
     write_json(out / "ladder.json", {"ladder": ladder.name, "arms": ladder.arms, "rungs": ladder.rungs,
                                      "budgets": ladder.budgets, "rates": ladder.rates, "tune": tune,
-                                     "analysis": analysis.to_json(), "plots": plots, "data": data,
+                                     "analysis": analysis.to_json(),
+                                     "analysis_cpu_time": cpu.to_json() if cpu else None, "plots": plots, "data": data,
                                      "registration": registration_record(ladder.sweep)})
     return out / "report.md"

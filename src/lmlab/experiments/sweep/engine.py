@@ -302,6 +302,7 @@ def _row(sw, variant, seed, cfg, trainer, result, reason, curve, start) -> dict[
         "best_val_bpb": min(best_bpb) if best_bpb else float("nan"),
         "final_train_loss": train_losses[-1] if train_losses else float("nan"), "status": status,
         "diverged": status == "diverged", "status_reason": why, "wall_s": round(curve.wall_s, 2),
+        "cpu_s": round(curve.cpu_s, 2),
         "tokens_per_s": round(statistics.median(speeds), 1) if speeds else float("nan"),
         "total_params": n["total"], "active_params": n["active"],
         "flops_per_token": trainer.model.flops_per_token(cfg.seq_len),

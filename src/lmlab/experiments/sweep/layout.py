@@ -3,7 +3,7 @@
     runs/<variant>/seed<s>/   a normal run directory (config.yaml, metrics.jsonl, checkpoints/), plus
                .../start.json    the config hash and git revision the run started from (kept across resumes)
                .../result.json   written atomically when the run is finished: its row of the table
-               .../curve.jsonl   (step, tokens, wall_s, loss | val_loss) as the run goes
+               .../curve.jsonl   (step, tokens, wall_s, cpu_s, loss | val_loss) as the run goes
     locks/                    one lock file per run: a run is trained by one process at a time
     sweep.json                the spec file and whether it was committed, at which revision (latest invocation)
 """
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ __all__ = ["CurveLogger", "check_out", "clean_temporaries", "clear_run", "lock_f
 
 _RESULT_FILE = "result.json"  # a finished run: its row of the table
 _START_FILE = "start.json"  # config hash, revision, and measurements taken at initialization
-_CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, loss | val_loss) as the run goes
+_CURVE_FILE = "curve.jsonl"  # (step, tokens, wall_s, cpu_s, loss | val_loss) as the run goes
 _SWEEP_FILE = "sweep.json"  # the spec file and its registration status (experiments.registration)
 
 
@@ -145,27 +146,34 @@ def read_curve(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class CurveLogger:
-    """Trainer callback: appends (step, tokens, cumulative wall time, loss / val_loss) to curve.jsonl.
+    """Trainer callback: appends (step, tokens, cumulative wall time and process CPU time, loss / val_loss) to
+    curve.jsonl.
 
     It goes into the Trainer's constructor with the other callbacks; once the trainer knows the step
-    it resumed at, :meth:`begin` drops the rows after that step and starts the clock, so a resumed
-    run logs no step twice and its wall time continues."""
+    it resumed at, :meth:`begin` drops the rows after that step and starts the clocks, so a resumed
+    run logs no step twice and its times continue. CPU time is the process's (every thread), which other
+    programs on a shared machine disturb far less than wall time; a run resumed from a curve that recorded
+    none (written before it was kept) has none (NaN), not a part."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / _CURVE_FILE
-        self.offset = self.wall_s = 0.0
-        self.start = time.perf_counter()
+        self.offset = self.wall_s = self.cpu_offset = self.cpu_s = 0.0
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def begin(self, resumed_step: int) -> None:
         kept = [r for r in read_curve(self.path.parent) if r["step"] <= resumed_step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.offset = self.wall_s = kept[-1]["wall_s"] if kept else 0.0
-        self.start = time.perf_counter()
+        self.cpu_offset = self.cpu_s = float(kept[-1].get("cpu_s", math.nan)) if kept else 0.0
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def __call__(self, trainer, record: dict) -> None:
         self.wall_s = self.offset + time.perf_counter() - self.start
+        self.cpu_s = self.cpu_offset + time.process_time() - self.cpu_start
         if "loss" in record or "val_loss" in record:
             row = {"step": record["step"], "tokens": trainer.tokens, "wall_s": round(self.wall_s, 3)}
+            if math.isfinite(self.cpu_s):
+                row["cpu_s"] = round(self.cpu_s, 3)
             for key in ("loss", "val_loss", "grad_norm", "tokens_per_s"):
                 if key in record:
                     row[key] = record[key]

@@ -21,8 +21,8 @@ __all__ = ["COLUMNS", "eval_slice_text", "plot_loss_curves", "scalar_columns", "
 # columns every sweep reports, in table order
 COLUMNS = [
     "variant", "seed", "steps", "tokens", "final_val_loss", "best_val_loss", "final_val_bpb", "best_val_bpb",
-    "final_train_loss", "status", "diverged",
-    "status_reason", "wall_s", "tokens_per_s", "total_params", "active_params", "flops_per_token", "eval_tokens",
+    "final_train_loss", "status", "diverged", "status_reason", "wall_s", "cpu_s", "tokens_per_s",
+    "total_params", "active_params", "flops_per_token", "eval_tokens",
     "init_seed", "data_seed", "revision", "tree_clean", "config_hash",
 ]
 BPB_TEXT = ("the same loss in bits per UTF-8 byte of the text those tokens cover (summed nats / ln 2 / bytes), "
