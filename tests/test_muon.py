@@ -105,6 +105,35 @@ def test_the_built_optimizer_holds_every_parameter_once_with_its_settings():
     assert all(g["lr"] == rate for g in opt.optimizers[1].param_groups)
 
 
+def test_the_memory_estimate_counts_the_state_each_optimizer_keeps():
+    """Muon keeps one momentum per parameter it steps, AdamW two moments: after a step the two optimizers'
+    per-parameter state is exactly the estimate's optimizer bytes, and a limit between the AdamW and the
+    Muon estimate refuses the AdamW run and lets the Muon one start."""
+    from lmlab.memory import muon_parameter_count, parameter_count, training_memory
+    from lmlab.run.trainer import check_training_memory
+
+    mcfg = tiny_config(**MOE)
+    model = lmlab.Transformer(mcfg)
+    n, m = parameter_count(mcfg), muon_parameter_count(mcfg)
+    assert m == sum(p.numel() for name, p in model.named_parameters() if optimizer_split(model)[name] == "muon") > 0
+    opt = build_optimizer(model, muon_config(), torch.device("cpu"))
+    x = torch.randint(0, mcfg.vocab_size, (2, 8))
+    model(x, x).loss.backward()
+    opt.step()
+    states = {id(p): (p, st) for o in opt.optimizers for p, st in o.state.items()}  # each parameter's once
+    held = sum(t.numel() * t.element_size() for p, st in states.values()
+               for t in st.values() if torch.is_tensor(t) and t.shape == p.shape)
+    need = training_memory(mcfg, batch_size=2, seq_len=8, muon_parameters=m)
+    assert need.optimizer == held == 8 * n - 4 * m and "AdamW + Muon state" in need.describe()
+    assert training_memory(mcfg, batch_size=2, seq_len=8).optimizer == 8 * n  # AdamW alone
+    adamw = RunConfig.from_dict({"model": mcfg.to_dict(), "train": {"batch_size": 2}, "log": {"sample_tokens": 0}})
+    between = (training_memory(mcfg, batch_size=2, seq_len=adamw.seq_len).total - 2 * m) / 2**30
+    adamw = adamw.override({"train.max_memory_gib": between})
+    with pytest.raises(ValueError, match="AdamW state"):
+        check_training_memory(adamw, torch.device("cpu"))
+    check_training_memory(adamw.override({"optim.name": "muon"}), torch.device("cpu"))  # fits: no error
+
+
 # ============================================================== the step
 def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """The quintic Newton-Schulz iteration toward the orthogonal factor U V^T of G = U S V^T, in float64

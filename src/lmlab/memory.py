@@ -43,7 +43,8 @@ class MemoryEstimate:
     parameters: int  # number of parameters (exact, or the floor)
     weights: int  # bytes, fp32
     gradients: int = 0
-    optimizer: int = 0  # AdamW: two fp32 moments per parameter
+    optimizer: int = 0  # AdamW: two fp32 moments per parameter; Muon: one momentum per parameter it steps
+    optimizer_name: str = "AdamW"
     activations: int = 0  # kept for the backward pass of one micro-batch (evaluation: one batch's logits)
     tables: int = 0  # rotary cos/sin tables, one row per position
     cache: int = 0  # the KV cache of a generated sample
@@ -55,7 +56,7 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}"]
         parts += [f"gradients {gib(self.gradients)}"] if self.gradients else []
-        parts += [f"AdamW state {gib(self.optimizer)}"] if self.optimizer else []
+        parts += [f"{self.optimizer_name} state {gib(self.optimizer)}"] if self.optimizer else []
         parts += [f"activations {gib(self.activations)}"] if self.activations else []
         parts += [f"rotary tables {gib(self.tables)}"] if self.tables else []
         parts += [f"KV cache {gib(self.cache)}"] if self.cache else []
@@ -85,6 +86,18 @@ def parameter_count(cfg: ModelConfig) -> int:
 
     with torch.device("meta"), SkipRandomInit():
         return Transformer(cfg).num_params()["total"]
+
+
+def muon_parameter_count(cfg: ModelConfig) -> int:
+    """The parameters of ``Transformer(cfg)`` that optim.name=muon steps with Muon (``run.optim.optimizer_split``),
+    counted on a model built on the meta device."""
+    from .model import Transformer
+    from .run.optim import optimizer_split
+
+    with torch.device("meta"), SkipRandomInit():
+        model = Transformer(cfg)
+    params = dict(model.named_parameters())
+    return sum(params[name].numel() for name, choice in optimizer_split(model).items() if choice == "muon")
 
 
 class SkipRandomInit(TorchFunctionMode):
@@ -140,11 +153,16 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, length: int, bytes_per_value: int
 
 
 def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, parameters: int | None = None,
-                    bytes_per_activation: int = 4, sample_tokens: int = 0) -> MemoryEstimate:
-    """What training ``cfg`` with AdamW in fp32 needs (``parameters``: a count already made), and
-    writing a sample of ``sample_tokens`` tokens with the training state still held (log.sample_tokens)."""
+                    bytes_per_activation: int = 4, sample_tokens: int = 0, muon_parameters: int = 0) -> MemoryEstimate:
+    """What training ``cfg`` in fp32 needs (``parameters``: a count already made), and writing a sample of
+    ``sample_tokens`` tokens with the training state still held (log.sample_tokens). The optimizer is AdamW,
+    two moments per parameter, except for the ``muon_parameters`` that Muon steps (optim.name=muon: the
+    hidden matrices, :func:`muon_parameter_count`), which keep one momentum each. Counted against a
+    parameter floor, at most the floor of them are Muon's, so the estimate stays a lower bound."""
     n = parameter_count(cfg) if parameters is None else parameters
-    return MemoryEstimate(n, weights=4 * n, gradients=4 * n, optimizer=8 * n,
+    muon = min(muon_parameters, n)
+    return MemoryEstimate(n, weights=4 * n, gradients=4 * n, optimizer=8 * n - 4 * muon,
+                          optimizer_name="AdamW + Muon" if muon else "AdamW",
                           activations=activation_bytes(cfg, batch_size, seq_len, bytes_per_activation),
                           tables=rotary_table_bytes(cfg, max(seq_len, sample_tokens)),
                           cache=kv_cache_bytes(cfg, 1, sample_tokens, bytes_per_activation))

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..memory import check_fits, max_memory_bytes, training_memory
+from ..memory import check_fits, max_memory_bytes, muon_parameter_count, training_memory
 from .checkpoint.checkpointer import Checkpointer, TrainState, build_checkpointer, layout_of
 from .checkpoint.directory import RunDir
 from .checkpoint.lock import DirLock
@@ -173,9 +173,10 @@ def check_training_memory(cfg: RunConfig, device: torch.device) -> None:
         fix = "make the model, train.batch_size, the sequence length or log.sample_tokens smaller"
     if t.max_memory_gib is None:
         fix += " (or set train.max_memory_gib if the estimate is wrong for this machine)"
+    muon = muon_parameter_count(cfg.model) if cfg.optim.name == "muon" else 0  # one momentum each, not two
     check_fits(
         lambda n: training_memory(cfg.model, batch_size=t.batch_size, seq_len=cfg.seq_len, parameters=n,
-                                  bytes_per_activation=2 if bf16 else 4, sample_tokens=sample),
+                                  bytes_per_activation=2 if bf16 else 4, sample_tokens=sample, muon_parameters=muon),
         cfg.model, device, what="training this model", limit_bytes=max_memory_bytes(t.max_memory_gib), fix=fix,
     )
 
