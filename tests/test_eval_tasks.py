@@ -305,6 +305,43 @@ def test_a_bad_task_list_is_refused_before_anything_is_written(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
+# ============================================================== lmlab eval --task
+def test_lmlab_eval_scores_a_checkpoint_on_a_task_as_the_run_scored_it(tmp_path, capsys):
+    """`lmlab eval RUN --task FILE` (and --task run, the run's own eval.tasks) gives the scores training logged
+    for the same checkpoint, and what hand-computed log-likelihoods give, beside the loss."""
+    run = tmp_path / "run"
+    with Trainer(tiny_run(tmp_path, **{"eval.every": 4}), run, quiet=True) as trainer:
+        trainer.fit()
+    logged = {k: v for k, v in records(run)[-1].items() if k.startswith("tasks/")}
+    loaded = load_run(run)
+    want = expected_scores(loaded.model, loaded.tokenizer)
+    assert logged == pytest.approx(want)
+    for spec in (str(TASK), "run"):
+        assert cli.main(["eval", str(run), "--task", spec, "--max-batches", "1", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["tasks"] == pytest.approx(want) and math.isfinite(report["loss"])
+    assert cli.main(["eval", str(run), "--task", str(TASK), "--task-limit", "10", "--max-batches", "1"]) == 0
+    text = capsys.readouterr().out
+    limited = expected_scores(loaded.model, loaded.tokenizer, DOCS[:10])
+    shown = dict(line.split() for line in text.split("tasks:\n", 1)[1].splitlines())
+    assert {k: float(v) for k, v in shown.items()} == pytest.approx(limited, abs=5e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "nowhere/task.yaml"], "--task names 'nowhere/task.yaml', which is not a file; give a task YAML "
+                                      "file or the name of a task lm-evaluation-harness ships"),
+    (["--task", "run"], "--task run: '{run}' has no eval.tasks; give a task YAML or a task's name"),
+    (["--task", str(TASK), "--task-limit", "0"], "--task-limit 0 is not valid; give 1 or more documents per task"),
+])
+def test_lmlab_eval_refuses_a_bad_task_in_one_line_before_evaluating(tmp_path, capsys, argv, message):
+    run = tmp_path / "run"
+    with Trainer(tiny_run(tmp_path, **{"eval.tasks": [], "train.steps": 2}), run, quiet=True) as trainer:
+        trainer.fit()
+    capsys.readouterr()
+    assert cli.main(["eval", str(run), *argv]) == 2
+    assert capsys.readouterr().err == f"lmlab eval: error: {message.format(run=run)}\n"
+
+
 # ============================================================== the same numbers as the harness's own hf model
 def test_the_adapter_gives_what_lm_evals_hf_model_gives_on_the_exported_checkpoint(tmp_path):
     """The reference: lm-eval's HFLM on the same model exported to Hugging Face (`lmlab export`), so eval.tasks'

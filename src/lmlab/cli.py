@@ -337,6 +337,11 @@ def build_eval(e: argparse.ArgumentParser) -> None:
         help="check that --data was tokenized with this tokenizer (a tokenizer.json or a directory holding one)",
     )
     e.add_argument("--buckets", type=int, default=8, help="position ranges to report")
+    e.add_argument("--task", action="append", default=None, metavar="TASK",
+                   help="also score an lm-evaluation-harness task, as eval.tasks does during training: a task YAML "
+                        "(data on disk) or the name of a task the harness ships whose data is cached; repeatable; "
+                        "'run' for the run's own eval.tasks (needs: pip install 'lmlab[evals]')")
+    e.add_argument("--task-limit", type=int, default=None, help="documents per --task (default: all)")
     e.add_argument("--json", action="store_true", help="print JSON, including the loss at every position")
 
 
@@ -598,9 +603,12 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         )
     if args.buckets <= 0:
         raise UsageError(f"--buckets {args.buckets} is not valid; give a number >= 1")
+    if args.task_limit is not None and args.task_limit < 1:
+        raise UsageError(f"--task-limit {args.task_limit} is not valid; give 1 or more documents per task")
     run = load_run(args.run, checkpoint=args.checkpoint, overrides=overrides, device=resolve_device(args.device),
-                   require_tokenizer=False)  # evaluation reads token ids; --tokenizer only checks them
+                   require_tokenizer=bool(args.task))  # the loss reads token ids; --tokenizer only checks them
     task = TASKS[run.config.task if run.config is not None else "lm"]()
+    harness = downstream_tasks(args, run)  # before any evaluation: a task not on this machine is exit 2
     train_len = run.config.seq_len if run.config is not None else run.model.config.max_seq_len
     seq_len = args.seq_len or train_len
     if seq_len <= 0 or args.batch_size <= 0:
@@ -626,6 +634,11 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     report.update(sequences=r.sequences, tokens=r.tokens, perplexity=r.perplexity, bytes=r.bytes,
                   bits_per_byte=r.bits_per_byte, buckets=buckets, per_position=r.per_position,
                   seconds=time.perf_counter() - start)
+    if harness is not None:
+        from .run.eval_harness import HarnessLM
+
+        report["tasks"] = harness.run(HarnessLM(run.model, run.tokenizer, batch_size=args.batch_size))
+        report["seconds"] = time.perf_counter() - start
     if args.json:
         print(json.dumps(report))
         return 0
@@ -640,7 +653,33 @@ def cmd_eval(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
         for b in buckets:
             mark = "  (beyond training length)" if b["start"] >= train_len else ""
             print(f"  {b['start']:>6}-{b['end'] - 1:<6} {b['loss']:.4f}{mark}")
+    if report.get("tasks"):
+        width = max(map(len, report["tasks"]))
+        print("tasks:\n" + "\n".join(f"  {k:<{width}}  {v:.4f}" for k, v in report["tasks"].items()))
     return 0
+
+
+def downstream_tasks(args: argparse.Namespace, run):
+    """The tasks of --task, loaded offline (run/eval_harness.py), or None without any. 'run' stands for the
+    run's own eval.tasks. Bad input is a one-line UsageError naming --task."""
+    if not args.task:
+        return None
+    if run.config is not None and run.config.task != "lm":
+        raise UsageError(f"--task scores a language model; {str(args.run)!r} is a {run.config.task} run")
+    specs = []
+    for spec in args.task:
+        if spec != "run":
+            specs.append(spec)
+        elif run.config is None or not run.config.eval.tasks:
+            raise UsageError(f"--task run: {str(args.run)!r} has no eval.tasks; give a task YAML or a task's name")
+        else:
+            specs += run.config.eval.tasks
+    from .run.eval_harness import TaskHarness
+
+    try:
+        return TaskHarness.load(list(dict.fromkeys(specs)), args.task_limit)
+    except ValueError as e:
+        raise UsageError(str(e).replace("eval.tasks", "--task")) from None
 
 
 def check_evaluation_memory(model, seq_len: int, run: str) -> None:
