@@ -68,7 +68,7 @@ import math
 import time
 from pathlib import Path
 
-from .. import stats
+from .. import claims, decide, stats
 from ..decide import decide_claims
 from ..registration import Registration, spec_status
 from ..report import read_csv
@@ -96,9 +96,11 @@ def resolve_spec(spec_arg: str | Path) -> Path:
 
 
 def ladder_registration(path: str | Path, *, quick: bool = False, draft: bool = False) -> Registration:
-    """The registration of a ladder spec file (later commits to this package and stats.py listed too). Raises
-    NotRegistered (exit 2), before anything is written, for a main run of an unregistered spec unless ``draft``."""
-    related = [law.__file__, spec.__file__, report.__file__, __file__, stats.__file__]
+    """The registration of a ladder spec file (later commits to this package, and to stats.py, claims.py and
+    decide.py, which decide its claims, listed too). Raises NotRegistered (exit 2), before anything is written,
+    for a main run of an unregistered spec unless ``draft``."""
+    related = [law.__file__, spec.__file__, report.__file__, __file__, stats.__file__, claims.__file__,
+               decide.__file__]
     status = dataclasses.replace(spec_status(path, related), draft=draft)
     status.refuse_unless(quick or draft)
     return status
