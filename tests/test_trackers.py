@@ -293,6 +293,22 @@ def test_wandb_gets_the_config_the_scalars_by_step_and_the_samples_in_an_offline
     assert wb["history"]["samples/sample"] == samples
 
 
+@pytest.mark.parametrize("quiet", [True, False])
+def test_wandb_prints_nothing_of_its_own_and_lmlab_says_where_the_offline_run_is(tmp_path, offline, monkeypatch,
+                                                                                capfd, quiet):
+    """W&B's console lines ("wandb: ...", its sync hint at the end) would ignore --quiet: it runs silent, and
+    lmlab's console says where the offline run went and how to upload it, unless the run is quiet."""
+    monkeypatch.delenv("WANDB_SILENT")  # the user's default
+    run = tmp_path / "run"
+    with Trainer(tiny_run(tmp_path, **{"log.trackers": ["wandb"]}), run, quiet=quiet) as trainer:
+        trainer.fit()
+    out, err = capfd.readouterr()
+    assert "wandb:" not in out + err
+    (synced,) = (run / "wandb").glob("offline-run-*")
+    note = f"W&B: offline run in {synced}; upload it with: wandb sync {synced}"
+    assert (note in out) is not quiet and (out == "" if quiet else True)
+
+
 @pytest.mark.slow  # MLflow's migrations of a new SQLite store: 2-3 s of CPU, 15-25 s of a busy disk (fsyncs)
 def test_mlflow_gets_the_config_the_scalars_by_step_and_the_samples_in_an_sqlite_store_in_the_run(tmp_path, offline):
     run, saved, want, samples = tracked_run(tmp_path, "mlflow")

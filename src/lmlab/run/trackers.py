@@ -106,6 +106,8 @@ class Tracker:
         ValueError (install something) or EnvironmentFailure. ``probe``: this process will open it, so
         an outside store may be contacted (read only)."""
 
+    note: str | None = None  # one line for the console once it is open (shown unless the run is quiet)
+
     def __init__(self, run_dir: Path, purge_step: int | None):
         """Open the tracker for the run in ``run_dir``; a resumed run drops its events from ``purge_step`` on."""
 
@@ -176,9 +178,15 @@ class WandbTracker(Tracker):
 
         # wandb writes into <dir>/wandb (checkpoint.directory.WANDB, which --overwrite clears)
         # the mode passed too: wandb reads WANDB_MODE once per process, at its first run
+        # silent: W&B's own console lines ("wandb: ...", the sync hint at the end) would ignore --quiet and
+        # the progress bar; lmlab says where the run went itself (``note``), through the run's console
+        mode = os.environ.get("WANDB_MODE") or "offline"
         self.run = wandb.init(dir=str(run_dir), name=run_dir.resolve().name,
-                              project=os.environ.get("WANDB_PROJECT", "lmlab"),
-                              mode=os.environ.get("WANDB_MODE") or "offline")
+                              project=os.environ.get("WANDB_PROJECT", "lmlab"), mode=mode,
+                              settings=wandb.Settings(silent=True))
+        where = Path(self.run.settings.sync_dir).resolve()  # <run>/wandb/offline-run-<time>-<id>
+        self.note = (f"W&B: offline run in {where}; upload it with: wandb sync {where}" if mode == "offline"
+                     else f"W&B: {self.run.url or mode}")
 
     def log_hparams(self, config: dict[str, Any]) -> None:
         self.run.config.update(config, allow_val_change=True)
@@ -375,6 +383,8 @@ def open_trackers(names: Sequence[str], run_dir: Path, *, purge_step: int | None
             try:
                 if why is None:
                     opened.append(tracker(run_dir, purge_step))
+                    if opened[-1].note:
+                        say(opened[-1].note)
             except ImportError as e:
                 why = one_line(e)[:200]
             except Exception as e:  # noqa: BLE001 - a tracker's package may raise anything; one line, no traceback
