@@ -109,7 +109,8 @@ def test_the_memory_estimate_counts_the_state_each_optimizer_keeps():
     """Muon keeps one momentum per parameter it steps, AdamW two moments: after a step the two optimizers'
     per-parameter state is exactly the estimate's optimizer bytes, and a limit between the AdamW and the
     Muon estimate refuses the AdamW run and lets the Muon one start."""
-    from lmlab.memory import muon_parameter_count, parameter_count, training_memory
+    from lmlab.memory import parameter_count, training_memory
+    from lmlab.run.optim import muon_parameter_count
     from lmlab.run.trainer import check_training_memory
 
     mcfg = tiny_config(**MOE)

@@ -88,18 +88,6 @@ def parameter_count(cfg: ModelConfig) -> int:
         return Transformer(cfg).num_params()["total"]
 
 
-def muon_parameter_count(cfg: ModelConfig) -> int:
-    """The parameters of ``Transformer(cfg)`` that optim.name=muon steps with Muon (``run.optim.optimizer_split``),
-    counted on a model built on the meta device."""
-    from .model import Transformer
-    from .run.optim import optimizer_split
-
-    with torch.device("meta"), SkipRandomInit():
-        model = Transformer(cfg)
-    params = dict(model.named_parameters())
-    return sum(params[name].numel() for name, choice in optimizer_split(model).items() if choice == "muon")
-
-
 class SkipRandomInit(TorchFunctionMode):
     """Leave ``normal_`` (``Tensor.normal_``, ``nn.init.normal_``) undone on meta tensors: there are no
     values to fill, and there it runs through torch._refs, whose first call imports torch._dynamo
@@ -157,7 +145,7 @@ def training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, paramete
     """What training ``cfg`` in fp32 needs (``parameters``: a count already made), and writing a sample of
     ``sample_tokens`` tokens with the training state still held (log.sample_tokens). The optimizer is AdamW,
     two moments per parameter, except for the ``muon_parameters`` that Muon steps (optim.name=muon: the
-    hidden matrices, :func:`muon_parameter_count`), which keep one momentum each. Counted against a
+    hidden matrices, ``run.optim.muon_parameter_count``), which keep one momentum each. Counted against a
     parameter floor, at most the floor of them are Muon's, so the estimate stays a lower bound."""
     n = parameter_count(cfg) if parameters is None else parameters
     muon = min(muon_parameters, n)

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Literal, Sequence
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from ..mup import lr_multipliers
 from ..torch_private import foreach_mul_, foreach_norm
 from .config import OptimConfig
@@ -68,6 +69,18 @@ def optimizer_split(model: nn.Module) -> dict[str, Choice]:
     embeddings = {id(p) for p in model.embedding_parameters()}
     return {name: optimizer_of(name, p, id(p) in embeddings) for name, p in model.named_parameters()
             if p.requires_grad}
+
+
+def muon_parameter_count(cfg: ModelConfig) -> int:
+    """The parameters of ``Transformer(cfg)`` that optim.name=muon steps with Muon (:func:`optimizer_split`),
+    counted on a model built on the meta device: what the memory check counts one momentum for, not two."""
+    from ..memory import SkipRandomInit
+    from ..model import Transformer
+
+    with torch.device("meta"), SkipRandomInit():
+        model = Transformer(cfg)
+    params = dict(model.named_parameters())
+    return sum(params[name].numel() for name, choice in optimizer_split(model).items() if choice == "muon")
 
 
 def param_groups(model: nn.Module, weight_decay: float, skip: frozenset[str] = frozenset()) -> list[dict[str, Any]]:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..memory import check_fits, max_memory_bytes, muon_parameter_count, training_memory
+from ..memory import check_fits, max_memory_bytes, training_memory
 from .checkpoint.checkpointer import Checkpointer, TrainState, build_checkpointer, layout_of
 from .checkpoint.directory import RunDir
 from .checkpoint.lock import DirLock
@@ -64,7 +64,7 @@ from .data.binding import (
     with_data_vocab,
 )
 from .metrics import MetricsLog, exp_or_none, jsonable
-from .optim import build_optimizer, learning_rate, schedule_warning, set_learning_rate
+from .optim import build_optimizer, learning_rate, muon_parameter_count, schedule_warning, set_learning_rate
 from .parallel.compile import compile_blocks, eager
 from .parallel.group import Dist, lost_peers, peak_flops, resolve_device
 from .parallel.plan import Parallel, global_moe_stats, parallelize
