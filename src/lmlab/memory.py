@@ -80,12 +80,17 @@ def parameter_floor(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.d_model + cfg.n_layers * variant_of(cfg).parameter_floor(cfg)
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """Every parameter of ``Transformer(cfg)``, counted on a model built on the meta device."""
+def meta_model(cfg: ModelConfig):
+    """``Transformer(cfg)`` built on the meta device: its parameters' names and shapes, no values."""
     from .model import Transformer
 
     with torch.device("meta"), SkipRandomInit():
-        return Transformer(cfg).num_params()["total"]
+        return Transformer(cfg)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Every parameter of ``Transformer(cfg)``, counted on a model built on the meta device."""
+    return meta_model(cfg).num_params()["total"]
 
 
 class SkipRandomInit(TorchFunctionMode):

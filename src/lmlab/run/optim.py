@@ -74,11 +74,9 @@ def optimizer_split(model: nn.Module) -> dict[str, Choice]:
 def muon_parameter_count(cfg: ModelConfig) -> int:
     """The parameters of ``Transformer(cfg)`` that optim.name=muon steps with Muon (:func:`optimizer_split`),
     counted on a model built on the meta device: what the memory check counts one momentum for, not two."""
-    from ..memory import SkipRandomInit
-    from ..model import Transformer
+    from ..memory import meta_model
 
-    with torch.device("meta"), SkipRandomInit():
-        model = Transformer(cfg)
+    model = meta_model(cfg)
     params = dict(model.named_parameters())
     return sum(params[name].numel() for name, choice in optimizer_split(model).items() if choice == "muon")
 
