@@ -110,7 +110,8 @@ def check_recorded_values(root: Path = RESULTS) -> tuple[int, list[str]]:
 def test_every_committed_verdict_recomputes_from_its_per_seed_values():
     checked, bad = check_recorded_values()
     assert not bad, "\n".join(bad)
-    assert checked == 30  # norm 8, moe 6, mup 3, positions 6, positions/retrieval 7: a new verdict file or claim updates this count
+    # norm 8, moe 6, mup 3, positions 6, positions/retrieval 7: a new verdict file or claim updates this count
+    assert checked == 30
 
 
 # ============================================================== 2. from the committed rows
