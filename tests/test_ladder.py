@@ -140,6 +140,23 @@ def test_every_seed_counts_and_an_unreachable_loss_is_marked_not_dropped():
         law.analyze(one, [("A", "C")], c0=C0)
 
 
+def test_the_multiplier_table_gives_every_compared_arms_loss_not_only_the_first_pairs():
+    # norm-depth compares two arms with post: the column was named after the first pair's arm ("pre loss"),
+    # so the table, keyed by the first row, left deepnorm's loss out
+    from lmlab.experiments.ladder import report
+    from lmlab.experiments.report import markdown_table
+    points = synthetic(2, seeds=3)
+    points += [law.Point("C", p.rung, p.seed, p.compute, p.loss + 0.01) for p in points if p.arm == "B"]
+    a = law.analyze(points, [("B", "A"), ("C", "A")], c0=C0, n_resamples=0)
+    rows = report._multipliers(a)
+    table = markdown_table(rows).splitlines()[2:]
+    assert len(rows) == len(table) == 2 * len(RUNGS)
+    for row, line in zip(rows, table):
+        arm, rung = row["comparison"].split()[0], row["rung"]
+        mean = np.mean([p.loss for p in points if p.arm == arm and p.rung == rung])
+        assert line.split(" | ")[3] == f"{mean:.3f}"
+
+
 # ============================================================== the spec
 TINY_LADDER = {
     "name": "tiny",

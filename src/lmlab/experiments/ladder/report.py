@@ -159,7 +159,7 @@ def _multipliers(analysis: LadderAnalysis, cpu: LadderAnalysis | None = None) ->
         for r in p.rungs:
             row = {
                 "comparison": f"{p.arm} over {p.baseline}", "rung": r.rung, "FLOPs": f"{r.compute:.3g}",
-                f"{p.arm} loss": f"{r.loss:.3f}", "FLOPs multiplier [95% CI]": f"{r.flops.text('x')} ({r.status})",
+                "arm's loss": f"{r.loss:.3f}", "FLOPs multiplier [95% CI]": f"{r.flops.text('x')} ({r.status})",
                 "wall-clock multiplier [95% CI]": f"{r.wall.text('x')} ({r.wall_status})" if r.wall else "—",
             }
             if cpu:
