@@ -300,6 +300,25 @@ def test_the_moe_report_states_the_all_seeds_multiplier_the_committed_records_gi
     assert "1.39x [1.18, 1.63] (n=7 seeds; 3 below dense's first point)" in report  # the registered one stays
 
 
+def test_the_rung_table_counts_a_diverged_run_as_the_laws_do_and_says_which_runs_did_not_learn():
+    from lmlab.experiments.ladder import report
+    from lmlab.experiments.report import markdown_table
+    lad = ladder()
+
+    def row(arm, seed, loss, status="ok"):
+        return {"variant": f"{arm}-d16", "arm": arm, "rung": "d16", "seed": seed, "flops_per_token": 1e5,
+                "tokens": 1000, "final_val_loss": loss, "status": status, "wall_s": 2.0}
+    rows = [row("dense", 0, 4.0), row("dense", 1, math.nan, "diverged"),
+            row("moe", 0, 5.2, "no better than unigram"), row("moe", 1, 4.2)]
+    table = report._rung_table(lad, rows, report.ladder_points(rows, 5.5))
+    cells = {(t["rung"], t["arm"]): t for t in table}
+    assert cells["d16", "dense"]["final loss"] == "4.750"  # the diverged run at the untrained loss 5.5, not NaN
+    assert cells["d16", "dense"]["not learned"] == "1 of 2 (1 diverged)"
+    assert cells["d16", "moe"]["final loss"] == "4.700" and cells["d16", "moe"]["not learned"] == "1 of 2"
+    assert cells["d32", "moe"]["final loss"] == cells["d32", "moe"]["not learned"] == "—"  # no runs yet
+    assert "| not learned |" in markdown_table(table)
+
+
 # ============================================================== the command
 def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     out = tmp_path / "ladder"

@@ -1,14 +1,15 @@
 """A ladder's report: its table of points, the markdown, the plots and ladder.json.
 
     points = ladder_points(rows, init_loss)          # law.Point per run: compute = FLOPs per token x tokens
-    write_report(ladder, out, rows, analysis, command=..., wall_s=..., data=..., tune=...)
+    write_report(ladder, out, rows, points, analysis, command=..., wall_s=..., data=..., tune=...)
 
 report.md: the registered claims (``claims:``, as in the experiments: arms named by ``{arm:, rung:}``,
 decided by ``decide.decide_claims`` with Holm over the ladder's claims; verdict.json beside it), the rungs
-(parameters, tokens, FLOPs, rate), the paired difference between arms at each rung by seed, each arm's
-fitted law with its intervals and its held-out check, the FLOPs and wall-clock multipliers side by side at
-each rung, and the trend. loss_vs_compute.png: every rung's mean loss per arm (±1 std over seeds) with the
-fitted laws; multiplier_vs_compute.png: the multipliers with their intervals.
+(parameters, tokens, FLOPs, rate, the mean final loss as the laws read it, the runs that did not learn), the
+paired difference between arms at each rung by seed, each arm's fitted law with its intervals and its
+held-out check, the FLOPs and wall-clock multipliers side by side at each rung, and the trend.
+loss_vs_compute.png: every rung's mean loss per arm (±1 std over seeds) with the fitted laws;
+multiplier_vs_compute.png: the multipliers with their intervals.
 """
 
 from __future__ import annotations
@@ -67,22 +68,34 @@ def cpu_analysis(rows: list[dict], init_loss: float, compare, n_resamples: int) 
 
 
 # ============================================================== markdown
-def _rung_table(ladder: Ladder, rows: list[dict]) -> list[dict[str, Any]]:
+def _rung_table(ladder: Ladder, rows: list[dict], points: list[Point]) -> list[dict[str, Any]]:
+    """A line per rung and arm. Its final loss is the mean the laws and claims read (``points``: a diverged
+    run counts as the untrained loss), and "not learned" counts the runs that diverged or ended no better
+    than the unigram loss, which a depth ladder asks about."""
     out = []
     for r in ladder.rungs:
         for a in ladder.arms:
             name, b = f"{a}-{r}", ladder.budgets[f"{a}-{r}"]
             cfg = ladder.sweep.configs[name]
             runs = [x for x in rows if x["variant"] == name]
+            losses = [p.loss for p in points if p.arm == a and p.rung == r]
             out.append({
                 "rung": r, "arm": a, "d_model": cfg.model.d_model, "layers": cfg.model.n_layers,
                 "total params": f"{b['total']:,}", "active params": f"{b['active']:,}", "budget": b["rule"],
                 "tokens": f"{b['tokens']:,}", "FLOPs": f"{b['flops']:.3g}",
                 _field(ladder): f"{_rate(cfg, ladder):g}",
-                "final loss": (f"{statistics.fmean(x['final_val_loss'] for x in runs):.3f}" if runs else "—"),
+                "final loss": f"{statistics.fmean(losses):.3f}" if losses else "—",
+                "not learned": _not_learned(runs) if runs else "—",
                 "wall (s)": f"{statistics.fmean(x['wall_s'] for x in runs):.0f}" if runs else "—",
             })
     return out
+
+
+def _not_learned(runs: list[dict]) -> str:
+    """"0 of 4", or "3 of 4 (2 diverged)": the runs that diverged or ended no better than unigram."""
+    diverged = sum(x.get("status") == "diverged" for x in runs)
+    flat = sum(x.get("status") == "no better than unigram" for x in runs)
+    return f"{diverged + flat} of {len(runs)}" + (f" ({diverged} diverged)" if diverged else "")
 
 
 def budget_note(ladder: Ladder, rows: list[dict]) -> str:
@@ -191,8 +204,8 @@ def verdicts_text(decisions: list[Decision]) -> str:
     return ("## Verdicts\n\n" + "\n".join(d.line() for d in decisions) + "\n\n") if decisions else ""
 
 
-def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, command: str, wall_s: float,
-             data: dict | None, tune: dict | None, tuning: list[dict] | None,
+def markdown(ladder: Ladder, rows: list[dict], points: list[Point], analysis: LadderAnalysis, *, command: str,
+             wall_s: float, data: dict | None, tune: dict | None, tuning: list[dict] | None,
              decisions: list[Decision] = (), cpu: LadderAnalysis | None = None) -> str:
     spec = ladder.sweep
     c0 = analysis.c0
@@ -203,7 +216,8 @@ def markdown(ladder: Ladder, rows: list[dict], analysis: LadderAnalysis, *, comm
         + f"Arms {ladder.arms} at rungs {ladder.rungs} (smallest first), every cell trained at seeds {spec.seeds}. "
         "A rung is a model size and a token budget; a run's compute C is its training FLOPs (FLOPs per token, "
         "6N + attention, times the tokens it trained on). " + eval_slice_text(spec) + ".\n\n"
-        + rates_text(ladder, tune) + markdown_table(_rung_table(ladder, rows)) + "\n" + budget_note(ladder, rows)
+        + rates_text(ladder, tune) + markdown_table(_rung_table(ladder, rows, points)) + "\n"
+        + budget_note(ladder, rows)
         + "\n" + criteria_text(ladder, list(decisions)) + "## Method\n\n"
         f"Per arm, L(C) = E + A·(C/C0)^-α with C0 = {c0:.3g} FLOPs, fitted by least squares over every run of every "
         "seed (E ≥ 0, A ≥ 0; the exponent searched over [0.001, 3], `ladder/law.py`). The multiplier of an arm "
@@ -287,8 +301,8 @@ def write_report(ladder: Ladder, out: Path, rows: list[dict], points: list[Point
     out = Path(out)
     plots = [plot_laws(analysis, points, out / "loss_vs_compute.png"),
              plot_multipliers(analysis, out / "multiplier_vs_compute.png")]
-    atomic_write_text(out / "report.md", markdown(ladder, rows, analysis, command=command, wall_s=wall_s, data=data,
-                                                  tune=tune, tuning=tuning, decisions=decisions, cpu=cpu))
+    atomic_write_text(out / "report.md", markdown(ladder, rows, points, analysis, command=command, wall_s=wall_s,
+                                                  data=data, tune=tune, tuning=tuning, decisions=decisions, cpu=cpu))
     if decisions:
         write_decisions(out, ladder.name, list(decisions), {"plots": plots, "data": data, "seeds": ladder.sweep.seeds,
                                                             "registration": registration_record(ladder.sweep)})
