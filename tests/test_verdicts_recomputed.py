@@ -4,10 +4,10 @@
      -> the same verdicts, p-values (raw, Holm, opposite, TOST, sign-flip), interval ends and power;
   2. the committed rows -> the experiment's endpoints -> those same per-seed values and the same verdict labels
      (and moe's compute multiplier). The rows are results.csv and previous/results.csv (mup has no previous
-     runs), and for moe and mup the run records (run-records/*/result.json), which hold the rows at full
-     precision. norm's and positions' run directories are not committed, so their main runs are read from
-     results.csv, which holds 6 significant digits (``report.write_csv``): there the values agree to that
-     rounding, and the labels exactly.
+     runs), and for moe, mup and the ladders (moe/compute-ladder) the run records (run-records/*/result.json),
+     which hold the rows at full precision. norm's and positions' run directories are not committed, so their
+     main runs are read from results.csv, which holds 6 significant digits (``report.write_csv``): there the
+     values agree to that rounding, and the labels exactly.
      positions' ft-extension claims read the fine-tunes' snapshots, which only the run directories hold:
      from the committed files they are "not measured", and link 1 alone checks them.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ import pytest
 from lmlab.experiments import load_experiment_spec, moe, mup, norm, positions
 from lmlab.experiments.claims import Claim, ClaimSpec, verdict_files
 from lmlab.experiments.decide import decide_claims
+from lmlab.experiments.ladder import load_ladder, resolve_spec
+from lmlab.experiments.ladder import report as ladder_report
 from lmlab.experiments.report import read_csv
 from lmlab.experiments.stats import Interval
 from lmlab.run.metrics import jsonable
@@ -42,6 +45,7 @@ REL = 1e-6  # p-values, intervals, power (module docstring)
 CSV_REL = CSV_ABS = 1e-5  # a value from results.csv: 6 significant digits, so 5e-6 relative per number it reads
 NOT_IN_COMMITTED_ROWS = {"positions": {"ft-extension-yarn", "ft-extension-pi"}}  # need the runs' snapshots
 FULL_PRECISION_RUNS = {"moe", "mup"}  # experiments whose run records are committed
+LADDERS = {"moe/compute-ladder": "moe-compute", "norm/depth-ladder": "norm-depth"}  # study folder: shipped ladder
 
 
 def mismatches(recorded: Any, new: Any, where: str, rel: float = REL, abs_: float = 0.0) -> list[str]:
@@ -110,8 +114,9 @@ def check_recorded_values(root: Path = RESULTS) -> tuple[int, list[str]]:
 def test_every_committed_verdict_recomputes_from_its_per_seed_values():
     checked, bad = check_recorded_values()
     assert not bad, "\n".join(bad)
-    # norm 8, moe 6, mup 3, positions 6, positions/retrieval 7: a new verdict file or claim updates this count
-    assert checked == 30
+    # norm 8, moe 6, mup 3, positions 6, positions/retrieval 7, moe/compute-ladder 4: a new verdict file or claim
+    # updates this count
+    assert checked == 34
 
 
 # ============================================================== 2. from the committed rows
@@ -154,7 +159,17 @@ def check_rows(name: str, root: Path = RESULTS) -> tuple[int, list[str]]:
     spec = load_experiment_spec(name)
     rows, previous = committed_rows(root, name)
     record = json.loads((root / name / "verdict.json").read_text())
-    decisions = {d.spec.id: as_json(d.to_json()) for d in decide_from_rows(name, spec, rows, previous)}
+    checked, bad = compare_decisions(name, record, decide_from_rows(name, spec, rows, previous),
+                                     exact=name in FULL_PRECISION_RUNS)
+    if name == "moe":
+        bad += mismatches(record["multiplier"], as_json(moe.multiplier(rows, moe.init_loss_of(spec))), "moe/multiplier")
+    return checked, bad
+
+
+def compare_decisions(name: str, record: dict[str, Any], decisions, exact: bool) -> tuple[int, list[str]]:
+    """(claims checked, mismatches) between a verdict file's claims and ``decisions`` made again from rows;
+    ``exact``: the rows are full-precision run records, not results.csv's 6 digits."""
+    decisions = {d.spec.id: as_json(d.to_json()) for d in decisions}
     assert [c["id"] for c in record["claims"]] == list(decisions), f"{name}: the spec's claims changed"
     checked, bad = 0, []
     for c in record["claims"]:
@@ -162,19 +177,37 @@ def check_rows(name: str, root: Path = RESULTS) -> tuple[int, list[str]]:
         if c["id"] in NOT_IN_COMMITTED_ROWS.get(name, ()):
             bad += mismatches("not measured", new["untestable"], where)
             continue
-        exact = name in FULL_PRECISION_RUNS or c["analysis"] == "re-analysed"  # previous/results.csv made them
-        tol = {"rel": REL, "abs_": 0.0} if exact else {"rel": CSV_REL, "abs_": CSV_ABS}
+        tol = ({"rel": REL, "abs_": 0.0} if exact or c["analysis"] == "re-analysed"  # previous/results.csv made them
+               else {"rel": CSV_REL, "abs_": CSV_ABS})
         bad += mismatches({k: c[k] for k in ("a", "b")}, {k: new[k] for k in ("a", "b")}, where, **tol)
         bad += mismatches({k: c[k] for k in LABELS}, {k: new[k] for k in LABELS}, where)
         checked += 1
-    if name == "moe":
-        bad += mismatches(record["multiplier"], as_json(moe.multiplier(rows, moe.init_loss_of(spec))), "moe/multiplier")
     return checked, bad
+
+
+def check_ladder_rows(study: str, root: Path = RESULTS, *, quick: bool = False) -> tuple[int, list[str]]:
+    """(claims checked, mismatches) between a ladder's ``root``/``study``/verdict.json and its committed run
+    records, decided as ``run_ladder`` decides them (a diverged run counts as ln vocab, the sweep's "init")."""
+    lad = load_ladder(resolve_spec(LADDERS[study]), quick=quick)
+    records = sorted((root / study / "run-records").glob("*/seed*/result.json"))
+    rows = [r for r in (json.loads(p.read_text()) for p in records) if not r["variant"].startswith("tune-")]
+    assert len(rows) == len(read_csv(root / study / "results.csv")), f"{study}: run-records and results.csv disagree"
+    init = math.log(lad.sweep.configs[rows[0]["variant"]].model.vocab_size)
+    decisions = decide_claims(lad.sweep.claims, rows, None, ladder_report.ENDPOINTS, init_loss=init,
+                              alpha=(lad.sweep.registration or {}).get("alpha", 0.05))
+    return compare_decisions(study, json.loads((root / study / "verdict.json").read_text()), decisions, exact=True)
 
 
 @pytest.mark.parametrize("name, claims", [("norm", 8), ("moe", 6), ("mup", 3), ("positions", 4)])
 def test_the_committed_rows_give_the_recorded_values_and_labels(name, claims):
     checked, bad = check_rows(name)
+    assert not bad, "\n".join(bad)
+    assert checked == claims
+
+
+@pytest.mark.parametrize("study, claims", [("moe/compute-ladder", 4)])
+def test_a_ladders_run_records_give_its_recorded_values_and_labels(study, claims):
+    checked, bad = check_ladder_rows(study)
     assert not bad, "\n".join(bad)
     assert checked == claims
 
@@ -211,3 +244,14 @@ def test_a_changed_number_is_caught(tmp_path):
     (tmp_path / "norm" / "results.csv").write_text(csv.replace(",3.79236,", ",3.79246,", 1))  # one run's loss
     _, bad = check_rows("norm", tmp_path)
     assert bad and all(m.startswith("norm/warmup-post-normal.b[0]") for m in bad), bad
+
+
+def test_a_changed_ladder_run_is_caught(tmp_path):
+    study = "moe/compute-ladder"
+    shutil.copytree(RESULTS / study, tmp_path / study, ignore=shutil.ignore_patterns("*.png", "curve.jsonl"))
+    path = tmp_path / study / "run-records" / "moe-d64" / "seed31" / "result.json"
+    run = json.loads(path.read_text())
+    run["final_val_loss"] += 1e-4  # one run's loss, as if it had been edited by hand
+    path.write_text(json.dumps(run))
+    _, bad = check_ladder_rows(study, tmp_path)
+    assert bad and all(m.startswith(f"{study}/moe-beats-dense-d64.a[1]") for m in bad), bad
