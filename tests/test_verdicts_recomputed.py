@@ -185,10 +185,10 @@ def compare_decisions(name: str, record: dict[str, Any], decisions, exact: bool)
     return checked, bad
 
 
-def check_ladder_rows(study: str, root: Path = RESULTS, *, quick: bool = False) -> tuple[int, list[str]]:
+def check_ladder_rows(study: str, root: Path = RESULTS) -> tuple[int, list[str]]:
     """(claims checked, mismatches) between a ladder's ``root``/``study``/verdict.json and its committed run
     records, decided as ``run_ladder`` decides them (a diverged run counts as ln vocab, the sweep's "init")."""
-    lad = load_ladder(resolve_spec(LADDERS[study]), quick=quick)
+    lad = load_ladder(resolve_spec(LADDERS[study]))
     records = sorted((root / study / "run-records").glob("*/seed*/result.json"))
     rows = [r for r in (json.loads(p.read_text()) for p in records) if not r["variant"].startswith("tune-")]
     assert len(rows) == len(read_csv(root / study / "results.csv")), f"{study}: run-records and results.csv disagree"
