@@ -157,6 +157,30 @@ def test_the_multiplier_table_gives_every_compared_arms_loss_not_only_the_first_
         assert line.split(" | ")[3] == f"{mean:.3f}"
 
 
+def test_an_asymptote_clamped_at_zero_is_marked_in_the_laws_table_and_said_once():
+    # moe-compute's laws had E = 0.000 with a zero-width interval and no mark, while alpha at a bound was marked
+    from lmlab.experiments.ladder import report
+    from lmlab.experiments.report import markdown_table
+    c = np.array(RUNGS)
+    steep = 4.0 - 0.3 * np.log(c / C0)  # falls linearly in log C: no floor E > 0 follows it
+    fit = law.fit_law(c, steep, C0)
+    assert fit.E == 0.0 and fit.A > 0 and fit.E_at_bound
+    assert not law.fit_law(c, loss_a(c), C0).E_at_bound  # the synthetic law's floor, E = 2
+    assert not law.fit_law(c, 3.0 + 0.01 * np.arange(len(c)), C0).E_at_bound  # flat: E is the mean, A = 0
+    points = [law.Point("A", f"r{i}", s, x, 4.0 - 0.3 * math.log(x / C0) + 0.01 * s) for s in range(3)
+              for i, x in enumerate(RUNGS)]
+    points += [law.Point("B", p.rung, p.seed, p.compute, loss_a(p.compute)) for p in points]
+    a = law.analyze(points, [("B", "A")], c0=C0, n_resamples=0)
+    rows = {r["arm"]: r for r in report._laws(a)}
+    assert rows["A"]["E"].endswith("(at its bound 0)") and "bound" not in rows["B"]["E"]
+    assert "| 0.000" in markdown_table(list(rows.values()))
+    note = report._bound_note(a)
+    assert note.count("E sits at its bound 0") == 1 and note.lstrip().startswith("A:")
+    assert report._bound_note(law.analyze([p for p in points if p.arm == "B"] + [
+        law.Point("C", p.rung, p.seed, p.compute, p.loss + 0.01) for p in points if p.arm == "B"],
+        [("C", "B")], c0=C0, n_resamples=0)) == ""
+
+
 # ============================================================== the spec
 TINY_LADDER = {
     "name": "tiny",

@@ -74,6 +74,13 @@ class Law:
     lo: float = math.nan  # the smallest and largest compute the law was fitted on
     hi: float = math.nan
 
+    @property
+    def E_at_bound(self) -> bool:
+        """E sits at its bound 0: the points fall faster than a law with a floor E > 0 can follow, and the fit
+        is a pure power law (E = 0 exactly, as the least squares clamp it; its bootstrap interval has no width
+        when every resample clamps too)."""
+        return self.E == 0.0 and self.A > 0
+
     def loss(self, c: float | np.ndarray) -> float | np.ndarray:
         return self.E + self.A * np.power(np.asarray(c, dtype=float) / self.c0, -self.alpha)
 

@@ -155,14 +155,24 @@ def _laws(analysis: LadderAnalysis) -> list[dict[str, Any]]:
     for a in analysis.arms.values():
         h = a.heldout
         out.append({
-            "arm": a.arm, "E": a.E.text(), "A": a.A.text(), "α": a.alpha.text() + (" (at a bound)" if a.law.at_bound
-                                                                               else ""),
+            "arm": a.arm, "E": a.E.text() + (" (at its bound 0)" if a.law.E_at_bound else ""), "A": a.A.text(),
+            "α": a.alpha.text() + (" (at a bound)" if a.law.at_bound else ""),
             "points": a.points, "seeds": a.seeds,
             "held-out rung": h.rung if h else "— (needs 4 rungs)",
             "predicted": h.predicted.text() if h else "—", "measured": h.measured.text() if h else "—",
             "error": h.error.text(signed=True) if h else "—",
         })
     return out
+
+
+def _bound_note(analysis: LadderAnalysis) -> str:
+    """A sentence when an arm's E sits at its bound 0: what that says about the law its multipliers read."""
+    at = [a.arm for a in analysis.arms.values() if a.law.E_at_bound]
+    if not at:
+        return ""
+    return (f"\n{' and '.join(at)}: E sits at its bound 0. Over these rungs the loss falls faster than a law with "
+            "a floor E > 0 can follow, so the fit is a pure power law; the multipliers read that shape, and the "
+            "held-out check below says how well it predicts.\n")
 
 
 def _multipliers(analysis: LadderAnalysis, cpu: LadderAnalysis | None = None) -> list[dict[str, Any]]:
@@ -234,6 +244,7 @@ def markdown(ladder: Ladder, rows: list[dict], points: list[Point], analysis: La
         "seed is Student's t, as in the experiments.\n\n"
         "## Per rung: paired differences\n\n" + markdown_table(_differences(ladder, analysis))
         + "\n## Laws\n\n" + markdown_table(_laws(analysis))
+        + _bound_note(analysis)
         + "\nHeld-out check: each arm's law fitted on every rung but the largest predicts the largest rung's mean "
         "loss; the error is predicted − measured.\n\n![loss vs compute](loss_vs_compute.png)\n\n"
         "## Compute multiplier\n\n" + markdown_table(_multipliers(analysis, cpu))
