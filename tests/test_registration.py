@@ -141,8 +141,9 @@ def test_the_report_names_the_registration_or_says_unregistered_then_lists_chang
     c = commit(repo, "register", **{"spec.yaml": spec_text(BLOCK)})
     block = {**BLOCK, "amendments": [{"change": "lr 2.4e-2", "reason": "dense chose the top edge"}]}
     text = report_header("T", "cmd", Spec(spec_status(repo / "spec.yaml"), block), 1.0, [])
-    assert text.startswith("# T\n\nRegistered as `exp-1` at commit " + c[:12])
-    assert "**UNREGISTERED**" not in text
+    # the path inside the checkout, not this machine's folder (reports named /work/exp/src-.../spec.yaml)
+    assert text.startswith(f"# T\n\nRegistered as `exp-1` at commit {c[:12]} (spec.yaml).\n")
+    assert str(repo) not in text and "**UNREGISTERED**" not in text
     assert text.split("## Changes after registration\n\n")[1] == "- lr 2.4e-2 — dense chose the top edge\n\n"
     draft = Registration("s.yaml", problem="it has uncommitted changes", draft=True)
     text = report_header("T", "cmd", Spec(draft), 1.0, [])

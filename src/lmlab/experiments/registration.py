@@ -68,6 +68,12 @@ class Registration:
     changes_after: tuple[Change, ...] = ()  # commits after it touching the spec or the related files, oldest first
     problem: str = ""  # why it is not registered, one line; "" when it is
     draft: bool = False  # the run was started with --draft (allowed to run unregistered)
+    repo_path: str | None = None  # the file's path inside its checkout (the same on every machine); None outside
+
+    @property
+    def where(self) -> str:
+        """The path a report names: inside the checkout when there is one, not this machine's folders."""
+        return self.repo_path or self.path
 
     @property
     def registered(self) -> bool:
@@ -88,7 +94,7 @@ class Registration:
         return f"spec {self.path} is not committed: {self.problem}; results cannot be traced to a revision of it"
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "id": self.id, "commit": self.commit, "head": self.head,
+        return {"path": self.path, "repo_path": self.repo_path, "id": self.id, "commit": self.commit, "head": self.head,
                 "registered": self.registered, "committed": self.committed, "draft": self.draft,
                 "problem": self.problem, "changes_after": [c.to_json() for c in self.changes_after]}
 
@@ -197,6 +203,7 @@ def spec_status(path: str | Path, related: Sequence[str | Path] = ()) -> Registr
     if not rels:  # git's top is not above the file's real path (a symlink into another tree)
         return dataclasses.replace(base, problem=f"not inside the git checkout at {top.strip()}")
     rel = rels[0]
+    base = dataclasses.replace(base, repo_path=rel)
     head = git("rev-parse", "--verify", "--quiet", "HEAD")
     tracked = git("ls-files", "--error-unmatch", "--", f":/{rel}") is not None
     status = git("status", "--porcelain", "--", f":/{rel}")
@@ -221,7 +228,7 @@ def banner(status: Registration | None) -> str:
     if status is None:
         return ""
     if status.registered:
-        return f"Registered as `{status.id}` at commit {status.commit[:12]} ({status.path}).\n\n"
+        return f"Registered as `{status.id}` at commit {status.commit[:12]} ({status.where}).\n\n"
     why = " (run with --draft)" if status.draft else ""
     return (f"**UNREGISTERED**{why}: {status.path} was not registered before these runs: {status.problem}. "
             "Its criteria may have been chosen after the results.\n\n")
