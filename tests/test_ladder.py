@@ -74,7 +74,9 @@ def test_a_noise_free_law_is_recovered_exactly_and_inverted():
     assert fit.compute_for(E - 0.1) == math.inf  # below the asymptote: never reached
     rising = 3.0 + 0.01 * np.arange(len(c))
     flat = law.fit_law(c, rising, C0)  # a loss that rises with compute: A = 0, never a negative law
-    assert flat.A == 0 and flat.E == pytest.approx(rising.mean()) and flat.compute_for(2.9) == math.inf
+    # ... which has no inverse: no compute reaches a loss on it (nan), neither below its mean nor above
+    assert flat.A == 0 and flat.flat and flat.E == pytest.approx(rising.mean())
+    assert math.isnan(flat.compute_for(2.9)) and math.isnan(flat.compute_for(3.5))
     with pytest.raises(ValueError, match="3 or more distinct computes"):
         law.fit_law([1e13, 1e13, 2e13], [3.0, 3.1, 2.9], C0)
 
@@ -179,6 +181,75 @@ def test_an_asymptote_clamped_at_zero_is_marked_in_the_laws_table_and_said_once(
     assert report._bound_note(law.analyze([p for p in points if p.arm == "B"] + [
         law.Point("C", p.rung, p.seed, p.compute, p.loss + 0.01) for p in points if p.arm == "B"],
         [("C", "B")], c0=C0, n_resamples=0)) == ""
+
+
+def depth_shaped(seeds: int = 4, slope_b: float = -0.05) -> list[law.Point]:
+    """A depth ladder on a fixed token budget: loss *rises* with compute for both arms (deeper, undertrained),
+    and B - A moves by ``slope_b`` nats per doubling of compute, exactly (seed offsets shared by both arms)."""
+    rng = np.random.default_rng(7)
+    points = []
+    for s in range(seeds):
+        offset = rng.normal(0, 0.01)
+        for i, c in enumerate(RUNGS[:4]):
+            a = 3.8 + 0.15 * i + offset
+            points += [law.Point("A", f"L{6 * 2 ** i}", s, c, a),
+                       law.Point("B", f"L{6 * 2 ** i}", s, c, a + 0.2 + slope_b * math.log2(c / RUNGS[0]))]
+    return points
+
+
+def test_a_baseline_whose_loss_rises_with_compute_gives_no_multiplier_rather_than_an_infinite_one(tmp_path):
+    # norm-depth: every arm's loss rose with depth at its fixed token budget, every law was flat (A = 0), and
+    # the report read each multiplier as "∞x (unreachable)": an arm 0.3 nats *worse* than post "saved"
+    # infinite compute
+    from lmlab.experiments.ladder import report
+    a = law.analyze(depth_shaped(), [("B", "A")], c0=C0, n_resamples=99)
+    assert a.arms["A"].law.flat and a.arms["B"].law.flat
+    rungs = a.pairs[0].rungs
+    assert [r.status for r in rungs] == ["no law"] * 4 and all(math.isnan(r.flops.value) for r in rungs)
+    assert all(r.flops.unreachable == 0 for r in rungs)  # nan is not "unreachable"
+    assert a.pairs[0].trend.direction == "not measured"
+    table = report._multipliers(a)
+    assert all(row["FLOPs multiplier [95% CI]"] == "— (no law)" for row in table)
+    assert "∞" not in str(table) and "no trend: A's law is flat" in report.trend_text(a)
+    assert report._flat_note(a).lstrip().startswith("A, B: flat (A = 0)")
+    assert all(row["A"].endswith("(flat)") for row in report._laws(a))
+    # an unreachable multiplier off a law that does fall stays infinite (the earlier test), and is still counted
+    path = report.plot_multipliers(a, tmp_path / "m.png")  # nothing finite to draw: says so, no empty legend
+    assert (tmp_path / "m.png").read_bytes().startswith(PNG) and path
+
+
+def test_the_difference_trend_reads_the_paired_differences_across_rungs_and_predicts_the_largest(tmp_path):
+    """B - A = 0.2 - 0.05 log2(C/C0') exactly at every seed: the slope, its interval, the held-out rung's
+    prediction (error 0) come back; a kink at the largest rung shows as the held-out error, with its sign."""
+    from lmlab.experiments.ladder import report
+    t = law.analyze(depth_shaped(), [("B", "A")], c0=C0, n_resamples=99).pairs[0].difference_trend
+    assert t.rungs == 4 and t.slope.value == pytest.approx(-0.05) and t.direction == "falls"
+    assert t.slope.lo == pytest.approx(-0.05) and t.slope.hi == pytest.approx(-0.05)  # noise-free differences
+    assert t.heldout.rung == "L48" and t.heldout.error.value == pytest.approx(0.0, abs=1e-9)
+    kinked = [dataclasses.replace(p, loss=p.loss + 0.3) if p.arm == "B" and p.rung == "L48" else p
+              for p in depth_shaped()]
+    a = law.analyze(kinked, [("B", "A")], c0=C0, n_resamples=99)
+    k = a.pairs[0].difference_trend
+    assert k.heldout.measured.value == pytest.approx(t.heldout.measured.value + 0.3)
+    assert k.heldout.predicted.value == pytest.approx(t.heldout.predicted.value)  # fitted without L48
+    assert k.heldout.error.value == pytest.approx(-0.3)
+    assert k.slope.value > t.slope.value  # the line over all four rungs bends up with the kink
+    rows = report._difference_trends(a)
+    assert rows[0]["comparison"] == "B − A" and rows[0]["error"].startswith("-0.300")
+    text = report.differences_text(a)
+    assert "A description, not a registered claim" in text and "difference_vs_compute.png" in text
+    assert report.plot_differences(a, tmp_path / "d.png") and (tmp_path / "d.png").read_bytes().startswith(PNG)
+    # the synthetic ladder of the earlier tests: B's compute multiplier grows, yet B - A in nats *rises* toward
+    # 0 as both near their floor E: the two trends answer different questions, and the report gives both
+    grows = law.analyze(synthetic(1), [("B", "A")], c0=C0, n_resamples=49).pairs[0]
+    assert grows.trend.direction == "grows" and grows.difference_trend.direction == "rises"
+    assert grows.difference_trend.rungs == len(RUNGS) and all(r.difference.hi < 0 for r in grows.rungs)
+    # two arms without a rung in common have no difference trend, and the report leaves it out
+    apart = [p for p in synthetic(1, seeds=3) if p.arm == "A"] + [
+        law.Point("B", f"other{i}", p.seed, p.compute * 1.1, p.loss) for i, p in enumerate(synthetic(1, seeds=3))
+        if p.arm == "B"]
+    none = law.analyze(apart, [("B", "A")], c0=C0, n_resamples=0)
+    assert none.pairs[0].difference_trend is None and "Across rungs" not in report.differences_text(none)
 
 
 # ============================================================== the spec

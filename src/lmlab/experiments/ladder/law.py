@@ -6,6 +6,7 @@
     a.arms["dense"].alpha.text()               # '0.302 [0.271, 0.333]'
     a.pairs[0].rungs[0].flops.text("x")        # '2.01x [1.87, 2.16]' (extrapolated / unreachable marked)
     a.pairs[0].trend.direction                 # "grows" | "shrinks" | "flat within its interval"
+    a.pairs[0].difference_trend.slope.text()   # B - A per doubling of compute, with its held-out rung
 
 The table is a list of :class:`Point`: one measured loss of one arm at one rung and seed, with the
 training FLOPs and the wall time it took. Nothing here trains, reads files or knows what a rung is:
@@ -24,12 +25,19 @@ alpha sits at an end of the range is flagged: the points do not identify it.
 fitted law needs to reach B's mean measured loss at r, over the compute B spent there (> 1: B saves
 compute). Every seed counts: the mean is over all of them, and a loss A's law reaches outside A's
 measured compute is read on the law anyway and marked *extrapolated*; one at or below A's asymptote
-E is *unreachable* (an infinite multiplier), never dropped. The wall-clock multiplier is the same
-reading on laws fitted to wall time, on the machine that ran the points.
+E is *unreachable* (an infinite multiplier), never dropped. A baseline whose loss does not fall with
+compute over its rungs (it rises, as a deeper model's can on a fixed token budget) has a *flat* law (A = 0)
+that reaches no loss at any particular compute: its multipliers are *no law* (nan), not infinite. The
+wall-clock multiplier is the same reading on laws fitted to wall time, on the machine that ran the points.
 
 **The trend**: the least-squares slope of log(multiplier) against log(compute) over B's rungs (> 0:
 B's advantage grows with compute). **The held-out check**: each arm's law fitted without its largest
 rung predicts that rung's mean loss; the error is predicted - measured.
+
+**The difference trend**, which needs no law: at each rung both arms have, B's mean loss minus A's (the
+mean of the paired differences when every seed has both), and the least-squares line through them against
+log2 of B's compute: its slope is nats per doubling of compute (< 0: B gains on A), and the line through
+every rung but the largest predicts the largest (error = predicted - measured; with 4 or more rungs).
 
 **Intervals**: 95% percentile intervals from ``scipy.stats.bootstrap`` over seeds: a resample draws
 seeds with replacement and takes every point of a drawn seed, of every arm (paired: seed s of A and of
@@ -52,8 +60,8 @@ import numpy as np
 
 from .. import stats
 
-__all__ = ["ALPHA_RANGE", "ArmFit", "Estimate", "HeldOut", "LadderAnalysis", "Law", "PairAnalysis", "Point",
-           "RungMultiplier", "Trend", "analyze", "fit_law", "reference_compute", "trend_slope"]
+__all__ = ["ALPHA_RANGE", "ArmFit", "DifferenceTrend", "Estimate", "HeldOut", "LadderAnalysis", "Law", "PairAnalysis",
+           "Point", "RungMultiplier", "Trend", "analyze", "fit_law", "reference_compute", "trend_slope"]
 
 ALPHA_RANGE = (1e-3, 3.0)  # exponents the fit searches: flatter than 1e-3 or steeper than 3 is not a compute law
 _GRID, _REFINE = 121, 21  # log grid points over ALPHA_RANGE, then twice around the best point
@@ -81,14 +89,21 @@ class Law:
         when every resample clamps too)."""
         return self.E == 0.0 and self.A > 0
 
+    @property
+    def flat(self) -> bool:
+        """A = 0: the loss does not fall with compute over the points (it rises or stays level), so the best
+        non-increasing law is their mean, and it reaches no loss at any particular compute."""
+        return self.A <= 0
+
     def loss(self, c: float | np.ndarray) -> float | np.ndarray:
         return self.E + self.A * np.power(np.asarray(c, dtype=float) / self.c0, -self.alpha)
 
     def compute_for(self, loss: float) -> float:
-        """The compute at which the law reaches ``loss``: inf when ``loss`` is at or below E (never)."""
-        if not math.isfinite(loss):
+        """The compute at which the law reaches ``loss``: inf when ``loss`` is at or below E (never); nan for a
+        flat law, which has no inverse."""
+        if not math.isfinite(loss) or self.flat:
             return math.nan
-        if loss <= self.E or self.A <= 0:
+        if loss <= self.E:
             return math.inf
         return self.c0 * ((loss - self.E) / self.A) ** (-1.0 / self.alpha)
 
@@ -141,6 +156,16 @@ def reference_compute(values: Iterable[float]) -> float:
     return 10.0 ** round(statistics.fmean(v)) if v else 1.0
 
 
+def line_through(compute: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line of ``values`` on log2(compute); nan without 2 distinct
+    computes and finite values."""
+    c, v = np.asarray(compute, dtype=float), np.asarray(values, dtype=float)
+    if len(c) < 2 or not np.all(np.isfinite(v)) or np.ptp(np.log2(c)) == 0:
+        return math.nan, math.nan
+    slope, intercept = np.polyfit(np.log2(c), v, 1)
+    return float(slope), float(intercept)
+
+
 def trend_slope(compute: Sequence[float], multiplier: Sequence[float]) -> float:
     """Least-squares slope of log(multiplier) on log(compute); nan unless 2+ points, all finite and positive."""
     c, m = np.asarray(compute, dtype=float), np.asarray(multiplier, dtype=float)
@@ -169,7 +194,7 @@ class Estimate:
     value: float
     lo: float = math.nan
     hi: float = math.nan
-    unreachable: float = 0.0  # share of resamples in which the value was not finite
+    unreachable: float = 0.0  # share of resamples in which the value was infinite
 
     def covers(self, x: float) -> bool:
         return self.lo <= x <= self.hi
@@ -217,6 +242,7 @@ class RungMultiplier:
     loss: float  # B's mean loss there, over every seed
     flops: Estimate  # C_A(loss) / compute
     status: str  # interpolated | extrapolated (beyond A's measured compute) | unreachable (at or below E_A)
+    #              | no law (A's law is flat: its loss does not fall with compute)
     wall: Estimate | None  # the same on wall time
     wall_status: str = ""
     difference: Any = None  # stats.Interval of B - A by seed, where A has the same rung: paired, as the experiments
@@ -230,11 +256,22 @@ class Trend:
 
 
 @dataclasses.dataclass(frozen=True)
+class DifferenceTrend:
+    """B - A across the rungs both arms have: the line through the mean differences against log2 compute."""
+
+    slope: Estimate  # nats per doubling of B's compute (< 0: B gains on A as compute grows)
+    direction: str  # falls | rises | flat within its interval | not measured
+    rungs: int
+    heldout: HeldOut | None  # the line without the largest rung, predicting its difference; None below 4 rungs
+
+
+@dataclasses.dataclass(frozen=True)
 class PairAnalysis:
     arm: str
     baseline: str
     rungs: list[RungMultiplier]
     trend: Trend
+    difference_trend: DifferenceTrend | None = None  # None: fewer than 2 rungs in common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,20 +372,45 @@ class _Ladder:
                     out[f"{b}/{a}/{name}/wall"] = (w.compute_for(loss) / float(d["w"][here].mean())
                                                    if w else math.nan)
             out[f"{b}/{a}/slope"] = trend_slope([c for c, _ in logs], [m for _, m in logs])
+            out |= self._difference_values(b, a, sel)
+        return out
+
+    def common_rungs(self, b: str, a: str) -> list[str]:
+        """The rungs both arms have, in B's order of compute."""
+        return [r for r in self.by_arm[b]["rungs"] if r in self.by_arm[a]["rungs"]]
+
+    def _difference_values(self, b: str, a: str, sel: dict[str, dict[str, np.ndarray]]) -> dict[str, float]:
+        """B - A at each common rung (means over the drawn seeds), its line on log2 compute, and the line
+        without the largest rung predicting it."""
+        rungs = self.common_rungs(b, a)
+        if len(rungs) < 2:
+            return {}
+
+        def mean_at(d: dict[str, np.ndarray], rung: str, key: str) -> float:
+            return float(d[key][d["rung"] == d["rungs"].index(rung)].mean())
+
+        c = [mean_at(sel[b], r, "c") for r in rungs]
+        diff = [mean_at(sel[b], r, "y") - mean_at(sel[a], r, "y") for r in rungs]
+        out = {f"{b}/{a}/diff/slope": line_through(c, diff)[0]}
+        if len(rungs) >= 4:  # 3 remain to fit the line
+            slope, intercept = line_through(c[:-1], diff[:-1])
+            out[f"{b}/{a}/diff/heldout/predicted"] = p = intercept + slope * math.log2(c[-1])
+            out[f"{b}/{a}/diff/heldout/measured"] = diff[-1]
+            out[f"{b}/{a}/diff/heldout/error"] = p - diff[-1]
         return out
 
 
 def _interval(dist: np.ndarray, level: float) -> tuple[float, float, float]:
-    """(lo, hi, share not finite) of a bootstrap distribution; infinities count, nan resamples are left out."""
+    """(lo, hi, share infinite) of a bootstrap distribution; infinities count, nan resamples are left out."""
     ok = dist[~np.isnan(dist)]
     if len(ok) == 0:
-        return math.nan, math.nan, 1.0
+        return math.nan, math.nan, 0.0
     q = np.quantile(ok, [(1 - level) / 2, (1 + level) / 2], method="inverted_cdf")
-    return float(q[0]), float(q[1]), float(np.mean(~np.isfinite(dist)))
+    return float(q[0]), float(q[1]), float(np.mean(np.isinf(dist)))
 
 
 def _bootstrap(lad: _Ladder, names: list[str], n_resamples: int, level: float, seed: int) -> dict[str, tuple]:
-    """name -> (lo, hi, share not finite) over seed resamples (scipy.stats.bootstrap, percentile)."""
+    """name -> (lo, hi, share infinite) over seed resamples (scipy.stats.bootstrap, percentile)."""
     n = len(lad.seeds)
     if n < 2 or n_resamples < 1:
         return {k: (math.nan, math.nan, 0.0) for k in names}
@@ -372,7 +434,7 @@ def _bootstrap(lad: _Ladder, names: list[str], n_resamples: int, level: float, s
     for i, k in enumerate(names):
         ci = res.confidence_interval
         lo, hi = float(np.atleast_1d(ci.low)[i]), float(np.atleast_1d(ci.high)[i])
-        share = float(np.mean(~np.isfinite(dist[i])))
+        share = float(np.mean(np.isinf(dist[i])))
         if not (math.isfinite(lo) and math.isfinite(hi)):  # scipy's interpolation across infinities gives nan
             lo, hi, share = _interval(dist[i], level)
         out[k] = (lo, hi, share)
@@ -380,18 +442,20 @@ def _bootstrap(lad: _Ladder, names: list[str], n_resamples: int, level: float, s
 
 
 def _status(law: Law, c: float) -> str:
+    if law.flat:
+        return "no law"
     if c == math.inf:
         return "unreachable"
     return "interpolated" if law.lo <= c <= law.hi else "extrapolated"
 
 
-def _direction(slope: Estimate) -> str:
+def _direction(slope: Estimate, up: str = "grows", down: str = "shrinks") -> str:
     if not math.isfinite(slope.value):
         return "not measured"
     if slope.lo > 0:
-        return "grows"
+        return up
     if slope.hi < 0:
-        return "shrinks"
+        return down
     return "flat within its interval"
 
 
@@ -439,8 +503,24 @@ def analyze(points: Sequence[Point], pairs: Sequence[tuple[str, str]], *, c0: fl
                 name, c, loss, flops, _status(arms[a].law, arms[a].law.compute_for(loss)), wall_est,
                 _status(timed, timed.compute_for(loss)) if timed else "", _difference(lad, b, a, name)))
         slope = est(f"{b}/{a}/slope")
-        out_pairs.append(PairAnalysis(b, a, rungs, Trend(slope, _direction(slope), len(rungs))))
+        out_pairs.append(PairAnalysis(b, a, rungs, Trend(slope, _direction(slope), len(rungs)),
+                                      _difference_trend(lad, b, a, est, point)))
     return LadderAnalysis(arms, out_pairs, c0, lad.seeds, n_resamples if len(lad.seeds) > 1 else 0, level)
+
+
+def _difference_trend(lad: _Ladder, b: str, a: str, est, point: dict[str, float]) -> DifferenceTrend | None:
+    key = f"{b}/{a}/diff"
+    if f"{key}/slope" not in point:
+        return None
+    common = lad.common_rungs(b, a)
+    held = None
+    if f"{key}/heldout/error" in point:
+        d = lad.by_arm[b]
+        top = d["rungs"].index(common[-1])
+        held = HeldOut(common[-1], float(d["c"][d["rung"] == top].mean()), est(f"{key}/heldout/predicted"),
+                       est(f"{key}/heldout/measured"), est(f"{key}/heldout/error"))
+    slope = est(f"{key}/slope")
+    return DifferenceTrend(slope, _direction(slope, "rises", "falls"), len(common), held)
 
 
 def _difference(lad: _Ladder, b: str, a: str, rung: str) -> Any:

@@ -6,9 +6,11 @@
 report.md: the registered claims (``claims:``, as in the experiments: arms named by ``{arm:, rung:}``,
 decided by ``decide.decide_claims`` with Holm over the ladder's claims; verdict.json beside it), the rungs
 (parameters, tokens, FLOPs, rate, the mean final loss as the laws read it, the runs that did not learn), the
-paired difference between arms at each rung by seed, each arm's fitted law with its intervals and its
-held-out check, the FLOPs and wall-clock multipliers side by side at each rung, and the trend.
+paired difference between arms at each rung by seed and its trend across rungs (a line on log compute, with
+its held-out rung), each arm's fitted law with its intervals and its held-out check, the FLOPs and
+wall-clock multipliers side by side at each rung, and their trend.
 loss_vs_compute.png: every rung's mean loss per arm (±1 std over seeds) with the fitted laws;
+difference_vs_compute.png: the paired differences with their intervals and lines;
 multiplier_vs_compute.png: the multipliers with their intervals.
 """
 
@@ -28,10 +30,11 @@ from ..registration import registration_record
 from ..report import figure, markdown_table, report_header, save, write_json
 from ..sweep.tables import eval_slice_text
 from ..sweep.tuning import grid_edge_text
-from .law import LadderAnalysis, Point, analyze
+from .law import LadderAnalysis, Point, analyze, line_through
 from .spec import Ladder
 
-__all__ = ["ENDPOINTS", "ladder_points", "markdown", "plot_laws", "plot_multipliers", "write_report"]
+__all__ = ["ENDPOINTS", "ladder_points", "markdown", "plot_differences", "plot_laws", "plot_multipliers",
+           "write_report"]
 
 
 def final_losses(rows: list[dict], init_loss: float) -> dict[int, float]:
@@ -140,7 +143,7 @@ def rates_text(ladder: Ladder, tune: dict | None) -> str:
             + grid_edge_text(tune) + "\n\n")
 
 
-def _differences(ladder: Ladder, analysis: LadderAnalysis) -> list[dict[str, Any]]:
+def _differences(analysis: LadderAnalysis) -> list[dict[str, Any]]:
     out = []
     for p in analysis.pairs:
         for r in p.rungs:
@@ -150,12 +153,44 @@ def _differences(ladder: Ladder, analysis: LadderAnalysis) -> list[dict[str, Any
     return out
 
 
+def _difference_trends(analysis: LadderAnalysis) -> list[dict[str, Any]]:
+    out = []
+    for p in analysis.pairs:
+        t = p.difference_trend
+        if t is None:
+            continue
+        h = t.heldout
+        out.append({
+            "comparison": f"{p.arm} − {p.baseline}", "rungs": t.rungs,
+            "slope per doubling of FLOPs [95% CI] (nats)": t.slope.text(signed=True), "direction": t.direction,
+            "held-out rung": h.rung if h else "— (needs 4 rungs)",
+            "predicted": h.predicted.text(signed=True) if h else "—",
+            "measured": h.measured.text(signed=True) if h else "—", "error": h.error.text(signed=True) if h else "—",
+        })
+    return out
+
+
+def differences_text(analysis: LadderAnalysis) -> str:
+    """The per-rung table, then the line through it across rungs (a description, not a registered claim)."""
+    text = "## Per rung: paired differences\n\n" + markdown_table(_differences(analysis))
+    trends = _difference_trends(analysis)
+    if not trends:
+        return text
+    return (text + "\nAcross rungs: a least-squares line through each rung's mean difference against log2 of the "
+            "arm's FLOPs (the slope is nats per doubling of compute; < 0: the arm gains on its baseline as compute "
+            "grows), and the same line fitted without the largest rung, predicting it (error = predicted − "
+            "measured). It reads the arms' losses directly, without a law per arm, so it reads a ladder whose loss "
+            "does not fall with compute. A description, not a registered claim.\n\n"
+            + markdown_table(trends) + "\n![difference vs compute](difference_vs_compute.png)\n")
+
+
 def _laws(analysis: LadderAnalysis) -> list[dict[str, Any]]:
     out = []
     for a in analysis.arms.values():
         h = a.heldout
         out.append({
-            "arm": a.arm, "E": a.E.text() + (" (at its bound 0)" if a.law.E_at_bound else ""), "A": a.A.text(),
+            "arm": a.arm, "E": a.E.text() + (" (at its bound 0)" if a.law.E_at_bound else ""),
+            "A": a.A.text() + (" (flat)" if a.law.flat else ""),
             "α": a.alpha.text() + (" (at a bound)" if a.law.at_bound else ""),
             "points": a.points, "seeds": a.seeds,
             "held-out rung": h.rung if h else "— (needs 4 rungs)",
@@ -175,6 +210,17 @@ def _bound_note(analysis: LadderAnalysis) -> str:
             "held-out check below says how well it predicts.\n")
 
 
+def _flat_note(analysis: LadderAnalysis) -> str:
+    """A sentence when an arm's law is flat (A = 0): its loss does not fall with compute, so no multiplier."""
+    flat = [a.arm for a in analysis.arms.values() if a.law.flat]
+    if not flat:
+        return ""
+    return (f"\n{', '.join(flat)}: flat (A = 0). Over these rungs the loss does not fall with compute, so the best "
+            "law of this shape is the mean loss and α is not identified; it reaches no loss at any particular "
+            "compute, and no multiplier is read off it (*no law* below). The paired differences and their trend "
+            "across rungs (above) read the ladder without a law.\n")
+
+
 def _multipliers(analysis: LadderAnalysis, cpu: LadderAnalysis | None = None) -> list[dict[str, Any]]:
     out = []
     cpu_rungs = {(p.arm, p.baseline, r.rung): r for p in (cpu.pairs if cpu else ()) for r in p.rungs}
@@ -182,20 +228,29 @@ def _multipliers(analysis: LadderAnalysis, cpu: LadderAnalysis | None = None) ->
         for r in p.rungs:
             row = {
                 "comparison": f"{p.arm} over {p.baseline}", "rung": r.rung, "FLOPs": f"{r.compute:.3g}",
-                "arm's loss": f"{r.loss:.3f}", "FLOPs multiplier [95% CI]": f"{r.flops.text('x')} ({r.status})",
-                "wall-clock multiplier [95% CI]": f"{r.wall.text('x')} ({r.wall_status})" if r.wall else "—",
+                "arm's loss": f"{r.loss:.3f}", "FLOPs multiplier [95% CI]": _multiplier(r.flops, r.status),
+                "wall-clock multiplier [95% CI]": _multiplier(r.wall, r.wall_status),
             }
             if cpu:
                 c = cpu_rungs.get((p.arm, p.baseline, r.rung))
-                row["CPU-time multiplier [95% CI]"] = f"{c.wall.text('x')} ({c.wall_status})" if c and c.wall else "—"
+                row["CPU-time multiplier [95% CI]"] = _multiplier(c.wall, c.wall_status) if c else "—"
             out.append(row)
     return out
+
+
+def _multiplier(estimate, status: str) -> str:
+    if estimate is None:
+        return "—"
+    return "— (no law)" if status == "no law" else f"{estimate.text('x')} ({status})"
 
 
 def trend_text(analysis: LadderAnalysis) -> str:
     lines = []
     for p in analysis.pairs:
         t = p.trend
+        if all(r.status == "no law" for r in p.rungs):
+            lines.append(f"- {p.arm} over {p.baseline}: no multiplier, so no trend: {p.baseline}'s law is flat.")
+            continue
         lines.append(f"- {p.arm} over {p.baseline}: the FLOPs multiplier **{t.direction}** with compute; slope of "
                      f"log(multiplier) on log(FLOPs) over {t.rungs} rungs {t.slope.text(signed=True)} "
                      f"(> 0: {p.arm}'s saving grows with compute).")
@@ -234,17 +289,19 @@ def markdown(ladder: Ladder, rows: list[dict], points: list[Point], analysis: La
         "over its baseline at a rung is the compute the baseline's law needs to reach the arm's mean loss there, "
         "over the compute the arm spent (> 1: the arm saves compute); *extrapolated* when the baseline's law "
         "reaches it outside the baseline's measured compute, *unreachable* when the loss lies below the "
-        "baseline's asymptote E. Every seed counts: none is dropped. The wall-clock multiplier reads laws fitted "
-        "to wall time on the machine in the header" + (", the CPU-time multiplier the same laws fitted to each run's "
+        "baseline's asymptote E, *no law* when the baseline's law is flat (A = 0: its loss does not fall with "
+        "compute, so it reaches no loss at any particular compute). Every seed counts: none is dropped. The "
+        "wall-clock multiplier reads laws fitted to wall time on the machine in the header"
+        + (", the CPU-time multiplier the same laws fitted to each run's "
         "process CPU time (all its threads), which other programs on a shared machine disturb far less"
         if cpu else "") + ". Intervals: 95% percentile bootstrap over seeds "
         f"({analysis.n_resamples} resamples of the seeds, paired across arms, everything refitted; "
         "`scipy.stats.bootstrap`; on synthetic ladders of 8 seeds they cover the true value about 90% of the "
         "time, tests/test_ladder.py)." + _seeds_note(analysis) + " Per rung, the paired difference between arms by "
         "seed is Student's t, as in the experiments.\n\n"
-        "## Per rung: paired differences\n\n" + markdown_table(_differences(ladder, analysis))
+        + differences_text(analysis)
         + "\n## Laws\n\n" + markdown_table(_laws(analysis))
-        + _bound_note(analysis)
+        + _bound_note(analysis) + _flat_note(analysis)
         + "\nHeld-out check: each arm's law fitted on every rung but the largest predicts the largest rung's mean "
         "loss; the error is predicted − measured.\n\n![loss vs compute](loss_vs_compute.png)\n\n"
         "## Compute multiplier\n\n" + markdown_table(_multipliers(analysis, cpu))
@@ -270,12 +327,8 @@ def plot_laws(analysis: LadderAnalysis, points: list[Point], path: Path) -> str:
         grid = np.geomspace(min(c) / 1.5, max(c) * 1.5, 100)
         ax.plot(grid, fit.law.loss(grid), color=line[0].get_color(), alpha=0.7,
                 label=f"{arm}: {fit.law.E:.2f} + {fit.law.A:.2f}·(C/{analysis.c0:.0e})^-{fit.law.alpha:.3f}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("final validation loss (nats/token)")
-    ax.set_title("Loss vs compute, with each arm's fitted law")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    _finish(ax, "training FLOPs", "final validation loss (nats/token)", "Loss vs compute, with each arm's fitted law",
+            "no arm with a law")
     return save(fig, path)
 
 
@@ -295,13 +348,49 @@ def plot_multipliers(analysis: LadderAnalysis, path: Path) -> str:
                         label=f"{p.arm} over {p.baseline}, {kind} (slope {p.trend.slope.value:+.3f})"
                         if kind == "FLOPs" else f"{p.arm} over {p.baseline}, {kind}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs of the arm")
-    ax.set_ylabel("multiplier (95% bootstrap interval)")
-    ax.set_title("Compute the baseline needs for the arm's loss, over the arm's")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    _finish(ax, "training FLOPs of the arm", "multiplier (95% bootstrap interval)",
+            "Compute the baseline needs for the arm's loss, over the arm's",
+            "no finite multiplier: each baseline's law is flat or out of reach (report.md)")
     return save(fig, path)
+
+
+def plot_differences(analysis: LadderAnalysis, path: Path) -> str:
+    """Each pair's paired difference at each rung (95% t interval over seeds) and its line on log2 FLOPs."""
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in analysis.pairs:
+        rs = [r for r in p.rungs if r.difference is not None and math.isfinite(r.difference.mean)]
+        if not rs:
+            continue
+        c = [r.compute for r in rs]
+        m = [r.difference.mean for r in rs]
+        err = [[x - r.difference.lo for x, r in zip(m, rs)], [r.difference.hi - x for x, r in zip(m, rs)]]
+        line = ax.errorbar(c, m, yerr=err, fmt="o", capsize=3, label=f"{p.arm} − {p.baseline} (95% t interval)")
+        for r, x, y in zip(rs, c, m):
+            ax.annotate(r.rung, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        slope, intercept = line_through(c, m)
+        if math.isfinite(slope):
+            grid = np.geomspace(min(c), max(c), 50)
+            ax.plot(grid, intercept + slope * np.log2(grid), color=line[0].get_color(), alpha=0.7,
+                    label=f"{p.arm} − {p.baseline}: {slope:+.3f} nats per doubling")
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    _finish(ax, "training FLOPs of the arm", "final loss, arm − baseline (nats)",
+            "Paired difference at each rung, and its trend", "no rung that both arms of a pair have")
+    return save(fig, path)
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str, empty: str) -> None:
+    """Log compute axis, labels, grid; the legend, or where nothing was drawn, a line saying why (an empty
+    legend only warns)."""
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", fontsize=8, wrap=True)
 
 
 def write_report(ladder: Ladder, out: Path, rows: list[dict], points: list[Point], analysis: LadderAnalysis, *,
@@ -311,6 +400,7 @@ def write_report(ladder: Ladder, out: Path, rows: list[dict], points: list[Point
     registered claims, verdict.json too (``decide.write_decisions``, as an experiment's)."""
     out = Path(out)
     plots = [plot_laws(analysis, points, out / "loss_vs_compute.png"),
+             plot_differences(analysis, out / "difference_vs_compute.png"),
              plot_multipliers(analysis, out / "multiplier_vs_compute.png")]
     atomic_write_text(out / "report.md", markdown(ladder, rows, points, analysis, command=command, wall_s=wall_s,
                                                   data=data, tune=tune, tuning=tuning, decisions=decisions, cpu=cpu))
