@@ -252,6 +252,23 @@ def test_the_difference_trend_reads_the_paired_differences_across_rungs_and_pred
     assert none.pairs[0].difference_trend is None and "Across rungs" not in report.differences_text(none)
 
 
+def test_a_ladders_report_states_what_its_spec_cut_and_why(tmp_path):
+    """The issue's rule: each report says what was cut to fit the budget and why. The shipped specs say it in
+    their header comment, so the report quotes that comment verbatim; a spec without one adds nothing."""
+    from lmlab.experiments.ladder import report
+    from lmlab.experiments.ladder.spec import load_ladder
+    depth = report.spec_header_text(load_ladder(resolve_spec("norm-depth")))
+    assert depth.startswith("## Size, and what was cut (the spec's header)")
+    assert "> Claim 1 across depth: pre-norm keeps the residual path clean" in depth
+    assert "Xavier" in depth and "pilot" in depth  # the dropped arm and the reason
+    assert "\n>\n" in depth  # a bare '#' line keeps its paragraph break
+    moe_spec = report.spec_header_text(load_ladder(resolve_spec("moe-compute")))
+    assert "the + shared arm" in moe_spec and "seeds beyond 4" in moe_spec
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump(TINY_LADDER))
+    assert report.spec_header_text(load_ladder(bare)) == ""
+
+
 # ============================================================== the spec
 TINY_LADDER = {
     "name": "tiny",
@@ -433,6 +450,11 @@ def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert text.startswith("# Ladder ladder-example") and "quick size" in text
     assert "## Changes after registration" in text
     assert text.index("## Per rung") < text.index("## Laws") < text.index("## Compute multiplier")
+    # the spec's header, verbatim: how it was sized and what was cut (the example says it is not registered)
+    assert text.index("## Size, and what was cut") < text.index("## Method")
+    assert "> An example ladder (`lmlab ladder example --out DIR`): dense against a fine-grained MoE" in text
+    for plot in ("difference_vs_compute.png",):
+        assert (out / plot).read_bytes()[:8] == PNG
     assert "moe over dense: the FLOPs multiplier **" in text
     data = json.loads((out / "ladder.json").read_text())
     assert set(data["analysis"]["arms"]) == {"dense", "moe"} and len(data["analysis"]["pairs"][0]["rungs"]) == 4

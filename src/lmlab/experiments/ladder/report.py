@@ -3,7 +3,8 @@
     points = ladder_points(rows, init_loss)          # law.Point per run: compute = FLOPs per token x tokens
     write_report(ladder, out, rows, points, analysis, command=..., wall_s=..., data=..., tune=...)
 
-report.md: the registered claims (``claims:``, as in the experiments: arms named by ``{arm:, rung:}``,
+report.md: the spec's header (its leading comment: the size, and what was cut to fit the budget and why), the
+registered claims (``claims:``, as in the experiments: arms named by ``{arm:, rung:}``,
 decided by ``decide.decide_claims`` with Holm over the ladder's claims; verdict.json beside it), the rungs
 (parameters, tokens, FLOPs, rate, the mean final loss as the laws read it, the runs that did not learn), the
 paired difference between arms at each rung by seed and its trend across rungs (a line on log compute, with
@@ -16,6 +17,7 @@ multiplier_vs_compute.png: the multipliers with their intervals.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from pathlib import Path
@@ -257,6 +259,22 @@ def trend_text(analysis: LadderAnalysis) -> str:
     return "\n".join(lines) + "\n"
 
 
+def spec_header_text(ladder: Ladder) -> str:
+    """The spec file's leading comment, verbatim: a ladder spec says there how it was sized and what was cut to
+    fit the budget, and why, which its report must state too. "" when the spec has none or is not a file."""
+    try:
+        lines = Path(ladder.source).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    head = list(itertools.takewhile(lambda line: line.startswith("#"), lines))
+    if not head:
+        return ""
+    quoted = "\n".join(f"> {line[1:].strip()}".rstrip() for line in head)  # a bare '#' keeps its paragraph break
+    return ("## Size, and what was cut (the spec's header)\n\n"
+            f"The leading comment of `{Path(ladder.source).name}`, as committed (a change to it after registration is "
+            "listed above):\n\n" + quoted + "\n\n")
+
+
 def criteria_text(ladder: Ladder, decisions: list[Decision]) -> str:
     """The registered claims and their rules, stated before any number ("" for a ladder without claims:)."""
     if not decisions:
@@ -283,7 +301,7 @@ def markdown(ladder: Ladder, rows: list[dict], points: list[Point], analysis: La
         "6N + attention, times the tokens it trained on). " + eval_slice_text(spec) + ".\n\n"
         + rates_text(ladder, tune) + markdown_table(_rung_table(ladder, rows, points)) + "\n"
         + budget_note(ladder, rows)
-        + "\n" + criteria_text(ladder, list(decisions)) + "## Method\n\n"
+        + "\n" + spec_header_text(ladder) + criteria_text(ladder, list(decisions)) + "## Method\n\n"
         f"Per arm, L(C) = E + A·(C/C0)^-α with C0 = {c0:.3g} FLOPs, fitted by least squares over every run of every "
         "seed (E ≥ 0, A ≥ 0; the exponent searched over [0.001, 3], `ladder/law.py`). The multiplier of an arm "
         "over its baseline at a rung is the compute the baseline's law needs to reach the arm's mean loss there, "
