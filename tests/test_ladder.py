@@ -224,6 +224,7 @@ def test_the_difference_trend_reads_the_paired_differences_across_rungs_and_pred
     from lmlab.experiments.ladder import report
     t = law.analyze(depth_shaped(), [("B", "A")], c0=C0, n_resamples=99).pairs[0].difference_trend
     assert t.rungs == 4 and t.slope.value == pytest.approx(-0.05) and t.direction == "falls"
+    assert t.intercept + t.slope.value * math.log2(RUNGS[0]) == pytest.approx(0.2)  # the line at the first rung
     assert t.slope.lo == pytest.approx(-0.05) and t.slope.hi == pytest.approx(-0.05)  # noise-free differences
     assert t.heldout.rung == "L48" and t.heldout.error.value == pytest.approx(0.0, abs=1e-9)
     kinked = [dataclasses.replace(p, loss=p.loss + 0.3) if p.arm == "B" and p.rung == "L48" else p
@@ -444,7 +445,7 @@ def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert {r["seed"] for r in rows} == {"0", "1"} and all(float(r["final_val_loss"]) > 0 for r in rows)
     assert all(float(r["cpu_s"]) > 0 for r in rows)  # each run's process CPU time, beside its wall time
     assert json.loads((out / "tune.json").read_text())["chosen"].keys() == {"dense", "moe"}  # transfer: by arm
-    for plot in ("loss_vs_compute.png", "multiplier_vs_compute.png"):
+    for plot in ("loss_vs_compute.png", "difference_vs_compute.png", "multiplier_vs_compute.png"):
         assert (out / plot).read_bytes()[:8] == PNG
     text = (out / "report.md").read_text()
     assert text.startswith("# Ladder ladder-example") and "quick size" in text
@@ -453,8 +454,6 @@ def test_quick_ladder_runs_end_to_end_and_resumes(tmp_path, capsys):
     # the spec's header, verbatim: how it was sized and what was cut (the example says it is not registered)
     assert text.index("## Size, and what was cut") < text.index("## Method")
     assert "> An example ladder (`lmlab ladder example --out DIR`): dense against a fine-grained MoE" in text
-    for plot in ("difference_vs_compute.png",):
-        assert (out / plot).read_bytes()[:8] == PNG
     assert "moe over dense: the FLOPs multiplier **" in text
     data = json.loads((out / "ladder.json").read_text())
     assert set(data["analysis"]["arms"]) == {"dense", "moe"} and len(data["analysis"]["pairs"][0]["rungs"]) == 4

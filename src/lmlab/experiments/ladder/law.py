@@ -260,6 +260,7 @@ class DifferenceTrend:
     """B - A across the rungs both arms have: the line through the mean differences against log2 compute."""
 
     slope: Estimate  # nats per doubling of B's compute (< 0: B gains on A as compute grows)
+    intercept: float  # the line's value at log2(C) = 0, so that the plot draws the line the table reports
     direction: str  # falls | rises | flat within its interval | not measured
     rungs: int
     heldout: HeldOut | None  # the line without the largest rung, predicting its difference; None below 4 rungs
@@ -391,7 +392,8 @@ class _Ladder:
 
         c = [mean_at(sel[b], r, "c") for r in rungs]
         diff = [mean_at(sel[b], r, "y") - mean_at(sel[a], r, "y") for r in rungs]
-        out = {f"{b}/{a}/diff/slope": line_through(c, diff)[0]}
+        slope, intercept = line_through(c, diff)
+        out = {f"{b}/{a}/diff/slope": slope, f"{b}/{a}/diff/intercept": intercept}
         if len(rungs) >= 4:  # 3 remain to fit the line
             slope, intercept = line_through(c[:-1], diff[:-1])
             out[f"{b}/{a}/diff/heldout/predicted"] = p = intercept + slope * math.log2(c[-1])
@@ -520,7 +522,7 @@ def _difference_trend(lad: _Ladder, b: str, a: str, est, point: dict[str, float]
         held = HeldOut(common[-1], float(d["c"][d["rung"] == top].mean()), est(f"{key}/heldout/predicted"),
                        est(f"{key}/heldout/measured"), est(f"{key}/heldout/error"))
     slope = est(f"{key}/slope")
-    return DifferenceTrend(slope, _direction(slope, "rises", "falls"), len(common), held)
+    return DifferenceTrend(slope, point[f"{key}/intercept"], _direction(slope, "rises", "falls"), len(common), held)
 
 
 def _difference(lad: _Ladder, b: str, a: str, rung: str) -> Any:

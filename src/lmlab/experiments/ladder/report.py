@@ -32,7 +32,7 @@ from ..registration import registration_record
 from ..report import figure, markdown_table, report_header, save, write_json
 from ..sweep.tables import eval_slice_text
 from ..sweep.tuning import grid_edge_text
-from .law import LadderAnalysis, Point, analyze, line_through
+from .law import LadderAnalysis, Point, analyze
 from .spec import Ladder
 
 __all__ = ["ENDPOINTS", "ladder_points", "markdown", "plot_differences", "plot_laws", "plot_multipliers",
@@ -360,9 +360,8 @@ def plot_multipliers(analysis: LadderAnalysis, path: Path) -> str:
                 continue
             c = [r.compute for r in rs]
             v = [get(r).value for r in rs]
-            lo = [max(0.0, x - get(r).lo) if math.isfinite(get(r).lo) else 0.0 for x, r in zip(v, rs)]
-            hi = [get(r).hi - x if math.isfinite(get(r).hi) else 0.0 for x, r in zip(v, rs)]
-            ax.errorbar(c, v, yerr=[lo, hi], fmt="o-" if kind == "FLOPs" else "s--", capsize=3,
+            ax.errorbar(c, v, yerr=_error_bars(v, [get(r).lo for r in rs], [get(r).hi for r in rs]),
+                        fmt="o-" if kind == "FLOPs" else "s--", capsize=3,
                         label=f"{p.arm} over {p.baseline}, {kind} (slope {p.trend.slope.value:+.3f})"
                         if kind == "FLOPs" else f"{p.arm} over {p.baseline}, {kind}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
@@ -382,19 +381,25 @@ def plot_differences(analysis: LadderAnalysis, path: Path) -> str:
             continue
         c = [r.compute for r in rs]
         m = [r.difference.mean for r in rs]
-        err = [[x - r.difference.lo for x, r in zip(m, rs)], [r.difference.hi - x for x, r in zip(m, rs)]]
-        line = ax.errorbar(c, m, yerr=err, fmt="o", capsize=3, label=f"{p.arm} − {p.baseline} (95% t interval)")
+        line = ax.errorbar(c, m, yerr=_error_bars(m, [r.difference.lo for r in rs], [r.difference.hi for r in rs]),
+                           fmt="o", capsize=3, label=f"{p.arm} − {p.baseline} (95% t interval)")
         for r, x, y in zip(rs, c, m):
             ax.annotate(r.rung, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        slope, intercept = line_through(c, m)
-        if math.isfinite(slope):
+        t = p.difference_trend
+        if t is not None and math.isfinite(t.slope.value):  # the line the report's table gives
             grid = np.geomspace(min(c), max(c), 50)
-            ax.plot(grid, intercept + slope * np.log2(grid), color=line[0].get_color(), alpha=0.7,
-                    label=f"{p.arm} − {p.baseline}: {slope:+.3f} nats per doubling")
+            ax.plot(grid, t.intercept + t.slope.value * np.log2(grid), color=line[0].get_color(), alpha=0.7,
+                    label=f"{p.arm} − {p.baseline}: {t.slope.value:+.3f} nats per doubling")
     ax.axhline(0.0, color="grey", linewidth=0.8)
     _finish(ax, "training FLOPs of the arm", "final loss, arm − baseline (nats)",
             "Paired difference at each rung, and its trend", "no rung that both arms of a pair have")
     return save(fig, path)
+
+
+def _error_bars(values: list[float], lo: list[float], hi: list[float]) -> list[list[float]]:
+    """matplotlib's [below, above] error lengths from intervals; an end that is not finite draws no bar."""
+    return [[max(0.0, v - a) if math.isfinite(a) else 0.0 for v, a in zip(values, lo)],
+            [max(0.0, b - v) if math.isfinite(b) else 0.0 for v, b in zip(values, hi)]]
 
 
 def _finish(ax, xlabel: str, ylabel: str, title: str, empty: str) -> None:
