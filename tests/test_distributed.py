@@ -319,6 +319,29 @@ def test_a_failed_collective_says_peers_were_lost_and_only_that_arms_the_watchdo
     assert not lost_peers(ValueError("bad input")) and not lost_peers(RuntimeError("shape")) and not lost_peers(None)
 
 
+def test_a_rank_whose_launcher_died_is_ended_only_after_its_collective_timeout_has_reported(monkeypatch):
+    """The launcher watch arms its watchdog up to a poll (1 s) after the launcher dies; when it fired at
+    the collective timeout itself, a rank waiting on a frozen peer could be ended silently just before
+    its collective failed and said why (the flaky [frozen] case below, seen in CI: status 1, empty stderr)."""
+    import torch.distributed as dist
+
+    from lmlab.run.parallel import group
+
+    graces = []
+    monkeypatch.setattr(group, "watch_launcher", lambda grace: graces.append(grace))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: "setup")
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    for timeout in (1.0, 10.0, 600.0, 7200.0):
+        d = group.Dist.from_env(torch.device("cpu"), timeout=timeout)
+        assert (d.rank, d.world, d.timeout) == (1, 2, timeout)
+        # the collective fails within `timeout`, and close() then gives the rank min(SHUTDOWN_GRACE_S, timeout) to exit
+        assert graces[-1] == timeout + min(group.SHUTDOWN_GRACE_S, timeout)
+
+
 def test_the_shutdown_watchdog_ends_a_hung_process():
     code = "from lmlab.run.parallel.group import exit_after; import time; exit_after(1); time.sleep(60)"
     start = time.time()

@@ -14,8 +14,8 @@ shutdown hangs, as gloo's can when it tears down connections to dead peers.
 No process outlives its launcher either: each rank started by ``torchrun`` watches its parent (the
 elastic agent), and when the agent dies (kill -9 leaves the ranks to init) it sends itself SIGTERM, as
 torchrun does to its workers when it stops cleanly: the trainer finishes its step, saves a checkpoint
-with the other ranks and exits, releasing the run's lock; a rank still alive after the collective
-timeout is ended (:func:`watch_launcher`).
+with the other ranks and exits, releasing the run's lock; a rank still alive well after the collective
+timeout (:func:`launcher_grace`) is ended (:func:`watch_launcher`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ class Dist:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout))
         setup = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_timeout))
-        watch_launcher(grace=timeout)
+        # the collective timeout must end a wait on a dead or frozen peer first, so that the rank says why it
+        # stops (PeersLost); the launcher watch's watchdog only ends a rank that is still alive after that
+        watch_launcher(grace=launcher_grace(timeout))
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns, timeout, setup)
 
     @property
@@ -155,6 +157,13 @@ class Dist:
 
 
 LAUNCHER_POLL_S = 1.0  # how often a torchrun rank checks that its launcher is alive
+
+
+def launcher_grace(timeout: float) -> float:
+    """How long a rank whose launcher died may go on before it is ended: a collective already waiting
+    on a dead peer fails within ``timeout`` and then reports and closes within min(SHUTDOWN_GRACE_S,
+    timeout); ending the rank at ``timeout`` itself raced that failure, and lost it silently."""
+    return timeout + min(SHUTDOWN_GRACE_S, timeout)
 _WATCHING: list[threading.Thread] = []
 
 
