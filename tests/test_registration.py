@@ -60,7 +60,8 @@ def test_a_committed_unchanged_spec_is_registered_at_its_commit(repo):
     s = spec_status(repo / "spec.yaml")
     assert s.registered and s.committed and s.problem == ""
     assert (s.id, s.commit, s.head, s.changes_after) == ("exp-1", c, c, ())
-    assert "registered as 'exp-1' at commit " + c[:12] in s.text()
+    assert s.text().startswith("spec spec.yaml is registered as 'exp-1' at commit " + c[:12])  # the checkout's path
+    assert str(repo) not in s.text() and s.where == "spec.yaml" and s.path == str(repo / "spec.yaml")
 
 
 @pytest.mark.parametrize("stage", [False, True])
@@ -206,7 +207,7 @@ def test_a_sweep_records_whether_its_spec_was_committed_and_at_which_revision(re
                                                                    "variants": [{"name": "one"}]})})
     out = tmp_path / "out"
     assert cli.main(["sweep", str(repo / "spec.yaml"), "--out", str(out)]) == 0
-    line = f"spec {repo / 'spec.yaml'} is committed at revision {head[:12]}; not registered"
+    line = f"spec spec.yaml is committed at revision {head[:12]}; not registered"  # its path in the checkout
     assert line in capsys.readouterr().out and line in (out / "summary.md").read_text()
     record = json.loads((out / "sweep.json").read_text())
     assert record["registration"]["committed"] and record["registration"]["head"] == head

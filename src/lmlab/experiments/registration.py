@@ -85,13 +85,14 @@ class Registration:
         return self.checkout and self.tracked and self.clean and self.head is not None
 
     def text(self) -> str:
-        """One line for the console: registered, committed, or why not."""
+        """One line for the console and the summary: registered, committed, or why not, naming the spec by
+        its path in the checkout (a summary is committed; this machine's folders mean nothing elsewhere)."""
         if self.registered:
             later = f", {len(self.changes_after)} later commit(s) touch it" if self.changes_after else ""
-            return f"spec {self.path} is registered as {self.id!r} at commit {self.commit[:12]}{later}"
+            return f"spec {self.where} is registered as {self.id!r} at commit {self.commit[:12]}{later}"
         if self.committed:
-            return f"spec {self.path} is committed at revision {self.head[:12]}; not registered: {self.problem}"
-        return f"spec {self.path} is not committed: {self.problem}; results cannot be traced to a revision of it"
+            return f"spec {self.where} is committed at revision {self.head[:12]}; not registered: {self.problem}"
+        return f"spec {self.where} is not committed: {self.problem}; results cannot be traced to a revision of it"
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "repo_path": self.repo_path, "id": self.id, "commit": self.commit, "head": self.head,
