@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -175,17 +176,26 @@ def test_prepare_waits_for_another_process_preparing_the_same_directory(tmp_path
     data = tmp_path / "data"
     data.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import fcntl, os, sys, time
+        import fcntl, os, sys
         fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, b"%d\\n" % os.getpid())
         print("locked", flush=True)
-        time.sleep(1.5)
-    """), str(data / ".lock")], stdout=subprocess.PIPE, text=True)
+        sys.stdin.readline()  # holds the lock until the test lets go
+    """), str(data / ".lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
-    start = time.perf_counter()
-    meta = prepare(DataConfig(source=str(corpus(tmp_path / "c.txt"))), data)
-    assert time.perf_counter() - start > 0.5 and holder.wait() == 0  # it waited for the holder to finish
+    done: list = []
+    waiter = threading.Thread(target=lambda: done.append(prepare(DataConfig(source=str(corpus(tmp_path / "c.txt"))),
+                                                                 data)))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive() and not done and not (data / "meta.json").exists()  # it waits while the lock is held
+    holder.stdin.write("go\n")
+    holder.stdin.close()
+    assert holder.wait(timeout=60) == 0
+    waiter.join(60)
+    assert not waiter.is_alive() and len(done) == 1  # and prepares once it is released
+    meta = done[0]
     assert meta.train_tokens > 0 and sorted(p.name for p in data.iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 
