@@ -255,3 +255,29 @@ def test_a_changed_ladder_run_is_caught(tmp_path):
     path.write_text(json.dumps(run))
     _, bad = check_ladder_rows(study, tmp_path)
     assert bad and all(m.startswith(f"{study}/moe-beats-dense-d64.a[1]") for m in bad), bad
+
+
+def _exploratory_l48_rates():
+    """results/norm/depth-ladder/exploratory-L48-rates/analyse.py, imported from its file."""
+    import importlib.util
+
+    path = RESULTS / "norm" / "depth-ladder" / "exploratory-L48-rates" / "analyse.py"
+    spec = importlib.util.spec_from_file_location("exploratory_l48_rates", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_exploratory_l48_rate_check_is_what_its_run_records_give(tmp_path, monkeypatch):
+    """Its report.md (which the prose quotes) is exactly what analyse.py writes from the committed records, every
+    main run finished; one added run's loss changed by hand changes the report."""
+    check = _exploratory_l48_rates()
+    committed = (check.HERE / "report.md").read_text()
+    assert check.report() == committed and "not all main runs have finished" not in committed
+    shutil.copytree(check.ADDED, tmp_path / "runs")
+    metrics = tmp_path / "runs" / "pre-L48-lr0.005" / "seed21" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows[-1]["val_loss"] += 1e-3
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(check, "ADDED", tmp_path / "runs")
+    assert check.report() != committed
