@@ -45,6 +45,18 @@ def final_loss(folder: Path) -> float:
     return float(last["val_loss"])
 
 
+def train_hours(folders: list[Path]) -> float:
+    """Training time of the added runs, from each logged interval's tokens and tokens/s (evaluation excluded:
+    ``lmlab train``'s metrics.jsonl records no wall clock)."""
+    seconds = 0.0
+    for folder in folders:
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        logged = [r for r in rows if "tokens_per_s" in r]
+        starts = [{"tokens": 0}, *logged]
+        seconds += sum((b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(starts, logged))
+    return seconds / 3600
+
+
 def rate_of(folder: Path) -> float:
     return float(yaml.safe_load((folder / "config.yaml").read_text())["optim"]["lr"])
 
@@ -79,6 +91,8 @@ def report() -> str:
     chosen = {arm: min((r for r, (loss, _) in g.items() if loss < UNIGRAM), key=lambda r: g[r][0])
               for arm, g in grids.items()}
     rates = sorted({r for g in grids.values() for r in g})
+    added = sorted(ADDED.glob("*/seed*"))
+    tuned = sum(f.name == f"seed{TUNE_SEED}" for f in added)
     lines = [
         "# Exploratory: a finer rate grid at 48 layers (norm-depth, after its results)",
         "",
@@ -92,6 +106,9 @@ def report() -> str:
         "",
         "Made by: `python results/norm/depth-ladder/exploratory-L48-rates/analyse.py` from the run records in",
         "../run-records (registered) and runs/ (added).",
+        "",
+        f"Added: {len(added)} runs ({tuned} tuning, {len(added) - tuned} main) of 1,228,800 tokens each,"
+        f" {train_hours(added):.2f} h of training (evaluation excluded), two runs at a time on the 2 cores.",
         "",
         f"## Tuning at seed {TUNE_SEED}, 48 layers (final validation loss)",
         "",
