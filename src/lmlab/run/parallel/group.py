@@ -157,6 +157,7 @@ class Dist:
 
 
 LAUNCHER_POLL_S = 1.0  # how often a torchrun rank checks that its launcher is alive
+_WATCHING: list[threading.Thread] = []
 
 
 def launcher_grace(timeout: float) -> float:
@@ -164,7 +165,6 @@ def launcher_grace(timeout: float) -> float:
     on a dead peer fails within ``timeout`` and then reports and closes within min(SHUTDOWN_GRACE_S,
     timeout); ending the rank at ``timeout`` itself raced that failure, and lost it silently."""
     return timeout + min(SHUTDOWN_GRACE_S, timeout)
-_WATCHING: list[threading.Thread] = []
 
 
 def watch_launcher(grace: float, poll: float = LAUNCHER_POLL_S) -> None:
