@@ -57,6 +57,11 @@ def train_hours(folders: list[Path]) -> float:
     return seconds / 3600
 
 
+def machine(folders: list[Path]) -> list[str]:
+    """The torch builds that trained ``folders`` (each run's config records its own in provenance)."""
+    return sorted({yaml.safe_load((f / "config.yaml").read_text())["provenance"][-1]["torch"] for f in folders})
+
+
 def rate_of(folder: Path) -> float:
     return float(yaml.safe_load((folder / "config.yaml").read_text())["optim"]["lr"])
 
@@ -108,7 +113,8 @@ def report() -> str:
         "../run-records (registered) and runs/ (added).",
         "",
         f"Added: {len(added)} runs ({tuned} tuning, {len(added) - tuned} main) of 1,228,800 tokens each,"
-        f" {train_hours(added):.2f} h of training (evaluation excluded), two runs at a time on the 2 cores.",
+        f" {train_hours(added):.2f} h of training (evaluation excluded), two runs at a time on a 2-core x86_64 CPU"
+        f" with torch {', '.join(machine(added))}, the machine that ran the ladder.",
         "",
         f"## Tuning at seed {TUNE_SEED}, 48 layers (final validation loss)",
         "",
